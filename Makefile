@@ -1,0 +1,32 @@
+# The two commands of the README. Both create .venv on first use (CPU torch first, then the project).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+WHEELS := $(wildcard /opt/wheels)
+PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+
+.PHONY: demo test lint bench clean-example
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q $(PIP_LINKS) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_LINKS) -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline $(VENV)/bin/dflash demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline $(PY) -m pytest -m "not gpu" -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) bench/tokenize.py
+	$(PY) bench/plan.py
+	$(PY) bench/pipeline.py

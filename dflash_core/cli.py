@@ -1,0 +1,258 @@
+"""The `dflash` command: one subcommand per stage, each ending with a one-line JSON summary on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("dflash")
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what to pass instead."""
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print(json.dumps(summary, sort_keys=False, default=str), flush=True)
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set expects KEY=VALUE (e.g. train.lr=1e-3), got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
+    from dflash_core.config import load_config
+
+    overrides = {**_overrides(getattr(args, "set", None) or []), **(extra or {})}
+    return load_config(args.config, overrides)
+
+
+def _resolve(uri: str) -> str:
+    from dflash_core.example import resolve_uri
+
+    return resolve_uri(uri)
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    from dflash_core.example import build_example
+
+    assets = build_example(home=args.out, seed=args.seed)
+    _print_summary({"data": assets.data, "tokenizer": assets.tokenizer, "target": assets.target})
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from dflash_core.data.tokenize import tokenize_dataset
+
+    extra: dict[str, Any] = {}
+    for key, value in (("source", args.data), ("tokenizer", args.tokenizer), ("format", args.format),
+                       ("max_length", args.max_length)):
+        if value is not None:
+            extra[f"data.{key}"] = value
+    cfg = _config(args, extra)
+    summary = tokenize_dataset(_resolve(cfg.data.source), _resolve(cfg.data.tokenizer), args.out, cfg.data,
+                               block_size=cfg.model.block_size)
+    _print_summary(summary)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    extra: dict[str, Any] = {}
+    for key, value in (("max_tokens", args.max_tokens), ("world_size", args.world_size),
+                       ("grad_accum", args.grad_accum), ("seed", args.seed), ("epochs", args.epochs)):
+        if value is not None:
+            extra[f"plan.{key}"] = value
+    if args.buckets is not None:
+        extra["plan.buckets"] = args.buckets if args.buckets == "auto" else _edges(args.buckets)
+    cfg = _config(args, extra)
+    from dflash_core.plan import format_summary_table, run_plan
+
+    summary = run_plan(args.tokenized, args.out, cfg.plan)
+    print(format_summary_table(summary["plan"] if "plan" in summary else summary), file=sys.stderr)
+    _print_summary({k: v for k, v in summary.items() if k != "plan"})
+    return 0
+
+
+def _edges(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--buckets expects 'auto' or ascending integers like 256,1024,3072; got {text!r}") from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dflash_core.config import dump_config, resolve_config_path
+    from dflash_core.runtime.launch import launch_train
+
+    cfg = _config(args)
+    config_path = resolve_config_path(args.config)
+    if args.set:  # the workers read a file: write the overridden config beside the run
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(args.out)
+        fs.makedirs(root, exist_ok=True)
+        config_path = args.out.rstrip("/") + "/config.yaml"
+        dump_config(cfg, config_path)
+    summary = launch_train(
+        tokenized=args.tokenized, plan=args.plan, out=args.out, config_path=config_path,
+        nproc_per_node=args.nproc_per_node or cfg.train.nproc_per_node, nnodes=args.nnodes,
+        node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,
+    )
+    _print_summary(summary)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from dflash_core.monitor.check import run_check
+
+    cfg = _config(args) if args.config else None
+    from dflash_core.monitor.config import CheckConfig
+
+    check_cfg = cfg.check if cfg else CheckConfig()
+    report = run_check(args.metrics, args.out, check_cfg, wandb_run=args.wandb_run,
+                       baseline=args.baseline or check_cfg.baseline)
+    failed = [name for name, fig in report.get("figures", {}).items() if not fig.get("pass", True)]
+    _print_summary({"verdict": report["verdict"], "failed": failed, "out": args.out})
+    return EXIT_FAILED if report["verdict"] == "fail" else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dflash_core.model.evaluate import evaluate
+
+    summary = evaluate(target=_resolve(args.target), drafter_dir=args.drafter, tokenizer=_resolve(args.tokenizer),
+                       data=_resolve(args.data), limit=args.limit, max_new_tokens=args.max_new_tokens)
+    _print_summary(summary)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from flows.retrain import retrain_drafter
+
+    state = retrain_drafter(config=cfg, run_name=args.run_name, return_state=True)
+    result = state.result(raise_on_failure=False)
+    summary = result if isinstance(result, dict) else {"error": str(result)}
+    _print_summary({"state": state.type.value, "message": state.message, **summary})
+    return 0 if state.is_completed() else EXIT_FAILED
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flows.demo import run_demo
+
+    _print_summary(run_demo(run_name=args.run_name))
+    return 0
+
+
+def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") -> None:
+    p.add_argument("--config", default=default,
+                   help=f"YAML config file or preset name in infra/configs (default: {default})")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. train.lr=1e-3")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `dflash` and its subcommands."""
+    parser = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("example", help="build (or reuse) the built-in example assets and print their paths")
+    p.add_argument("--out", default=None, help="cache folder (default: $DFLASH_HOME or ~/.cache/dflash-pipeline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_example)
+
+    p = sub.add_parser("tokenize", help="chat data -> token shards with assistant-only loss masks")
+    p.add_argument("--data", help="chat data: file, glob, folder or fsspec URI (default: the config's)")
+    p.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=["auto", "sharegpt", "openai"])
+    p.add_argument("--max-length", type=int)
+    _add_config(p)
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("plan", help="length buckets, token-budget batches, interleaved order, rank balance")
+    p.add_argument("--tokenized", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--buckets", help="auto, or ascending upper edges: 256,1024,3072")
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--seed", type=int)
+    _add_config(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("train", help="train the drafter with torchrun (1..N processes, 1..M nodes)")
+    p.add_argument("--tokenized", required=True)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--nnodes", default="1")
+    p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--rdzv-backend", default=None)
+    p.add_argument("--rdzv-endpoint", default=None)
+    p.add_argument("--rdzv-id", default=None)
+    _add_config(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("check", help="grad-norm and loss logs vs stability thresholds; exit 1 on fail")
+    p.add_argument("--metrics", help="metrics.jsonl (any fsspec URI)")
+    p.add_argument("--wandb-run", help="entity/project/run_id: read the full history from W&B instead")
+    p.add_argument("--baseline", help="report.json of an earlier healthy run to compare against")
+    p.add_argument("--out", required=True)
+    _add_config(p, default=None)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("eval", help="greedy speculative decoding: acceptance length of a drafter")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--limit", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("run", help="the whole pipeline as a Prefect flow run")
+    p.add_argument("--run-name", default=None)
+    _add_config(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo", help="build the example assets if missing and run the flow on them")
+    p.add_argument("--run-name", default=None)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dflash` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
+        print(f"dflash {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"dflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

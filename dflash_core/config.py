@@ -1,0 +1,99 @@
+"""The pipeline config: one YAML file -> typed sections (data, plan, model, train, check, wandb, storage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import yaml
+from pydantic import Field, ValidationError
+
+from dflash_core.data.config import DataConfig
+from dflash_core.model.config import ModelConfig
+from dflash_core.monitor.config import CheckConfig, WandbConfig
+from dflash_core.plan.config import PlanConfig
+from dflash_core.runtime.config import TrainConfig
+from dflash_core.schema import StrictModel
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "infra" / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+class StorageConfig(StrictModel):
+    """Where the flow keeps stage outputs: a local path or any fsspec URI."""
+
+    root: str = "./runs"
+
+
+class PipelineConfig(StrictModel):
+    """Every section of a retraining run; the Prefect flow takes this model as its parameter."""
+
+    data: DataConfig
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    model: ModelConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    check: CheckConfig = Field(default_factory=CheckConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    if err["type"] == "missing":
+        return f"missing key '{key}'"
+    return f"key '{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+def parse_config(raw: Any, source: str = "<config>") -> PipelineConfig:
+    """Validate a mapping as a PipelineConfig; errors name the source and every bad key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e) for e in exc.errors())
+        raise ConfigError(f"{source}: {problems}") from None
+
+
+def resolve_config_path(path: str) -> str:
+    """A preset name (e.g. 'tiny-cpu') or a path/URI to a YAML file."""
+    preset = PRESETS_DIR / f"{path}.yaml"
+    return str(preset) if "/" not in path and not path.endswith((".yaml", ".yml")) and preset.exists() else path
+
+
+def load_config(path: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read a YAML config (path, fsspec URI or preset name), apply dotted overrides, validate."""
+    path = resolve_config_path(path)
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{path}: invalid YAML: {where}{getattr(exc, 'problem', exc)}") from None
+    raw = raw if raw is not None else {}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    return parse_config(raw, path)
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def dump_config(cfg: PipelineConfig, path: str) -> None:
+    """Write a config back as YAML (the run folder keeps the exact config it ran with)."""
+    with fsspec.open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(cfg.model_dump(mode="json"), fh, sort_keys=False)

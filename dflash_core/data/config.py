@@ -1,0 +1,25 @@
+"""Config of the tokenize stage."""
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt
+
+from dflash_core.schema import StrictModel
+
+
+class DataConfig(StrictModel):
+    """Where the chat data and tokenizer are, and how conversations become token samples."""
+
+    source: str = Field(description="chat data: file, glob or folder, any fsspec URI (example://data for the demo)")
+    tokenizer: str = Field(description="tokenizer path or hub id (example://tokenizer for the demo)")
+    format: Literal["auto", "sharegpt", "openai"] = "auto"
+    messages_key: str | None = Field(None, description="the key holding the turns; None = auto-detect")
+    role_map: dict[str, str] = Field(
+        default_factory=dict, description="extra role names -> system|user|assistant|tool"
+    )
+    max_length: PositiveInt = 3072
+    overlong: Literal["truncate", "drop"] = "truncate"
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    batch_size: PositiveInt = 256
+    num_proc: PositiveInt = 2
+    rows_per_part: PositiveInt = 50_000

@@ -1,0 +1,30 @@
+"""Config of the training runtime."""
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from dflash_core.schema import StrictModel
+
+
+class TrainConfig(StrictModel):
+    """Optimizer, schedule, the asynchronous loop's sizes, checkpoints and launch."""
+
+    lr: PositiveFloat = 6e-4
+    min_lr_ratio: NonNegativeFloat = 0.0
+    warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_grad: PositiveFloat = 1.0
+    max_steps: PositiveInt | None = None
+    prefetch_threads: PositiveInt = 4
+    queue_size: PositiveInt = 8
+    target_devices: list[str] | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every: PositiveInt = 100
+    keep_checkpoints: PositiveInt = 3
+    max_nonfinite: NonNegativeInt = 10
+    nproc_per_node: PositiveInt = 1
+    seed: NonNegativeInt = 0
+    timeout_s: PositiveFloat | None = None

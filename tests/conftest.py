@@ -1,0 +1,48 @@
+"""Shared test set-up: offline W&B, no Prefect analytics, one Prefect test server, the tiny example assets."""
+
+import os
+import tempfile
+from pathlib import Path
+
+# Before anything imports prefect or wandb: a throwaway PREFECT_HOME, no analytics, W&B offline.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="dflash-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("PREFECT_API_URL", None)
+# The example assets take a minute or two to build: keep them across test runs in the repo's cache folder.
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("DFLASH_HOME", str(REPO / ".dflash-cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def example_assets():
+    """The built-in example (tokenizer, chat data, tiny trained Qwen3 target), built once and cached."""
+    from dflash_core.example import build_example
+
+    return build_example()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test server for the whole session (temporary database, generous start-up timeout)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

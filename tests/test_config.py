@@ -1,0 +1,89 @@
+"""Config loading: presets validate; bad files give one clear error line naming the file and the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_core.config import ConfigError, PipelineConfig, load_config, parse_config
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+MINIMAL = "data: {source: d.jsonl, tokenizer: tok}\nmodel: {target: t}\n"
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "qwen3-8b-8gpu"])
+def test_presets_load(preset):
+    cfg = load_config(preset)
+    assert isinstance(cfg, PipelineConfig)
+
+
+def test_qwen3_preset_has_the_public_recipe():
+    cfg = load_config("qwen3-8b-8gpu")
+    assert (cfg.model.block_size, cfg.model.num_draft_layers, cfg.data.max_length) == (16, 5, 3072)
+    assert (cfg.train.lr, cfg.train.warmup_ratio, cfg.train.clip_grad, cfg.train.schedule) == (6e-4, 0.04, 1.0, "cosine")
+    assert cfg.model.target_layer_ids == [1, 9, 17, 25, 33]
+    assert cfg.plan.world_size == 8
+
+
+def test_minimal_config_fills_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, MINIMAL))
+    assert cfg.plan.num_buckets == 6 and cfg.wandb.mode == "offline"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (MINIMAL + "plan: {max_tokens: lots}\n", "key 'plan.max_tokens'"),
+        (MINIMAL + "train: {learning_rate: 0.1}\n", "unknown key 'train.learning_rate'"),
+        (MINIMAL + "extra_section: {}\n", "unknown key 'extra_section'"),
+        ("model: {target: t}\n", "missing key 'data'"),
+        (MINIMAL + "plan: {buckets: [512, 256]}\n", "key 'plan.buckets'"),
+        (MINIMAL + "plan: [1, 2\n", "invalid YAML: line"),
+        ("- a\n- b\n", "must be a mapping"),
+    ],
+)
+def test_bad_config_is_one_clear_error(tmp_path, text, expected):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert expected in message and path in message and "\n" not in message
+
+
+def test_missing_file_is_clear(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_overrides_are_validated(tmp_path):
+    path = _write(tmp_path, MINIMAL)
+    assert load_config(path, {"train.lr": 0.01}).train.lr == 0.01
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(path, {"train.lr": -1})
+
+
+def test_parse_config_round_trips_through_json():
+    cfg = load_config("tiny-cpu")
+    assert parse_config(cfg.model_dump(mode="json")) == cfg
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    path = _write(tmp_path, MINIMAL + "plan: {max_tokens: -3}\n")
+    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "plan", "--tokenized", str(tmp_path),
+                           "--out", str(tmp_path / "p"), "--config", path], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "plan.max_tokens" in lines[0] and path in lines[0]
+
+
+def test_cli_help_lists_the_stages():
+    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for stage in ("example", "tokenize", "plan", "train", "check", "eval", "run", "demo"):
+        assert stage in proc.stdout
