@@ -1,0 +1,211 @@
+"""Where the metrics come from: metrics.jsonl at any fsspec URI, or a W&B run's full history.
+
+Both sources become the same table (`metrics_frame`): one row per record in the order read, with a `record`
+column, so that a resumed run's repeated or out-of-order steps are still visible to the analysis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import polars as pl
+
+REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
+FLOATS = ("loss", "grad_norm", "clip", "lr")
+FLAGS = ("clipped", "nonfinite", "skipped")
+WANDB_SCHEME = "wandb://"
+
+
+class MetricsError(ValueError):
+    """Metrics that cannot be read; the message names the source, the line and what to do."""
+
+
+@dataclass
+class MetricsLog:
+    """Records as read, where they came from, and what the reader noticed on the way."""
+
+    source: str
+    records: list[dict[str, Any]]
+    lines: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+def read_metrics(metrics: str, wandb_run: str | None = None) -> MetricsLog:
+    """Read a metrics.jsonl URI, or the W&B run `entity/project/run_id` (also given as wandb://...)."""
+    if wandb_run:
+        return read_wandb_run(wandb_run.removeprefix(WANDB_SCHEME))
+    if metrics.startswith(WANDB_SCHEME):
+        return read_wandb_run(metrics.removeprefix(WANDB_SCHEME))
+    return read_jsonl(metrics)
+
+
+def read_jsonl(uri: str) -> MetricsLog:
+    """Every record of a metrics.jsonl (gzip etc. by extension); a truncated last line is skipped."""
+    log = MetricsLog(uri, [], [])
+    pending: tuple[int, json.JSONDecodeError] | None = None
+    try:
+        with fsspec.open(uri, "rt", encoding="utf-8", compression="infer") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                if pending:  # a bad line followed by more records is corruption, not a crash mid-write
+                    _raise_bad_json(uri, *pending)
+                try:
+                    record = json.loads(line)  # json accepts NaN / Infinity literals as floats
+                except json.JSONDecodeError as exc:
+                    pending = (lineno, exc)
+                    continue
+                log.records.append(_check_record(record, uri, lineno))
+                log.lines.append(lineno)
+    except FileNotFoundError:
+        raise MetricsError(f"{uri}: no such metrics file; pass the metrics.jsonl a training run wrote") from None
+    if pending:
+        log.notes.append(f"line {pending[0]}: incomplete last record skipped (the run crashed or was writing)")
+    if not log.records:
+        raise MetricsError(f"{uri}: no metrics records in the file (empty); did the run log any optimizer step?")
+    return log
+
+
+def _raise_bad_json(uri: str, lineno: int, exc: json.JSONDecodeError) -> None:
+    raise MetricsError(f"{uri}, line {lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or delete it")
+
+
+def _check_record(record: Any, where: str, lineno: int) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise MetricsError(f"{where}, line {lineno}: expected one JSON object per line, got {type(record).__name__}")
+    if not _is_step(record.get("step")):
+        raise MetricsError(
+            f"{where}, line {lineno}: record has no integer 'step' (got {record.get('step')!r}); "
+            "every metrics record needs the 0-based optimizer step"
+        )
+    return record
+
+
+def _is_step(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and float(value).is_integer()
+
+
+def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
+    """The full history of a W&B run via scan_history (never the sampled history())."""
+    if api is None:
+        import wandb  # slow import: only when a W&B run is asked for
+
+        api = wandb.Api()
+    try:
+        rows = list(api.run(path).scan_history())
+    except Exception as exc:  # noqa: BLE001 - W&B raises many types; all mean the same to the user
+        raise MetricsError(
+            f"W&B run {path!r}: could not read its history ({type(exc).__name__}: {exc}); check the path "
+            "(entity/project/run_id), WANDB_API_KEY and the network"
+        ) from None
+    log = MetricsLog(f"{WANDB_SCHEME}{path}", [], [])
+    for row_no, row in enumerate(rows, start=1):
+        record = unflatten_wandb_row(row)
+        if "step" not in record:
+            continue  # rows W&B keeps for other metrics (system stats, summaries) are not steps
+        log.records.append(_check_record(record, log.source, row_no))
+        log.lines.append(row_no)
+    if not log.records:
+        raise MetricsError(f"W&B run {path!r}: no history rows with a 'step'; was it logged by `dflash train`?")
+    return log
+
+
+def unflatten_wandb_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Undo the sink's flattening: 'bucket_mix/3' -> {'bucket_mix': {'3': ...}}; W&B's own '_' keys dropped."""
+    record: dict[str, Any] = {}
+    for key, value in row.items():
+        if key.startswith("_") or value is None:
+            continue
+        head, _, tail = key.partition("/")
+        if tail:
+            record.setdefault(head, {})
+            if isinstance(record[head], dict):
+                record[head][tail] = value
+        else:
+            record[key] = value
+    return record
+
+
+def metrics_frame(log: MetricsLog) -> pl.DataFrame:
+    """One row per record in read order: record, line, step, floats (NaN = logged as non-finite), flags,
+    `mix:<bucket>` (share of the step's micro-batches, or tokens) and `bucket_loss:<bucket>` columns."""
+    rows = [_row(rec, log.source, line) for rec, line in zip(log.records, log.lines, strict=True)]
+    frame = pl.DataFrame(
+        {
+            "record": list(range(len(rows))),
+            "line": log.lines,
+            "step": [r["step"] for r in rows],
+            **{name: pl.Series(name, [r[name] for r in rows], dtype=pl.Float64) for name in FLOATS},
+            **{name: pl.Series(name, [r[name] for r in rows], dtype=pl.Boolean) for name in FLAGS},
+        },
+        schema_overrides={"step": pl.Int64},
+    )
+    mixes = [r["mix"] for r in rows]
+    losses = [r["bucket_loss"] for r in rows]
+    # A bucket absent from a step has a zero share of it, but no loss on it.
+    return frame.with_columns(_bucket_columns("mix", mixes, 0.0) + _bucket_columns("bucket_loss", losses, None))
+
+
+def _row(record: dict[str, Any], source: str, line: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"step": int(record["step"])}
+    for name in FLOATS:
+        row[name] = _float(record, name, source, line)
+    for name in FLAGS:
+        value = record.get(name)
+        row[name] = None if value is None else bool(value)
+    mix = record.get("bucket_mix") or record.get("bucket_tokens")
+    row["mix"] = _shares(mix) if isinstance(mix, dict) else None
+    by_bucket = record.get("loss_by_bucket")
+    row["bucket_loss"] = (
+        {str(k): _float(by_bucket, k, source, line) for k in by_bucket} if isinstance(by_bucket, dict) else None
+    )
+    return row
+
+
+def _float(record: dict[str, Any], name: str, source: str, line: int) -> float | None:
+    # Absent key -> None (not logged); JSON null, "NaN", "inf" -> a non-finite float (logged, but not a number).
+    if name not in record:
+        return None
+    value = record[name]
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise MetricsError(f"{source}, line {line}: '{name}' must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise MetricsError(f"{source}, line {line}: '{name}' must be a number, got {value!r}") from None
+
+
+def _shares(counts: dict[str, Any]) -> dict[str, float]:
+    values = {str(k): float(v) for k, v in counts.items() if isinstance(v, int | float) and math.isfinite(v)}
+    total = sum(values.values())
+    return {k: v / total for k, v in values.items()} if total > 0 else {}
+
+
+def bucket_ids(frame: pl.DataFrame, prefix: str = "mix") -> list[str]:
+    """Bucket ids of the `prefix:<id>` columns, shortest bucket first (numeric ids sorted as numbers)."""
+    ids = [c.split(":", 1)[1] for c in frame.columns if c.startswith(f"{prefix}:")]
+    return sorted(ids, key=lambda b: (0, float(b), b) if _is_number(b) else (1, 0.0, b))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _bucket_columns(prefix: str, per_row: list[dict | None], absent: float | None) -> list[pl.Series]:
+    ids = sorted({k for d in per_row if d for k in d})
+    return [
+        pl.Series(f"{prefix}:{b}", [None if d is None else d.get(b, absent) for d in per_row], dtype=pl.Float64)
+        for b in ids
+    ]

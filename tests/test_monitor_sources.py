@@ -1,0 +1,164 @@
+"""Reading metrics: metrics.jsonl at any fsspec URI, W&B history, and the table the analysis reads."""
+
+import gzip
+import json
+import math
+
+import fsspec
+import pytest
+from synthetic_logs import make_log, write_jsonl
+
+from dflash_core.monitor.sources import (
+    MetricsError,
+    MetricsLog,
+    bucket_ids,
+    metrics_frame,
+    read_jsonl,
+    read_metrics,
+    read_wandb_run,
+    unflatten_wandb_row,
+)
+
+
+def _lines(tmp_path, *lines, name="metrics.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_reads_every_record_with_nan_spelled_any_way(tmp_path):
+    path = _lines(
+        tmp_path,
+        '{"step": 0, "loss": 2.0, "grad_norm": 1.0, "clipped": false, "clip": 1.0, "nonfinite": false}',
+        "",
+        '{"step": 1, "loss": null, "grad_norm": null, "clipped": false, "clip": 1.0, "nonfinite": true}',
+        '{"step": 2, "loss": "NaN", "grad_norm": Infinity, "clipped": true, "clip": 1.0, "nonfinite": true}',
+        '{"step": 3, "loss": NaN, "grad_norm": "inf", "clipped": true, "clip": 1.0, "nonfinite": true}',
+    )
+    log = read_jsonl(path)
+    assert [r["step"] for r in log.records] == [0, 1, 2, 3]
+    assert log.lines == [1, 3, 4, 5]
+    frame = metrics_frame(log)
+    assert frame["loss"][0] == 2.0
+    assert all(math.isnan(v) for v in frame["loss"][1:].to_list())
+    assert not any(math.isfinite(v) for v in frame["grad_norm"][1:].to_list())
+
+
+def test_empty_file_is_a_clear_error(tmp_path):
+    path = _lines(tmp_path, "", "   ")
+    with pytest.raises(MetricsError, match="no metrics records"):
+        read_jsonl(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(MetricsError, match="no such metrics file"):
+        read_jsonl(str(tmp_path / "nope.jsonl"))
+
+
+def test_corrupt_line_in_the_middle_names_the_line(tmp_path):
+    path = _lines(tmp_path, '{"step": 0, "loss": 1.0}', '{"step": 1, "loss": ', '{"step": 2, "loss": 1.0}')
+    with pytest.raises(MetricsError, match=r"line 2: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_truncated_last_line_is_skipped_with_a_note(tmp_path):
+    path = _lines(tmp_path, '{"step": 0, "loss": 1.0}', '{"step": 1, "loss": 1.0}', '{"step": 2, "lo')
+    log = read_jsonl(path)
+    assert len(log.records) == 2
+    assert "line 3" in log.notes[0]
+
+
+def test_record_without_step_names_the_line(tmp_path):
+    path = _lines(tmp_path, '{"step": 0, "loss": 1.0}', '{"loss": 1.0}')
+    with pytest.raises(MetricsError, match=r"line 2: record has no integer 'step'"):
+        read_jsonl(path)
+
+
+def test_non_number_value_names_field_and_line(tmp_path):
+    path = _lines(tmp_path, '{"step": 0, "loss": "high"}')
+    with pytest.raises(MetricsError, match=r"line 1: 'loss' must be a number"):
+        metrics_frame(read_jsonl(path))
+
+
+def test_reads_any_fsspec_uri_and_gzip(tmp_path):
+    records = make_log(30, 0)
+    with fsspec.open("memory://runs/a/metrics.jsonl", "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    assert len(read_metrics("memory://runs/a/metrics.jsonl").records) == 30
+    gz = tmp_path / "metrics.jsonl.gz"
+    with gzip.open(gz, "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    assert len(read_metrics(str(gz)).records) == 30
+
+
+def test_frame_has_bucket_shares_and_bucket_losses(tmp_path):
+    records = make_log(20, 0, grad_accum=4)
+    frame = metrics_frame(read_jsonl(write_jsonl(records, tmp_path / "m.jsonl")))
+    ids = bucket_ids(frame)
+    assert ids == ["0", "1", "2", "3"]
+    shares = frame.select([f"mix:{b}" for b in ids]).to_numpy()
+    assert shares.sum(axis=1) == pytest.approx(1.0)
+    assert "bucket_loss:3" in frame.columns
+
+
+def test_bucket_ids_sort_as_numbers():
+    log = MetricsLog("x", [{"step": 0, "loss": 1.0, "bucket_mix": {"10": 1, "2": 1, "9": 2}}], [1])
+    assert bucket_ids(metrics_frame(log)) == ["2", "9", "10"]
+
+
+class _FakeRun:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def scan_history(self):
+        return iter(self.rows)
+
+
+class _FakeApi:
+    def __init__(self, rows):
+        self.rows = rows
+        self.asked = None
+
+    def run(self, path):
+        self.asked = path
+        return _FakeRun(self.rows)
+
+
+def test_wandb_history_is_unflattened_into_records():
+    rows = [
+        {"_step": 0, "_runtime": 1.0, "step": 0, "loss": 2.0, "grad_norm": 1.5, "clipped": True, "clip": 1.0,
+         "nonfinite": False, "bucket_mix/0": 3, "bucket_mix/3": 1, "queue_depth/prefetch": 2},
+        {"_step": 1, "system/gpu": 0.5},  # a row without a step (system metrics) is not a training step
+        {"_step": 2, "step": 1, "loss": "NaN", "grad_norm": None, "clipped": False, "clip": 1.0, "nonfinite": True},
+    ]
+    api = _FakeApi(rows)
+    log = read_wandb_run("ent/proj/abc123", api=api)
+    assert api.asked == "ent/proj/abc123"
+    assert log.source == "wandb://ent/proj/abc123"
+    assert [r["step"] for r in log.records] == [0, 1]
+    assert log.records[0]["bucket_mix"] == {"0": 3, "3": 1}
+    frame = metrics_frame(log)
+    assert frame["mix:0"][0] == pytest.approx(0.75)
+    assert math.isnan(frame["loss"][1])
+
+
+def test_wandb_errors_become_metrics_errors():
+    class Broken:
+        def run(self, path):
+            raise RuntimeError("Could not find run")
+
+    with pytest.raises(MetricsError, match="W&B run 'e/p/r'.*entity/project/run_id"):
+        read_wandb_run("e/p/r", api=Broken())
+
+
+def test_wandb_uri_and_argument_route_to_wandb(monkeypatch):
+    asked = []
+    monkeypatch.setattr("dflash_core.monitor.sources.read_wandb_run", lambda path: asked.append(path))
+    read_metrics("wandb://e/p/r1")
+    read_metrics("ignored.jsonl", wandb_run="e/p/r2")
+    assert asked == ["e/p/r1", "e/p/r2"]
+
+
+def test_unflatten_keeps_plain_keys():
+    assert unflatten_wandb_row({"loss": 1.0, "_timestamp": 5, "acc_by_slot/0": 0.5}) == {
+        "loss": 1.0, "acc_by_slot": {"0": 0.5}}
