@@ -2,9 +2,11 @@
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from dflash_core.schema import StrictModel
+
+CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataConfig(StrictModel):
@@ -23,3 +25,15 @@ class DataConfig(StrictModel):
     batch_size: PositiveInt = 256
     num_proc: PositiveInt = 2
     rows_per_part: PositiveInt = 50_000
+    rows_per_group: PositiveInt = Field(
+        256, description="parquet row-group size: the unit ShardReader decodes for a random read"
+    )
+    max_examples: PositiveInt = Field(5, description="examples kept per drop reason in manifest.json")
+
+    @field_validator("role_map")
+    @classmethod
+    def _known_targets(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = {k: v for k, v in value.items() if v not in CANONICAL_ROLES}
+        if bad:
+            raise ValueError(f"role_map values must be one of {', '.join(CANONICAL_ROLES)}; got {bad}")
+        return value

@@ -1,0 +1,68 @@
+"""Content fingerprint of a tokenize run: input bytes + tokenizer files + the parameters that shape the output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import fsspec
+
+from dflash_core.data.config import DataConfig
+from dflash_core.data.sources import SourceFile, list_files
+
+VERSION = "dflash-tokenized-v1"  # bump when the output format or the masking rules change
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "vocab.txt", "spiece.model",
+)
+_CHUNK = 1 << 20
+
+
+def output_params(cfg: DataConfig, block_size: int) -> dict[str, Any]:
+    """The settings that change the output bytes (not paths, batch size or process count)."""
+    keep = ("format", "messages_key", "role_map", "max_length", "overlong", "max_bad_fraction",
+            "rows_per_part", "rows_per_group", "max_examples")
+    return {**cfg.model_dump(mode="json", include=set(keep)), "block_size": block_size}
+
+
+def files_digest(files: list[SourceFile]) -> str:
+    """sha256 over every input file's relative name and bytes, in input order (streamed)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{f.size}\0".encode())
+        with fsspec.open(f.uri, "rb") as fh:
+            while block := fh.read(_CHUNK):
+                h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_digest(path: str, tokenizer: Any | None = None) -> str:
+    """sha256 over the tokenizer's files when `path` is a local folder, else over the loaded tokenizer."""
+    h = hashlib.sha256()
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))] if os.path.isdir(path) else []
+    if names:
+        for name in names:
+            with open(os.path.join(path, name), "rb") as fh:
+                h.update(f"{name}\0".encode() + fh.read())
+        return h.hexdigest()
+    if tokenizer is None:
+        from dflash_core.data.template import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    state = [tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map]
+    h.update(json.dumps(state, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def combine(files: str, tokenizer: str, params: dict[str, Any]) -> str:
+    """The run's fingerprint from its three parts."""
+    blob = json.dumps([VERSION, files, tokenizer, params], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def input_fingerprint(source: str, tokenizer: str, cfg: DataConfig, block_size: int) -> str:
+    """The fingerprint tokenize_dataset writes to manifest.json, computed without tokenizing (for caching)."""
+    return combine(files_digest(list_files(source)), tokenizer_digest(tokenizer), output_params(cfg, block_size))

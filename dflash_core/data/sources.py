@@ -1,0 +1,279 @@
+"""Chat-data files behind a URI (file, glob or folder, any fsspec filesystem) and their records, streamed.
+
+Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
+picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
+lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz) and parquet are read record by record: memory stays
+about one record (JSON) or one 1024-row batch (parquet) whatever the file size.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow.parquet as pq
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
+
+from dflash_core.data.errors import DataError
+
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_READ_CHUNK = 1 << 20
+_PARQUET_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file: `uri` opens it, `name` (relative to the source root) is its provenance."""
+
+    uri: str
+    name: str
+    size: int
+    compression: str | None
+
+
+@dataclass(frozen=True)
+class ReadFailure:
+    """A file (or its tail) that could not be read; it counts as one dropped record."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A record as stored: JSON bytes, a parquet row (dict) or a ReadFailure; `record` is 0-based per file."""
+
+    record: int
+    line: int | None
+    payload: bytes | dict[str, Any] | ReadFailure
+
+
+def _is_data_file(path: str) -> bool:
+    base = path[: -len(ext)] if (ext := _compression_suffix(path)) else path
+    return base.lower().endswith(DATA_SUFFIXES)
+
+
+def _compression_suffix(path: str) -> str:
+    comp = infer_compression(path)
+    return "." + path.rsplit(".", 1)[-1] if comp else ""
+
+
+def list_files(source: str) -> list[SourceFile]:
+    """The data files of a file, glob or folder URI, sorted by name (the input order of the samples)."""
+    fs, path = fsspec.core.url_to_fs(source)
+    if _GLOB_CHARS.search(path):
+        root = path[: _GLOB_CHARS.search(path).start()].rsplit("/", 1)[0]
+        paths = [p for p in fs.glob(path) if fs.isfile(p)]
+    elif fs.isdir(path):
+        root = path.rstrip("/")
+        paths = [p for p in fs.find(path) if _is_data_file(p) and not _hidden(_relative(p, root))]
+    elif fs.isfile(path):
+        root, paths = posixpath.dirname(path), [path]
+    else:
+        raise DataError(f"{source}: no such file, folder or glob match; check the data source URI")
+    if not paths:
+        raise DataError(f"{source}: no data files found (looked for {', '.join(DATA_SUFFIXES)}, optionally .gz)")
+    return [SourceFile(uri=fs.unstrip_protocol(p), name=_relative(p, root), size=int(fs.size(p) or 0),
+                       compression=infer_compression(p)) for p in sorted(paths)]
+
+
+def _hidden(relative: str) -> bool:
+    # .cache/, .ipynb_checkpoints/ and the like are not data
+    return any(part.startswith(".") for part in relative.split("/"))
+
+
+def _relative(path: str, root: str) -> str:
+    rel = posixpath.relpath(path, root) if root else path
+    return rel if not rel.startswith("..") else posixpath.basename(path)
+
+
+class FileRecords:
+    """Streams the records of one file; `done` is the fraction of the file read so far (for the ETA)."""
+
+    def __init__(self, file: SourceFile) -> None:
+        self.file = file
+        self.done = 0.0
+
+    def __iter__(self) -> Iterator[RawRecord]:
+        count = 0
+        try:
+            with fsspec.open(self.file.uri, "rb") as raw:
+                for rec in self._records(raw):
+                    count = rec.record + 1
+                    yield rec
+        except Exception as exc:  # a broken file counts as one bad record, never a crash
+            yield RawRecord(count, None, ReadFailure(f"{type(exc).__name__}: {exc}"))
+        self.done = 1.0
+
+    def _records(self, raw: Any) -> Iterator[RawRecord]:
+        stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
+        head = stream.read(4)
+        if self.file.name.lower().endswith(".parquet") or (head == b"PAR1" and not self.file.compression):
+            raw.seek(0)
+            yield from self._parquet(raw)
+            return
+        stream = _Prepend(head, stream)
+        if stream.peek_nonspace() == b"[":
+            yield from self._json_array(stream, raw)
+        else:
+            yield from self._jsonl(stream, raw)
+
+    def _jsonl(self, stream: _Prepend, raw: Any) -> Iterator[RawRecord]:
+        record = 0
+        for line_no, line in enumerate(stream.lines(), 1):
+            if line.strip():
+                yield RawRecord(record, line_no, line)
+                record += 1
+                if record % 1024 == 0:
+                    self._update(raw)
+
+    def _json_array(self, stream: _Prepend, raw: Any) -> Iterator[RawRecord]:
+        for record, (line_no, element) in enumerate(JsonArrayElements(stream)):
+            yield RawRecord(record, line_no, element)
+            if record % 1024 == 0:
+                self._update(raw)
+
+    def _parquet(self, raw: Any) -> Iterator[RawRecord]:
+        pf = pq.ParquetFile(raw)
+        total = max(pf.metadata.num_rows, 1)
+        record = 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH):
+            for row in batch.to_pylist():
+                yield RawRecord(record, None, row)
+                record += 1
+            self.done = record / total
+
+    def _update(self, raw: Any) -> None:
+        try:
+            self.done = min(raw.tell() / max(self.file.size, 1), 1.0)
+        except (OSError, ValueError):
+            pass
+
+
+class _Prepend:
+    """A binary stream with a few bytes pushed back in front (we sniff the first bytes of every file)."""
+
+    def __init__(self, head: bytes, stream: Any) -> None:
+        self.buf, self.stream = head, stream
+
+    def read(self, n: int) -> bytes:
+        if self.buf:
+            out, self.buf = self.buf, b""
+            return out + self.stream.read(max(n - len(out), 0))
+        return self.stream.read(n)
+
+    def peek_nonspace(self) -> bytes:
+        """The first non-whitespace byte (b'' at EOF), kept in the stream."""
+        while not self.buf.lstrip(b" \t\r\n\xef\xbb\xbf"):
+            more = self.stream.read(4096)
+            if not more:
+                return b""
+            self.buf += more
+        return self.buf.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
+
+    def lines(self) -> Iterator[bytes]:
+        """The stream split on b"\\n" (without it); memory ~ the longest line."""
+        pending = b""
+        while chunk := self.read(_READ_CHUNK):
+            *done, pending = (pending + chunk).split(b"\n")
+            yield from done
+        if pending:
+            yield pending
+
+
+_STRUCT = re.compile(rb'[\[\]{}",]')
+_STRING_TAIL = re.compile(rb'(?:[^"\\]|\\.)*"', re.S)
+
+
+class JsonArrayElements:
+    """The top-level elements of a JSON array as raw bytes with their first line; memory ~ one element.
+
+    Structural errors never raise: the damaged stretch comes out as one element that fails to parse later."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.buf, self.eof = stream, b"", False
+        self.line, self.line_pos = 1, 0
+
+    def _fill(self) -> bool:
+        data = b"" if self.eof else self.stream.read(_READ_CHUNK)
+        self.eof = not data
+        self.buf += data
+        return bool(data)
+
+    def _skip_space(self, pos: int) -> int:
+        while True:
+            while pos < len(self.buf) and self.buf[pos] in b" \t\r\n":
+                pos += 1
+            if pos < len(self.buf) or not self._fill():
+                return pos
+
+    def _line_at(self, pos: int) -> int:
+        self.line += self.buf.count(b"\n", self.line_pos, pos)
+        self.line_pos = pos
+        return self.line
+
+    def _drop_before(self, pos: int) -> int:
+        """Forget the consumed bytes (memory stays ~ one element); returns the new position, 0."""
+        self._line_at(pos)
+        self.buf, self.line_pos = self.buf[pos:], 0
+        return 0
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        self._fill()
+        pos = self._skip_space(0)
+        if self.buf[pos:pos + 3] == b"\xef\xbb\xbf":
+            pos = self._skip_space(pos + 3)
+        pos += 1  # the caller checked that this is '['
+        while True:
+            pos = self._drop_before(self._skip_space(pos))
+            if pos >= len(self.buf):
+                yield self._line_at(pos), b"<end of file inside the JSON array: the file is truncated>"
+                return
+            if self.buf[pos:pos + 1] == b"]":
+                yield from self._trailing(pos + 1)
+                return
+            end, closed = self._element_end(pos)
+            yield self._line_at(pos), self.buf[pos:end].strip()
+            if closed or end >= len(self.buf):
+                if end < len(self.buf):
+                    yield from self._trailing(end + 1)
+                return
+            pos = end + 1
+
+    def _trailing(self, pos: int) -> Iterator[tuple[int, bytes]]:
+        pos = self._skip_space(pos)
+        if pos < len(self.buf):
+            yield self._line_at(pos), b"<data after the closing ] of the JSON array>"
+
+    def _element_end(self, pos: int) -> tuple[int, bool]:
+        """Index of the ',' or ']' that ends the element starting at pos, and whether it closed the array."""
+        depth = 0
+        while True:
+            m = _STRUCT.search(self.buf, pos)
+            if m is None:
+                if not self._fill():
+                    return len(self.buf), True
+                continue
+            c, pos = m.group(), m.end()
+            if c == b'"':
+                pos = self._string_end(pos)
+            elif c in b"[{":
+                depth += 1
+            elif depth == 0 and c in b",]":
+                return m.start(), c == b"]"
+            elif c in b"]}":
+                depth = max(depth - 1, 0)
+
+    def _string_end(self, pos: int) -> int:
+        while True:
+            m = _STRING_TAIL.match(self.buf, pos)
+            if m is not None:
+                return m.end()
+            if not self._fill():
+                return len(self.buf)

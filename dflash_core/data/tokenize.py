@@ -1,0 +1,188 @@
+"""The tokenize stage: chat data -> token shards with assistant-only loss masks (see DESIGN.md, contract)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from itertools import chain, islice
+from typing import Any
+
+import fsspec
+
+from dflash_core.data.accounting import DropLog
+from dflash_core.data.config import DataConfig
+from dflash_core.data.errors import DataError
+from dflash_core.data.fingerprint import (
+    VERSION,
+    combine,
+    files_digest,
+    input_fingerprint,
+    output_params,
+    tokenizer_digest,
+)
+from dflash_core.data.formats import Drop, Schema, detect_schema, parse_payload
+from dflash_core.data.samples import (
+    BuildSpec,
+    Chunk,
+    ChunkResult,
+    Dropped,
+    SampleBuilder,
+    build_chunk,
+    init_worker,
+)
+from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.data.template import ChatEncoder, load_tokenizer
+from dflash_core.data.writer import ShardWriter
+
+__all__ = ["input_fingerprint", "tokenize_dataset"]
+
+log = logging.getLogger(__name__)
+_DETECT_HEAD = 32
+_PROGRESS_EVERY_S = 1.0
+_LOG_EVERY_S = 30.0
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, block_size: int,
+                     progress: Progress | None = None) -> dict[str, Any]:
+    """Tokenize every conversation under `source` into `out`; returns the CLI summary."""
+    files = _without_output(list_files(source), out)
+    tok = load_tokenizer(tokenizer)
+    encoder = ChatEncoder(tok, tokenizer)  # fails here, before any work, on a template we cannot use
+    spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size)
+    fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, tok), output_params(cfg, block_size))
+    run = _Run(files, cfg, progress)
+    writer = ShardWriter(out, cfg.rows_per_part, cfg.rows_per_group)
+    try:
+        local = SampleBuilder(spec, encoder)
+        for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
+            run.account(result, writer)
+        run.report(final=True)
+        run.drops.check(run.read, cfg.max_bad_fraction)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish(run.manifest(fingerprint, encoder, cfg, block_size))
+    return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "tokens": run.tokens,
+            "supervised_tokens": run.supervised, "out": out, "fingerprint": fingerprint}
+
+
+def _without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
+    """The input files minus an earlier run's output, when `out` lies inside the source folder."""
+    fs, root = fsspec.core.url_to_fs(out)
+    prefix = fs.unstrip_protocol(root.rstrip("/")) + "/"
+    kept = [f for f in files if not f.uri.startswith(prefix)]
+    if not kept:
+        raise DataError(f"{out}: the source holds no data files besides this output folder")
+    return kept
+
+
+def _ordered(chunks: Iterator[Chunk], spec: BuildSpec, num_proc: int, local: SampleBuilder) -> Iterator[ChunkResult]:
+    """Chunk results in input order; a pool of spawned workers when there are more chunks than workers
+    (starting workers costs seconds: a small input is faster in this process)."""
+    head = list(islice(chunks, num_proc + 1))
+    if num_proc == 1 or len(head) <= num_proc:
+        yield from (local.build(c) for c in chain(head, chunks))
+        return
+    pool = ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=init_worker,
+                               initargs=(spec, local.encoder.tokenizer))
+    try:
+        pending: deque = deque()
+        for chunk in chain(head, chunks):
+            pending.append(pool.submit(build_chunk, chunk))
+            if len(pending) >= 2 * num_proc:  # bounded: the reader never runs far ahead of the workers
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Run:
+    """The state of one run: reading position, counts, progress reporting."""
+
+    def __init__(self, files: list[SourceFile], cfg: DataConfig, progress: Progress | None) -> None:
+        self.files, self.cfg, self.progress = files, cfg, progress
+        self.drops = DropLog(cfg.max_examples)
+        self.read = self.kept = self.tokens = self.supervised = 0
+        self.truncated = {"turn_boundary": 0, "mid_turn": 0}
+        self.schemas: list[Schema] = []
+        self.readers: list[FileRecords] = []
+        self.total_bytes = max(sum(f.size for f in files), 1)
+        self.start = self.last_progress = self.last_log = time.monotonic()
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The records of every file, in order, in chunks of data.batch_size."""
+        for index, file in enumerate(self.files):
+            reader = FileRecords(file)
+            self.readers.append(reader)
+            records = iter(reader)
+            head = list(islice(records, _DETECT_HEAD))
+            parsed = [p for p in (parse_payload(r.payload) for r in head) if not isinstance(p, Drop)]
+            schema = detect_schema(parsed, self.cfg.format, self.cfg.messages_key)
+            self.schemas.append(schema)
+            log.debug("%s: %s format, turns under %s", file.name, schema.format or "per-record",
+                     schema.key or "per-record key")
+            stream = chain(head, records)
+            while batch := list(islice(stream, self.cfg.batch_size)):
+                yield Chunk(index, schema, batch)
+
+    def account(self, result: ChunkResult, writer: ShardWriter) -> None:
+        """Count every outcome of a chunk and write the kept samples with the next sample ids."""
+        name = self.files[result.file].name
+        for o in result.outcomes:
+            self.read += 1
+            if isinstance(o, Dropped):
+                self.drops.add(o.reason, name, o.record, o.line, o.record_id, o.detail)
+                continue
+            writer.add(self.kept, o, name)
+            self.kept += 1
+            self.tokens += len(o.ids)
+            self.supervised += int(o.mask.sum())
+            if o.truncated:
+                self.truncated[o.truncated] += 1
+        self.report()
+
+    def _fraction(self) -> float:
+        done = sum(f.size for f, r in zip(self.files, self.readers, strict=False) if r.done >= 1.0)
+        current = next((r for r in self.readers if r.done < 1.0), None)
+        partial = current.done * current.file.size if current else 0.0
+        return min((done + partial) / self.total_bytes, 1.0)
+
+    def report(self, final: bool = False) -> None:
+        """Progress to the callback (about once a second) and to the log (about every 30 s)."""
+        now = time.monotonic()
+        if not final and now - self.last_progress < _PROGRESS_EVERY_S:
+            return
+        self.last_progress = now
+        elapsed = max(now - self.start, 1e-9)
+        fraction = 1.0 if final else self._fraction()
+        info = {"records": self.read, "kept": self.kept, "dropped": sum(self.drops.counts.values()),
+                "tokens": self.tokens, "tokens_per_s": round(self.tokens / elapsed, 1),
+                "records_per_s": round(self.read / elapsed, 1), "elapsed_s": round(elapsed, 1),
+                "fraction": round(fraction, 4),
+                "eta_s": round(elapsed * (1 - fraction) / fraction, 1) if fraction > 0 else None}
+        if self.progress is not None:
+            self.progress(info)
+        if final or now - self.last_log >= _LOG_EVERY_S:
+            self.last_log = now
+            log.info("tokenize: %(records)d records, %(kept)d kept, %(tokens_per_s).0f tokens/s, "
+                     "%(fraction).1f%% read, ETA %(eta_s)s s", {**info, "fraction": 100 * fraction})
+
+    def manifest(self, fingerprint: str, encoder: ChatEncoder, cfg: DataConfig, block_size: int) -> dict[str, Any]:
+        """manifest.json: counts, drops with examples, tokenizer identity, sources and the fingerprint."""
+        return {
+            "format": VERSION, "fingerprint": fingerprint,
+            "read": self.read, "kept": self.kept, "dropped": self.drops.dropped(), "bad": self.drops.bad,
+            "truncated": self.truncated, "tokens": self.tokens, "supervised_tokens": self.supervised,
+            "num_samples": self.kept, "min_supervised_tokens": 2 * block_size,
+            "params": output_params(cfg, block_size), "tokenizer": encoder.identity,
+            "sources": [{"file": f.name, "bytes": f.size, "format": s.format, "messages_key": s.key}
+                        for f, s in zip(self.files, self.schemas, strict=True)],
+            "drop_examples": {r: self.drops.examples[r] for r in sorted(self.drops.examples)},
+        }

@@ -1,0 +1,277 @@
+"""Tokenize stage: assistant-only masks on several chat templates, formats, URIs, length policy, determinism."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from data_helpers import (
+    TEMPLATES,
+    TRICKY,
+    conversations,
+    data_config,
+    to_sharegpt,
+    tokenizer_dir,
+    write_jsonl,
+)
+from transformers import AutoTokenizer
+
+from dflash_core.data.errors import TemplateError
+from dflash_core.data.fingerprint import input_fingerprint
+from dflash_core.data.shards import ShardReader, read_index, read_manifest
+from dflash_core.data.tokenize import tokenize_dataset
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of ones."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2], edges[1::2], strict=True))
+
+
+def _tokenize(tmp: Path, records: list, template: str = "chatml", name: str = "data.jsonl", **cfg) -> dict:
+    data = write_jsonl(tmp / name, records)
+    return tokenize_dataset(str(data), tokenizer_dir(template), str(tmp / "out"), data_config(**cfg), block_size=2)
+
+
+@pytest.mark.parametrize("template", ["chatml", "gemma"])
+def test_masked_tokens_decode_to_exactly_the_assistant_turns(tmp_path: Path, template: str) -> None:
+    convs = TRICKY + conversations(30, seed=1, system=True)
+    summary = _tokenize(tmp_path, [to_sharegpt(c, i) for i, c in enumerate(convs)], template)
+    assert summary["kept"] == len(convs) and summary["dropped"] == {}
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(template))
+    eot = TEMPLATES[template][1]
+    reader = ShardReader(str(tmp_path / "out"))
+    for sid, conv in enumerate(convs):
+        ids, mask = reader.rows([sid])[0]
+        assert ids.dtype == np.int32 and mask.dtype == np.uint8
+        assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        got = [tok.decode(ids[a:b]) for a, b in _runs(mask)]
+        contents = [m["content"] if template == "chatml" else m["content"].strip()
+                    for m in conv if m["role"] == "assistant"]
+        assert got == [c + eot for c in contents]
+
+
+THINK = ("{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}{% set c = m['content'] %}"
+         "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c %}"
+         "{% set c = c.split('</think>')[-1].lstrip() %}{% endif %}<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n"
+         "{% endfor %}")
+
+
+def test_template_that_rewrites_contents_masks_what_it_renders(tmp_path: Path) -> None:
+    """Qwen3-like: reasoning is cut from earlier assistant turns; the mask follows the rendered text."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    tok.chat_template = THINK
+    tok.save_pretrained(tmp_path / "tok")
+    convs = conversations(8, seed=9, system=False)
+    for conv in convs:
+        for m in conv:
+            if m["role"] == "assistant":
+                m["content"] = f"<think>\nwhy the model {m['content'][:20]}\n</think>\n\n{m['content']}"
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in convs])
+    summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(tmp_path / "out"), data_config(), block_size=2)
+    assert summary["kept"] == len(convs)
+    reader = ShardReader(str(tmp_path / "out"))
+    for sid, conv in enumerate(convs):
+        ids, mask = reader.rows([sid])[0]
+        assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        last_user = max(i for i, m in enumerate(conv) if m["role"] == "user")
+        want = [(m["content"].split("</think>")[-1].lstrip() if i < last_user else m["content"]) + "<|im_end|>"
+                for i, m in enumerate(conv) if m["role"] == "assistant"]
+        assert [tok.decode(ids[a:b]) for a, b in _runs(mask)] == want
+
+
+def test_system_turn_the_template_drops_is_reported_not_lost(tmp_path: Path) -> None:
+    convs = conversations(6, seed=2, system=False)
+    convs[3] = [{"role": "system", "content": "Be brief."}, *convs[3]]
+    summary = _tokenize(tmp_path, [to_sharegpt(c, i) for i, c in enumerate(convs)], "llama2", max_bad_fraction=0.5)
+    assert summary["kept"] == 5 and summary["dropped"] == {"turn_dropped_by_template": 1}
+    example = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]
+    assert example["line"] == 4 and example["id"] == "c3" and "role_map" in example["detail"]
+    # mapped to a role the template renders, the record is kept (Llama-2 masks include ' </s>')
+    summary = _tokenize(tmp_path, [to_sharegpt(c, i) for i, c in enumerate(convs)], "llama2",
+                        role_map={"system": "user"})
+    assert summary["kept"] == 6
+
+
+def test_roles_unknown_to_the_defaults_are_mapped_by_role_map(tmp_path: Path) -> None:
+    rec = {"messages": [{"role": "narrator", "content": "Once upon a time."},
+                        {"role": "user", "content": "Go on."},
+                        {"role": "bot", "content": "They lived happily ever after, said the model."}]}
+    assert _tokenize(tmp_path, [rec], max_bad_fraction=1.0)["dropped"] == {"unknown_role": 1}
+    summary = _tokenize(tmp_path, [rec], role_map={"narrator": "system", "bot": "assistant"})
+    assert summary["kept"] == 1
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(conversations(1)[0], 0)])
+    with pytest.raises(TemplateError, match="no chat template") as err:
+        tokenize_dataset(str(data), tokenizer_dir("none"), str(tmp_path / "out"), data_config(), block_size=2)
+    assert tokenizer_dir("none") in str(err.value)
+
+
+def test_every_format_in_a_folder_is_read_in_name_order(tmp_path: Path) -> None:
+    convs = conversations(12, seed=3)
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", [to_sharegpt(c, i) for i, c in enumerate(convs[:3])])
+    write_jsonl(src / "b.jsonl.gz", [{"messages": c} for c in convs[3:6]], gz=True)
+    (src / "c.json").write_text(json.dumps([{"conversation": c} for c in convs[6:9]], indent=2))
+    table = pa.table({"id": [9, 10, 11], "messages": convs[9:12]})
+    pq.write_table(table, src / "d.parquet")
+    (src / "notes.txt").write_text("not data")
+    out = tmp_path / "out"
+    summary = tokenize_dataset(str(src), tokenizer_dir("chatml"), str(out), data_config(), block_size=2)
+    assert summary["read"] == summary["kept"] == 12
+    sources = read_manifest(str(out))["sources"]
+    assert [(s["file"], s["format"], s["messages_key"]) for s in sources] == [
+        ("a.jsonl", "sharegpt", "conversations"), ("b.jsonl.gz", "openai", "messages"),
+        ("c.json", "openai", "conversation"), ("d.parquet", "openai", "messages")]
+    parts = pl.read_parquet(out / "part-00000.parquet")
+    assert parts["sample_id"].to_list() == list(range(12))
+    assert parts["source"].to_list() == ["a.jsonl"] * 3 + ["b.jsonl.gz"] * 3 + ["c.json"] * 3 + ["d.parquet"] * 3
+    assert parts["record"].to_list() == [0, 1, 2] * 4
+    assert parts["line"].to_list()[:7] == [1, 2, 3, 1, 2, 3, 2] and parts["line"][9] is None
+    assert parts["record_id"].to_list()[-3:] == ["9", "10", "11"]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    for sid, conv in enumerate(convs):  # the same conversation gives the same tokens in every format
+        assert parts["input_ids"][sid].to_list() == tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+    glob = tokenize_dataset(str(src / "*.json*"), tokenizer_dir("chatml"), str(tmp_path / "g"), data_config(),
+                            block_size=2)
+    assert glob["kept"] == 9
+
+
+def test_output_inside_the_source_folder_is_not_read_back(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(conversations(3))])
+    for _ in range(2):
+        summary = tokenize_dataset(str(tmp_path), tokenizer_dir("chatml"), str(tmp_path / "out"), data_config(),
+                                   block_size=2)
+        assert summary["read"] == summary["kept"] == 3
+
+
+def test_format_override_refuses_records_of_the_other_schema(tmp_path: Path) -> None:
+    records = [{"messages": c} for c in conversations(4, seed=4)]
+    summary = _tokenize(tmp_path, records, format="sharegpt", max_bad_fraction=1.0)
+    assert summary["dropped"] == {"wrong_schema": 4}
+    assert _tokenize(tmp_path, records, format="openai", messages_key="messages")["kept"] == 4
+
+
+def test_memory_uri_in_and_out(tmp_path: Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(5, seed=5))]
+    with fs.open("/chat-in/part.jsonl", "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    try:
+        summary = tokenize_dataset("memory://chat-in", tokenizer_dir("chatml"), "memory://tok-out", data_config(),
+                                   block_size=2)
+        assert summary["kept"] == 5
+        assert read_index("memory://tok-out")["sample_id"].to_list() == list(range(5))
+        ids, mask = ShardReader("memory://tok-out").rows([4])[0]
+        assert len(ids) == len(mask) and mask.sum() > 0
+    finally:
+        fs.rm("/chat-in", recursive=True)
+        fs.rm("/tok-out", recursive=True)
+
+
+def test_overlong_conversations_are_cut_at_a_turn_end_or_dropped(tmp_path: Path) -> None:
+    conv = conversations(1, seed=6)[0]
+    conv = [m for m in conv if m["role"] != "system"]
+    long = conv + conv + conv  # 3-12 exchanges
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    full = tok.apply_chat_template(long, tokenize=True, return_dict=False)
+    first = tok.apply_chat_template(long[:2], tokenize=True, return_dict=False)
+    limit = len(full) - 1
+    summary = _tokenize(tmp_path, [{"messages": long}], max_length=limit)
+    assert summary["kept"] == 1
+    ids, mask = ShardReader(str(tmp_path / "out")).rows([0])[0]
+    assert len(ids) <= limit and tok.decode(ids[-1:]) == "<|im_end|>" and mask[-1] == 1
+    assert read_manifest(str(tmp_path / "out"))["truncated"] == {"turn_boundary": 1, "mid_turn": 0}
+    summary = _tokenize(tmp_path, [{"messages": long}], max_length=len(first) - 3)  # not even one turn fits
+    assert summary["kept"] == 1 and len(ShardReader(str(tmp_path / "out")).rows([0])[0][0]) == len(first) - 3
+    summary = _tokenize(tmp_path, [{"messages": long}], max_length=limit, overlong="drop")
+    assert summary["dropped"] == {"too_long": 1}
+
+
+def test_samples_with_too_little_supervision_are_dropped_but_not_bad(tmp_path: Path) -> None:
+    short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    records = [short] + [{"messages": c} for c in conversations(3, seed=7)]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    summary = tokenize_dataset(str(data), tokenizer_dir("chatml"), str(tmp_path / "out"), data_config(),
+                               block_size=4)  # policy drops never trip max_bad_fraction (25% here)
+    assert summary["dropped"] == {"too_few_supervised": 1} and summary["kept"] == 3
+    index = read_index(str(tmp_path / "out"))
+    assert (index["n_loss_tokens"] >= 8).all()
+    assert summary["supervised_tokens"] == index["n_loss_tokens"].sum()
+    assert summary["tokens"] == index["length"].sum()
+
+
+def _folder_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_same_input_gives_byte_identical_output_with_any_process_count(tmp_path: Path) -> None:
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(40, seed=8))] + ["junk"]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    outs = []
+    for n, num_proc in enumerate((1, 1, 2)):
+        cfg = data_config(num_proc=num_proc, batch_size=8, rows_per_part=16, rows_per_group=5, max_bad_fraction=0.1)
+        tokenize_dataset(str(data), tokenizer_dir("chatml"), str(tmp_path / f"o{n}"), cfg, block_size=2)
+        outs.append(_folder_bytes(tmp_path / f"o{n}"))
+    assert sorted(outs[0]) == ["index.parquet", "manifest.json", "part-00000.parquet", "part-00001.parquet",
+                               "part-00002.parquet"]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_fingerprint_covers_data_tokenizer_and_parameters(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(conversations(3))])
+    tok = tokenizer_dir("chatml")
+    summary = tokenize_dataset(str(data), tok, str(tmp_path / "out"), data_config(), block_size=2)
+    fp = input_fingerprint(str(data), tok, data_config(), 2)
+    assert summary["fingerprint"] == fp == read_manifest(str(tmp_path / "out"))["fingerprint"]
+    assert ShardReader(str(tmp_path / "out")).fingerprint == fp
+    assert input_fingerprint(str(data), tok, data_config(num_proc=4, batch_size=3), 2) == fp
+    assert input_fingerprint(str(data), tok, data_config(max_length=100), 2) != fp
+    assert input_fingerprint(str(data), tok, data_config(), 4) != fp
+    assert input_fingerprint(str(data), tokenizer_dir("gemma"), data_config(), 2) != fp
+    write_jsonl(data, [to_sharegpt(c, i) for i, c in enumerate(conversations(3, seed=1))])
+    assert input_fingerprint(str(data), tok, data_config(), 2) != fp
+
+
+def test_progress_reports_records_tokens_rate_and_eta(tmp_path: Path) -> None:
+    calls: list[dict] = []
+    data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(conversations(5))])
+    summary = tokenize_dataset(str(data), tokenizer_dir("chatml"), str(tmp_path / "out"), data_config(),
+                               block_size=2, progress=calls.append)
+    last = calls[-1]
+    assert last["records"] == summary["read"] and last["tokens"] == summary["tokens"]
+    assert last["fraction"] == 1.0 and last["eta_s"] == 0.0 and last["tokens_per_s"] > 0
+
+
+def test_example_tokenizer_masks_assistant_turns(tmp_path: Path) -> None:
+    example_tok = pytest.importorskip("dflash_core.example.tokenizer")
+    corpus = pytest.importorskip("dflash_core.example.corpus")
+    if not all(hasattr(example_tok, f) for f in ("train_tokenizer", "save_tokenizer")) or not hasattr(
+            corpus, "generate_conversations") or not hasattr(corpus, "to_messages"):
+        pytest.skip("example tokenizer API not there yet")
+    records = corpus.generate_conversations(20, seed=0)
+    convs = [corpus.to_messages(r) for r in records]
+    tok = example_tok.train_tokenizer(m["content"] for c in convs for m in c)
+    example_tok.save_tokenizer(tok, tmp_path / "tok")
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(tmp_path / "out"), data_config(),
+                               block_size=1)
+    reader = ShardReader(str(tmp_path / "out"))
+    kept = [c for c in convs if sum(len(m["content"]) for m in c if m["role"] == "assistant") > 0]
+    assert summary["kept"] == len(kept)
+    eot = read_manifest(str(tmp_path / "out"))["tokenizer"]["end_of_turn"]
+    for sid, conv in enumerate(kept):
+        ids, mask = reader.rows([sid])[0]
+        got = [tok.decode(ids[a:b]) for a, b in _runs(mask)]
+        assert got == [m["content"] + eot for m in conv if m["role"] == "assistant"]
