@@ -27,6 +27,6 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) bench/tokenize.py
-	$(PY) bench/plan.py
-	$(PY) bench/pipeline.py
+	$(PY) -m bench.tokenize
+	$(PY) -m bench.plan --markdown
+	$(PY) -m bench.pipeline

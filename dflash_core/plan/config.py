@@ -19,6 +19,12 @@ class PlanConfig(StrictModel):
     epochs: PositiveInt = 1
     seed: NonNegativeInt = 0
     last_step: Literal["drop", "pad"] = "drop"
+    sort_chunk: PositiveInt = Field(
+        64, description="most batches per length-sorted chunk of a bucket (larger: less padding, less mixing)"
+    )
+    edge_granularity: PositiveInt = Field(
+        8, description="auto edges are multiples of this many tokens (coarsened to at most 2048 candidates)"
+    )
 
     @field_validator("buckets")
     @classmethod

@@ -1,0 +1,5 @@
+"""Errors of the plan stage: ValueErrors whose messages say what was wrong, where, and what to do."""
+
+
+class PlanError(ValueError):
+    """Lengths, a config or a plan folder that the plan stage cannot use."""
