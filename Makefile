@@ -21,7 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline $(PY) -m pytest -m "not gpu" -q
+	# The example assets the tests use: built once (all cores), then reused from $$DFLASH_HOME.
+	DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} $(VENV)/bin/dflash example > /dev/null
+	DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline \
+		$(PY) -m pytest -m "not gpu" -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

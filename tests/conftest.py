@@ -20,6 +20,9 @@ os.environ.setdefault("DFLASH_HOME", str(REPO / ".dflash-cache"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Tiny models gain nothing from intra-op threads; on a shared 2-core CPU they lose ~50x to oversubscription.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip on machines without CUDA."""

@@ -14,8 +14,12 @@ class ModelConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
     num_draft_layers: PositiveInt = 1
-    block_size: PositiveInt = 16
+    block_size: int = Field(16, ge=2, description="B: the anchor token plus B-1 drafted slots")
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = Field(None, description="None = the tokenizer's mask token")
     num_anchors: PositiveInt = 512
     gamma: PositiveFloat | None = Field(None, description="loss decay; None = 7 for B=16, 5 for 10, 4 for 8")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute drafter layers in backward: activations scale with num_anchors * block_size",
+    )

@@ -1,0 +1,389 @@
+"""The DFlash drafter: Qwen3-style layers whose keys and values also see the target's projected hidden states.
+
+Training runs every sampled block of a batch in one attention call; the boolean mask lets the block anchored
+at `a` see the context strictly before `a` and its own slots, nothing else (DFLASH_SPEC.md "Training
+visibility").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.loss import LossOutput, decay_weights, default_gamma, weighted_cross_entropy
+from dflash_core.model.target import TargetModel
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+class DrafterError(ValueError):
+    """Drafter settings or inputs that do not fit (layer ids, mask token, context longer than the anchor)."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """K = n ids evenly spaced from 1 to L-3 inclusive; L // 2 for a single drafter layer."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def drafter_config(
+    target_config: PretrainedConfig,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: Sequence[int],
+    mask_token_id: int,
+    num_target_layers: int,
+    vocab_size: int,
+) -> Qwen3Config:
+    """The drafter's Qwen3 config: the target's width and head layout plus the DFlash fields."""
+    heads = int(target_config.num_attention_heads)
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    rope = getattr(target_config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
+    }
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=int(target_config.hidden_size),
+        intermediate_size=int(target_config.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=int(target_config.max_position_embeddings),
+        initializer_range=float(getattr(target_config, "initializer_range", 0.02)),
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * num_layers,
+        architectures=[ARCHITECTURE],
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={
+            "mask_token_id": int(mask_token_id),
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+        },
+    )
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [N, heads, T, D]; cos/sin: [N, T, D]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with the grouped kv heads repeated up front: the fused kernels that take an explicit mask do not
+    all take grouped heads (the memory-efficient one refuses them; torch 2.11, H200)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from [context ; block]; k_norm on every key; not causal."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        heads, kv_heads, width = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+        self.q_proj = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        block: torch.Tensor,
+        context: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """block [N, Q, H], context [N, S, H], mask [N, 1, Q, S+Q] (True = visible) or None -> [N, Q, H]."""
+        n, q_len, _ = block.shape
+        both = torch.cat([context, block], dim=1)
+        q = self.q_norm(self.q_proj(block).view(n, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(both).view(n, both.shape[1], -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(both).view(n, both.shape[1], -1, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, *rope_q), _rope(k, *rope_k)
+        out = _attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3 decoder layer with KV injection: the context bypasses input_layernorm."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, block, context, rope_q, rope_k, mask) -> torch.Tensor:
+        """Attention then SwiGLU MLP, each with a residual."""
+        block = block + self.self_attn(self.input_layernorm(block), context, rope_q, rope_k, mask)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter; the target's embeddings and lm_head are borrowed, frozen, and not submodules."""
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+        num_anchors: int = 512,
+        gamma: float | None = None,
+        gradient_checkpointing: bool = False,
+    ):
+        super().__init__()
+        self.config = config
+        self.block_size = int(config.block_size)
+        self.num_target_layers = int(config.num_target_layers)
+        self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
+        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.num_anchors = num_anchors
+        self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
+        self.gradient_checkpointing = gradient_checkpointing
+        width = config.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * width, width, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only: not in state_dict
+        # a plain tuple keeps them out of parameters(), state_dict(), .to() and DDP
+        self._borrowed = (embed_tokens, lm_head)
+        self._init_weights(config.initializer_range)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's (frozen) input embeddings."""
+        return self._borrowed[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The target's (frozen) vocab head."""
+        return self._borrowed[1]
+
+    @property
+    def dflash_config(self) -> dict:
+        """The `dflash_config` dict of the exported config.json."""
+        return {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+
+    def _init_weights(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    # ---- shared by training and inference -------------------------------------------------------------
+
+    def _context(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.device, self.fc.weight.dtype)))
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            emb = self.embed_tokens(tokens.to(self.embed_tokens.weight.device))
+        return emb.to(self.fc.weight.device, self.fc.weight.dtype)
+
+    def _run_layers(
+        self, context: torch.Tensor, block: torch.Tensor, block_pos: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Final-normed block states [N, Q, H]; context tokens sit at positions 0..S-1."""
+        n, s = context.shape[:2]
+        ctx_pos = torch.arange(s, device=block.device).expand(n, s)
+        rope_q = self.rotary_emb(block, block_pos)
+        rope_k = self.rotary_emb(block, torch.cat([ctx_pos, block_pos], dim=1))
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # without it a layer keeps ~0.3 MB per block slot alive (Qwen3-8B shapes, measured on an H200)
+                block = checkpoint(layer, block, context, rope_q, rope_k, mask, use_reentrant=False)
+            else:
+                block = layer(block, context, rope_q, rope_k, mask)
+        return self.norm(block)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's head on drafter states, in float32."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+
+    # ---- inference ---------------------------------------------------------------------------------------
+
+    def draft_block(
+        self, context_features: torch.Tensor, anchor_token: int | torch.Tensor, position: int
+    ) -> torch.Tensor:
+        """Block logits [B, V] for the anchor at `position`, given the features of positions 0..position-1."""
+        feats = context_features if context_features.dim() == 3 else context_features[None]
+        if feats.shape[0] != 1 or feats.shape[1] > position:
+            raise DrafterError(
+                f"draft_block: context_features {tuple(context_features.shape)} must be one sequence of at "
+                f"most {position} positions (the anchor at position {position} sees only positions before it)"
+            )
+        tokens = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long)
+        tokens[0, 0] = int(anchor_token)
+        block = self._embed(tokens)
+        pos = (position + torch.arange(self.block_size, device=block.device))[None]
+        return self.logits(self._run_layers(self._context(feats), block, pos, None))[0]
+
+    # ---- training ----------------------------------------------------------------------------------------
+
+    def sample_anchors(
+        self, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [N, nb] sorted, valid [N, nb]): up to num_anchors positions per row, uniform, no repeats.
+
+        A position a qualifies when loss_mask[a] = 1 and a..a+B-1 are all real tokens. Rows with fewer
+        candidates are padded with dropped blocks (valid False, anchor 0); nb >= 1 so the graph always
+        reaches every parameter.
+        """
+        n, s = loss_mask.shape
+        device, size = loss_mask.device, self.block_size
+        real = (
+            torch.ones_like(loss_mask, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        if s < size:  # no room for a single block: one dropped block per row
+            none = torch.zeros(n, 1, dtype=torch.long, device=device)
+            return none, none.bool()
+        candidate = real.unfold(1, size, 1).all(-1) & loss_mask[:, : s - size + 1].bool()
+        gen_device = generator.device if generator is not None else device
+        keys = torch.rand(candidate.shape, generator=generator, device=gen_device).to(device)
+        keys = keys.masked_fill(~candidate, 2.0)
+        picked = keys.topk(min(self.num_anchors, candidate.shape[1]), dim=1, largest=False).indices
+        valid = candidate.gather(1, picked)
+        # valid anchors first, in position order; dropped ones after them
+        order = torch.where(valid, picked, picked + s).sort(dim=1).values
+        nb = max(1, int(valid.sum(1).max()))
+        valid = order[:, :nb] < s
+        return torch.where(valid, order[:, :nb], 0), valid
+
+    def visibility_mask(
+        self, anchors: torch.Tensor, valid: torch.Tensor, attention_mask: torch.Tensor | None, seq_len: int
+    ) -> torch.Tensor:
+        """[N, 1, nb*B, S + nb*B] True = visible: real context < anchor, plus the query's own block.
+
+        A dropped block sees only its own data-free slots, so no softmax row is empty (no NaN); no loss
+        reads it and no other block sees it.
+        """
+        n, nb = anchors.shape
+        device = anchors.device
+        q_anchor = anchors.repeat_interleave(self.block_size, dim=1)
+        q_valid = valid.repeat_interleave(self.block_size, dim=1)
+        ctx = torch.arange(seq_len, device=device)[None, None, :] < q_anchor[:, :, None]
+        ctx &= q_valid[:, :, None]
+        if attention_mask is not None:
+            ctx &= attention_mask.bool()[:, None, :]
+        block_id = torch.arange(nb * self.block_size, device=device) // self.block_size
+        own = (block_id[:, None] == block_id[None, :]).expand(n, -1, -1)
+        return torch.cat([ctx, own], dim=2)[:, None]
+
+    def block_hidden(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        anchors: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final drafter states [N, nb, B, H] of every block in one pass."""
+        n, nb = anchors.shape
+        size = self.block_size
+        tokens = torch.full((n, nb, size), self.mask_token_id, dtype=torch.long, device=input_ids.device)
+        tokens[:, :, 0] = torch.where(valid, input_ids.gather(1, anchors), self.mask_token_id)
+        block = self._embed(tokens.view(n, nb * size))
+        pos = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).view(n, nb * size)
+        mask = self.visibility_mask(anchors, valid, attention_mask, input_ids.shape[1]).to(block.device)
+        hidden = self._run_layers(self._context(features), block, pos.to(block.device), mask)
+        return hidden.view(n, nb, size, -1)
+
+    def block_logits(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        anchors: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [N, nb, B, V] of the training pass for given anchors (analysis and tests)."""
+        valid = torch.ones_like(anchors, dtype=torch.bool) if valid is None else valid
+        return self.logits(self.block_hidden(features, input_ids, attention_mask, anchors, valid))
+
+    def block_targets(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [N, nb, B] = input_ids[a + j], weights [N, nb, B] = loss_mask[a + j] * decay_j * valid)."""
+        s = input_ids.shape[1]
+        pos = (anchors[:, :, None] + torch.arange(self.block_size, device=anchors.device)).clamp(max=s - 1)
+        flat = pos.view(pos.shape[0], -1)
+        labels = input_ids.gather(1, flat).view(pos.shape).long()
+        supervised = loss_mask.gather(1, flat).view(pos.shape).float()
+        decay = decay_weights(self.block_size, self.gamma, anchors.device)
+        return labels, supervised * decay * valid[:, :, None]
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        generator: torch.Generator | None = None,
+    ) -> LossOutput:
+        """Sample anchors, run every block in one pass, return the weighted loss sums and slot metrics."""
+        anchors, valid = self.sample_anchors(loss_mask, attention_mask, generator)
+        hidden = self.block_hidden(features, input_ids, attention_mask, anchors, valid)
+        labels, weights = self.block_targets(input_ids, loss_mask, anchors, valid)
+        labels, weights = labels.to(hidden.device), weights.to(hidden.device)
+        selected = weights > 0
+        loss_sum, hits = weighted_cross_entropy(
+            hidden[selected], self.lm_head, labels[selected].to(self.lm_head.weight.device), weights[selected]
+        )
+        slot = torch.arange(self.block_size, device=hidden.device).expand_as(selected)[selected]
+        correct = torch.bincount(slot[hits.to(slot.device)], minlength=self.block_size)[1:]
+        counted = torch.bincount(slot, minlength=self.block_size)[1:]
+        return LossOutput(
+            weighted_loss_sum=loss_sum,
+            weight_sum=weights.sum().detach(),
+            correct=correct,
+            counted=counted,
+            n_blocks=int(valid.sum()),
+        )
+
+
+def build_drafter(target: TargetModel, cfg: ModelConfig, mask_token_id: int) -> DFlashDrafter:
+    """A freshly initialised float32 drafter for `target`, on the target's device."""
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_draft_layers)
+    try:
+        target.check_layer_ids(layer_ids)
+    except ValueError as exc:
+        raise DrafterError(f"model.target_layer_ids: {exc}") from None
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise DrafterError(
+            f"mask_token_id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1}); "
+            "set model.mask_token_id or give the tokenizer a mask token"
+        )
+    config = drafter_config(
+        target.config,
+        num_layers=cfg.num_draft_layers,
+        block_size=cfg.block_size,
+        target_layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
+        num_target_layers=target.num_layers,
+        vocab_size=target.vocab_size,
+    )
+    drafter = DFlashDrafter(
+        config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing
+    )
+    return drafter.to(target.device)

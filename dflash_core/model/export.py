@@ -1,0 +1,153 @@
+"""The serving-compatible checkpoint: config.json + model.safetensors, as vLLM and SGLang load it."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+import fsspec
+import torch
+import transformers
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from transformers import Qwen3Config
+
+from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter
+from dflash_core.model.target import TargetModel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class ExportError(ValueError):
+    """A drafter folder that cannot be loaded; the message names the file and what is wrong."""
+
+
+def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The config.json mapping (DFLASH_SPEC.md "Checkpoint that serving engines load")."""
+    c = drafter.config
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters.get("rope_theta"),
+        "rope_parameters": dict(c.rope_parameters),
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": c.num_hidden_layers,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "use_cache": True,
+        "dtype": _DTYPE_NAMES[dtype],
+        "transformers_version": transformers.__version__,
+        "block_size": drafter.block_size,
+        "num_target_layers": drafter.num_target_layers,
+        "dflash_config": drafter.dflash_config,
+    }
+
+
+def save_dflash(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write exactly config.json and model.safetensors (no embeddings, no lm_head) to a folder or URI."""
+    if dtype not in _DTYPE_NAMES:
+        raise ExportError(f"save_dflash: dtype {dtype} is not one of {list(_DTYPE_NAMES)}")
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(posixpath.join(root, WEIGHTS_FILE), "wb") as fh:
+        fh.write(save_safetensors(tensors, metadata={"format": "pt"}))
+    with fs.open(posixpath.join(root, CONFIG_FILE), "w") as fh:
+        json.dump(export_config(drafter, dtype), fh, indent=2)
+
+
+def load_dflash(
+    in_dir: str,
+    target: TargetModel,
+    dtype: torch.dtype = torch.float32,
+    num_anchors: int = 512,
+    gamma: float | None = None,
+) -> DFlashDrafter:
+    """Read a drafter folder onto `target`'s device: safetensors only (no pickle); names, shapes checked."""
+    fs, root = fsspec.core.url_to_fs(in_dir)
+    config = _read_config(fs, posixpath.join(root, CONFIG_FILE), target)
+    drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, num_anchors, gamma)
+    weights_path = posixpath.join(root, WEIGHTS_FILE)
+    try:
+        with fs.open(weights_path, "rb") as fh:
+            tensors = load_safetensors(fh.read())
+    except FileNotFoundError:
+        raise ExportError(f"{in_dir}: no {WEIGHTS_FILE}") from None
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ExportError(f"{weights_path}: not a readable safetensors file: {exc}") from None
+    _check_tensors(weights_path, tensors, drafter.state_dict())
+    drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    return drafter.to(device=target.device, dtype=dtype)
+
+
+def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
+    try:
+        with fs.open(path, "r") as fh:
+            raw = json.load(fh)
+    except FileNotFoundError:
+        raise ExportError(
+            f"{path}: missing (a DFlash drafter folder holds config.json + model.safetensors)"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise ExportError(
+            f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
+        )
+    dflash = raw.get("dflash_config")
+    missing = [k for k in ("block_size", "num_target_layers", "hidden_size", "vocab_size") if k not in raw]
+    if not isinstance(dflash, dict) or {"mask_token_id", "target_layer_ids"} - set(dflash):
+        missing.append("dflash_config.{mask_token_id,target_layer_ids}")
+    if missing:
+        raise ExportError(f"{path}: missing fields {missing}")
+    expected = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_target_layers": target.num_layers,
+    }
+    wrong = {k: (raw[k], v) for k, v in expected.items() if raw[k] != v}
+    if wrong:
+        details = ", ".join(f"{k}={got} but the target has {want}" for k, (got, want) in wrong.items())
+        raise ExportError(f"{path}: this drafter was trained for another target: {details}")
+    try:
+        target.check_layer_ids(dflash["target_layer_ids"])
+    except ValueError as exc:
+        raise ExportError(f"{path}: dflash_config.{exc}") from None
+    if not 0 <= dflash["mask_token_id"] < target.vocab_size:
+        raise ExportError(
+            f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab"
+        )
+    return Qwen3Config.from_dict({k: v for k, v in raw.items() if k != "rope_theta"})
+
+
+def _check_tensors(path: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ExportError(
+            f"{path}: tensor names do not match the config: missing {missing}, unexpected {unexpected}"
+        )
+    bad = [
+        f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if tensors[k].shape != v.shape
+    ]
+    if bad:
+        raise ExportError(f"{path}: tensor shapes do not match the config: {'; '.join(bad)}")

@@ -1,0 +1,138 @@
+"""The frozen target model: loading, and capture of the hidden states the drafter is conditioned on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    """A target model that cannot be used (bad path, bad layer ids, unsupported layout)."""
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the last needed layer: the remaining layers and the vocab head are never run."""
+
+
+class TargetModel:
+    """A frozen causal LM with the two things DFlash needs: layer outputs, and its embeddings and head."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self._layers = _decoder_layers(model)
+        # forward hooks are module-global: two threads capturing at once would mix their outputs
+        self._lock = threading.Lock()
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of decoder layers."""
+        return len(self._layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the width of every layer output."""
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the rows of the embedding and of the head."""
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype."""
+        return self.embed_tokens.weight.dtype
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> list[int]:
+        """Layer ids as a list, or TargetError naming the bad ones."""
+        bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
+        if not layer_ids or bad:
+            raise TargetError(
+                f"target_layer_ids {list(layer_ids)}: every id must be in 0..{self.num_layers - 1} "
+                f"(the target has {self.num_layers} layers); bad: {bad or 'empty list'}"
+            )
+        return [int(i) for i in layer_ids]
+
+    # no_grad, not inference_mode: inference tensors could not be saved for the drafter's backward
+    @torch.no_grad()
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Concatenated outputs of `layer_ids` -> [B, S, K*H]; runs no layer past the last one needed."""
+        layer_ids = self.check_layer_ids(layer_ids)
+        wanted = sorted(set(layer_ids))
+        outputs: dict[int, torch.Tensor] = {}
+        with self._lock:
+            handles = [
+                self._layers[i].register_forward_hook(self._hook(i, wanted[-1], outputs)) for i in wanted
+            ]
+            try:
+                self._run_base(input_ids, attention_mask)
+            except _StopForward:
+                pass
+            finally:
+                for handle in handles:
+                    handle.remove()
+        if self.num_layers - 1 in outputs:
+            # transformers reports the last entry of hidden_states after the final norm; match it
+            outputs[self.num_layers - 1] = self._final_norm(outputs[self.num_layers - 1])
+        return torch.cat([outputs[i] for i in layer_ids], dim=-1)
+
+    def _hook(self, index: int, last: int, outputs: dict[int, torch.Tensor]):
+        def hook(_module: nn.Module, _args: object, output: object) -> None:
+            outputs[index] = output[0] if isinstance(output, tuple) else output
+            if index == last:
+                raise _StopForward
+
+        return hook
+
+    def _run_base(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        base(input_ids=input_ids.to(self.device), attention_mask=mask, use_cache=False)
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        return base.norm(hidden)
+
+
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TargetError(
+            f"{type(model).__name__}: expected a decoder-only LM with `model.layers` (Qwen3/Llama layout); "
+            "this architecture is not supported as a DFlash target"
+        )
+    return layers
+
+
+def load_target(
+    path: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> TargetModel:
+    """Load a causal LM (local path or hub id) frozen, in eval mode, on `device`."""
+    torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise TargetError(f"cannot load the target model from '{path}': {exc}") from exc
+    return TargetModel(model.to(device))

@@ -1,0 +1,291 @@
+"""The drafter: structure, anchor sampling, visibility, labels and weights, gradients, train == inference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_support import MASK_ID, random_batch, tiny_drafter, tiny_target
+
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
+from dflash_core.model.loss import decay_weights, default_gamma, simulated_acceptance_length, slot_accuracy
+
+B = 4  # block size of the tiny drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return tiny_drafter(target, target_layer_ids=[0, 2])
+
+
+def features(target, drafter, batch):
+    return target.capture(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
+
+
+# ---- structure ---------------------------------------------------------------------------------------------
+
+
+def test_default_target_layer_ids_follow_the_spec():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(4, 1) == [2]
+
+
+def test_build_drafter_uses_defaults_and_validates(target):
+    d = tiny_drafter(target, layers=1)
+    assert d.target_layer_ids == [2]
+    assert d.fc.weight.shape == (64, 64)
+    assert (d.block_size, d.mask_token_id, d.num_target_layers) == (B, MASK_ID, 4)
+    assert d.dflash_config == {"mask_token_id": MASK_ID, "target_layer_ids": [2]}
+    assert d.gamma == default_gamma(B) == 2.0
+    with pytest.raises(DrafterError, match="target_layer_ids"):
+        tiny_drafter(target, target_layer_ids=[0, 9])
+    with pytest.raises(DrafterError, match="mask_token_id 100"):
+        build_drafter(target, ModelConfig(target="tiny"), 100)
+
+
+def test_borrowed_embed_and_head_are_not_drafter_parameters(target, drafter):
+    names = set(drafter.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    own = {id(p) for p in drafter.parameters()}
+    assert id(target.embed_tokens.weight) not in own and id(target.lm_head.weight) not in own
+    assert sum(p.numel() for p in drafter.parameters()) == sum(
+        t.numel() for t in drafter.state_dict().values()
+    )
+    assert drafter.embed_tokens is target.embed_tokens and drafter.lm_head is target.lm_head
+
+
+# ---- anchors -----------------------------------------------------------------------------------------------
+
+
+def test_anchors_respect_loss_mask_length_and_budget(target):
+    d = tiny_drafter(target, num_anchors=5)
+    loss_mask = torch.zeros(3, 20, dtype=torch.uint8)
+    loss_mask[0, 2:18] = 1
+    loss_mask[1, [3, 9, 15]] = 1
+    attention = torch.ones(3, 20, dtype=torch.long)
+    attention[1, 14:] = 0  # length 14: anchor 15 can not hold a block, nor 11..
+    attention[2, 2:] = 0  # length 2: shorter than a block
+    anchors, valid = d.sample_anchors(loss_mask, attention, torch.Generator().manual_seed(0))
+    assert anchors.shape == (3, 5)
+    assert valid.sum(1).tolist() == [5, 2, 0]
+    assert anchors[1, :2].tolist() == [3, 9]
+    row = anchors[0][valid[0]]
+    assert row.tolist() == sorted(set(row.tolist()))
+    assert all(2 <= a <= 16 for a in row.tolist())  # loss_mask[a] = 1 and a + B <= 20
+
+
+def test_anchor_sampling_is_deterministic_and_uniform(target):
+    d = tiny_drafter(target, num_anchors=3)
+    loss_mask = torch.ones(1, 10, dtype=torch.uint8)  # 7 candidates: 0..6
+
+    def draw(seed):
+        return d.sample_anchors(loss_mask, None, torch.Generator().manual_seed(seed))[0]
+
+    assert torch.equal(draw(7), draw(7))
+    counts = torch.zeros(10)
+    for seed in range(700):
+        counts[draw(seed)[0]] += 1
+    assert counts[7:].sum() == 0
+    expected = 700 * 3 / 7
+    assert ((counts[:7] - expected).abs() < 0.2 * expected).all(), counts
+
+
+def test_fewer_candidates_than_anchors_gives_dropped_blocks_without_nan(target):
+    d = tiny_drafter(target, num_anchors=8)
+    batch = random_batch(2, 12)
+    batch["attention_mask"][1, 6:] = 0
+    batch["loss_mask"][1] = 0
+    out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
+    assert out.n_blocks == 8  # row 0: 9 candidates, budget 8; row 1: none
+    assert torch.isfinite(out.weighted_loss_sum)
+    out.weighted_loss_sum.backward()
+    assert all(torch.isfinite(p.grad).all() for p in d.parameters())
+    d.zero_grad()
+
+
+# ---- visibility --------------------------------------------------------------------------------------------
+
+
+def test_visibility_mask_exact_for_a_small_case(drafter):
+    anchors, valid = torch.tensor([[2, 5]]), torch.tensor([[True, False]])
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
+    m = drafter.visibility_mask(anchors, valid, attention, 8)[0, 0]
+    assert m.shape == (2 * B, 8 + 2 * B)
+    assert m[:B, :8].tolist() == [[True, True] + [False] * 6] * B  # block at 2 sees context 0, 1
+    assert not m[B:, :8].any()  # the dropped block sees no context
+    own = torch.block_diag(torch.ones(B, B), torch.ones(B, B)).bool()
+    assert torch.equal(m[:, 8:], own)  # blocks see their own slots and no other block
+
+
+def test_block_ignores_tokens_after_and_features_at_or_after_its_anchor(target, drafter):
+    batch = random_batch(1, 24, seed=3)
+    anchors = torch.tensor([[10]])
+    base = drafter.block_logits(features(target, drafter, batch), batch["input_ids"], None, anchors)
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][0, 11:] = (changed["input_ids"][0, 11:] + 7) % MASK_ID
+    feats = features(target, drafter, changed)
+    feats[0, 10:] += torch.randn_like(feats[0, 10:])  # the anchor's own hidden state does not exist yet
+    after = drafter.block_logits(feats, changed["input_ids"], None, anchors)
+    torch.testing.assert_close(after, base, rtol=0, atol=1e-6)
+
+
+def test_block_sees_tokens_strictly_before_its_anchor(target, drafter):
+    batch = random_batch(1, 24, seed=3)
+    anchors = torch.tensor([[10]])
+    base = drafter.block_logits(features(target, drafter, batch), batch["input_ids"], None, anchors)
+    changed = batch["input_ids"].clone()
+    changed[0, 9] = (changed[0, 9] + 1) % MASK_ID
+    feats = target.capture(changed, None, drafter.target_layer_ids)
+    after = drafter.block_logits(feats, changed, None, anchors)
+    assert (after - base).abs().max() > 1e-3
+
+
+def test_blocks_never_see_each_other(target, drafter):
+    batch = random_batch(1, 24, seed=4)
+    feats = features(target, drafter, batch)
+    anchors = torch.tensor([[3, 5, 12]])  # 3 and 5 overlap in positions
+    base = drafter.block_logits(feats, batch["input_ids"], None, anchors)
+    changed = batch["input_ids"].clone()
+    changed[0, 5] = (changed[0, 5] + 1) % MASK_ID  # slot 0 of block 5 only (features stay the same)
+    after = drafter.block_logits(feats, changed, None, anchors)
+    assert (after[0, 1] - base[0, 1]).abs().max() > 1e-3
+    torch.testing.assert_close(after[0, [0, 2]], base[0, [0, 2]], rtol=0, atol=1e-6)
+
+
+def test_padding_and_batch_neighbours_do_not_change_a_sequence(target, drafter):
+    batch = random_batch(2, 20, seed=5)
+    batch["attention_mask"][1, 13:] = 0
+    anchors = torch.tensor([[2, 8], [2, 8]])
+    together = drafter.block_logits(
+        features(target, drafter, batch), batch["input_ids"], batch["attention_mask"], anchors
+    )
+    alone_ids = batch["input_ids"][1:, :13]
+    alone = drafter.block_logits(
+        target.capture(alone_ids, None, drafter.target_layer_ids), alone_ids, None, anchors[1:]
+    )
+    torch.testing.assert_close(together[1:], alone, rtol=1e-5, atol=1e-5)
+
+
+# ---- training forward == inference forward -----------------------------------------------------------------
+
+
+def test_training_pass_equals_draft_block(target, drafter):
+    batch = random_batch(2, 30, seed=6)
+    feats = features(target, drafter, batch)
+    anchors = torch.tensor([[0, 7, 19, 26], [4, 5, 6, 20]])
+    train = drafter.block_logits(feats, batch["input_ids"], batch["attention_mask"], anchors)
+    for row in range(2):
+        for k, a in enumerate(anchors[row].tolist()):
+            infer = drafter.draft_block(feats[row, :a], batch["input_ids"][row, a], a)
+            assert infer.shape == (B, 100)
+            torch.testing.assert_close(train[row, k], infer, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_block_refuses_context_at_or_after_the_anchor(target, drafter):
+    with pytest.raises(DrafterError, match="position 5"):
+        drafter.draft_block(torch.zeros(1, 6, 128), 1, 5)
+
+
+# ---- labels, weights, loss ---------------------------------------------------------------------------------
+
+
+def test_decay_weights():
+    w = decay_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+
+
+def test_labels_are_same_position_and_weights_zero_slot0_and_unsupervised(drafter):
+    ids = torch.arange(20)[None] + 50
+    loss_mask = torch.ones(1, 20, dtype=torch.uint8)
+    loss_mask[0, 9] = 0
+    anchors, valid = torch.tensor([[3, 7, 0]]), torch.tensor([[True, True, False]])
+    labels, weights = drafter.block_targets(ids, loss_mask, anchors, valid)
+    assert labels[0, 0].tolist() == [53, 54, 55, 56]  # slot j <- input_ids[a + j]
+    assert labels[0, 1].tolist() == [57, 58, 59, 60]
+    decay = decay_weights(B, drafter.gamma)
+    torch.testing.assert_close(weights[0, 0], decay)
+    assert weights[0, 1].tolist() == [
+        0.0,
+        float(decay[1]),
+        0.0,
+        float(decay[3]),
+    ]  # position 9 is unsupervised
+    assert weights[0, 2].sum() == 0  # dropped block
+    assert weights[..., 0].sum() == 0  # slot 0 is the known token
+
+
+def test_loss_sums_and_slot_metrics_match_a_manual_computation(target, drafter):
+    batch = random_batch(2, 16, seed=8)
+    batch["loss_mask"][0, :5] = 0
+    feats = features(target, drafter, batch)
+    out = drafter(feats, **batch, generator=torch.Generator().manual_seed(3))
+    anchors, valid = drafter.sample_anchors(
+        batch["loss_mask"], batch["attention_mask"], torch.Generator().manual_seed(3)
+    )
+    logits = drafter.block_logits(feats, batch["input_ids"], batch["attention_mask"], anchors, valid)
+    labels, weights = drafter.block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    torch.testing.assert_close(out.weighted_loss_sum, (ce * weights).sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.weight_sum, weights.sum())
+    counted = (weights > 0).sum((0, 1))[1:]
+    correct = ((logits.argmax(-1) == labels) & (weights > 0)).sum((0, 1))[1:]
+    assert out.counted.tolist() == counted.tolist() and out.correct.tolist() == correct.tolist()
+    assert out.n_blocks == int(valid.sum())
+
+
+def test_slot_accuracy_and_simulated_acceptance_length():
+    acc = slot_accuracy(torch.tensor([8, 4, 0]), torch.tensor([10, 8, 0]))
+    assert acc[:2] == [0.8, 0.5] and math.isnan(acc[2])
+    assert simulated_acceptance_length([0.8, 0.5, 1.0]) == pytest.approx(1 + 0.8 + 0.4 + 0.4)
+    assert simulated_acceptance_length([1.0] * 15) == 16
+
+
+# ---- gradients ---------------------------------------------------------------------------------------------
+
+
+def test_a_step_updates_only_the_drafter(target):
+    d = tiny_drafter(target, seed=5)
+    frozen = {k: v.clone() for k, v in target.model.state_dict().items()}
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    batch = random_batch(2, 16, seed=9)
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
+    (out.weighted_loss_sum / out.weight_sum).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
+    assert all(p.grad is None for p in target.model.parameters())
+    opt.step()
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, frozen[k]), k
+    assert all(not torch.equal(v, before[k]) for k, v in d.state_dict().items())
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(target):
+    batch = random_batch(2, 16, seed=10)
+    grads = []
+    for ckpt in (False, True):
+        d = tiny_drafter(target, seed=6, gradient_checkpointing=ckpt)
+        out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
+        out.weighted_loss_sum.backward()
+        grads.append((out.weighted_loss_sum.detach(), [p.grad for p in d.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_int32_shard_ids_and_uint8_masks_are_accepted(target, drafter):
+    batch = random_batch(1, 16, seed=11)
+    ids32 = batch["input_ids"].to(torch.int32)
+    feats = features(target, drafter, batch)
+    gen = torch.Generator().manual_seed(0)
+    out32 = drafter(feats, ids32, batch["loss_mask"], batch["attention_mask"].to(torch.int32), gen)
+    out64 = drafter(feats, **batch, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out32.weighted_loss_sum, out64.weighted_loss_sum)

@@ -1,0 +1,186 @@
+"""Speculative decoding: lossless, oracle and random drafters, stop tokens, the eval entry point."""
+
+import json
+
+import pytest
+import torch
+from model_support import MASK_ID, tiny_drafter, tiny_qwen3
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+from dflash_core.model.evaluate import (
+    evaluate,
+    greedy_generate,
+    prompt_turns,
+    read_prompts,
+    speculative_generate,
+    tau,
+)
+from dflash_core.model.export import save_dflash
+from dflash_core.model.target import TargetModel
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(tiny_qwen3(seed=2))
+
+
+PROMPTS = [
+    torch.tensor([5, 17, 42, 8, 23]),
+    torch.tensor([61, 3]),
+    torch.tensor([11, 12, 13, 14, 15, 16, 17]),
+]
+
+
+class OracleDrafter:
+    """Drafts the target's own greedy continuation (it is given that continuation up front)."""
+
+    block_size = B
+    target_layer_ids = [1]
+
+    def __init__(self, continuation: torch.Tensor):
+        self.continuation = continuation
+
+    def draft_block(self, context_features, anchor_token, position):
+        assert context_features.shape[1] == position  # context is exactly the positions before the anchor
+        logits = torch.zeros(B, 100)
+        for j in range(B):
+            logits[j, int(self.continuation[min(position + j, len(self.continuation) - 1)])] = 1.0
+        return logits
+
+
+def test_greedy_reference_equals_transformers_generate(target):
+    ids = PROMPTS[0][None]
+    hf = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert torch.equal(greedy_generate(target, ids, 12), hf)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_oracle_drafter_reaches_the_block_size_and_output_is_greedy(target, prompt):
+    reference = greedy_generate(target, prompt, 30 + B)[0]
+    out, lengths = speculative_generate(target, OracleDrafter(reference), prompt, 30)
+    assert torch.equal(out[0], reference[: len(prompt) + 30])
+    assert lengths and all(n == B for n in lengths)
+    assert tau(lengths) == B
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_random_drafter_accepts_almost_nothing_and_output_is_greedy(target, prompt):
+    drafter = tiny_drafter(target, block_size=B, seed=7).eval()
+    out, lengths = speculative_generate(target, drafter, prompt, 25)
+    assert torch.equal(out, greedy_generate(target, prompt, 25))
+    assert 1.0 <= tau(lengths) < 1.5
+
+
+def test_stop_token_ends_generation_like_greedy(target):
+    prompt = PROMPTS[0]
+    reference = greedy_generate(target, prompt, 20)[0, len(prompt) :].tolist()
+    stop = reference[5]
+    drafter = tiny_drafter(target, block_size=B, seed=7).eval()
+    out, _ = speculative_generate(target, drafter, prompt, 20, stop_token_ids=[stop])
+    assert out[0, len(prompt) :].tolist() == reference[: reference.index(stop) + 1]
+    assert torch.equal(out, greedy_generate(target, prompt, 20, stop_token_ids=[stop]))
+
+
+def test_prompt_turns_cut_before_the_first_assistant_turn():
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "yo"},
+            {"from": "human", "value": "more"},
+        ]
+    }
+    assert prompt_turns(sharegpt) == [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    openai = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert prompt_turns(openai) == [{"role": "user", "content": "a"}]
+    assert prompt_turns({"messages": [{"role": "assistant", "content": "b"}]}) is None
+    assert prompt_turns({"text": "no turns"}) is None
+
+
+WORDS = [
+    "[UNK]",
+    "<pad>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|mask|>",
+    "user",
+    "assistant",
+    "system",
+    "what",
+    "is",
+    "two",
+    "plus",
+    "three",
+    "hello",
+    "there",
+    "count",
+    "to",
+    "ten",
+    "?",
+]
+
+
+def tiny_tokenizer(path) -> None:
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|mask|>", "<pad>"])
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        mask_token="<|mask|>",
+        chat_template=template,
+    )
+    fast.save_pretrained(path)
+
+
+def test_evaluate_end_to_end(tmp_path, target):
+    target.model.save_pretrained(tmp_path / "target")
+    save_dflash(tiny_drafter(target, block_size=B, seed=7), str(tmp_path / "drafter"))
+    tiny_tokenizer(tmp_path / "tok")
+    records = [
+        {
+            "conversations": [
+                {"from": "human", "value": "what is two plus three ?"},
+                {"from": "gpt", "value": "x"},
+            ]
+        },
+        {"messages": [{"role": "system", "content": "hello"}, {"role": "user", "content": "count to ten"}]},
+        {"messages": [{"role": "assistant", "content": "no user turn"}]},
+        {"conversations": [{"from": "human", "value": "hello there"}]},
+    ]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert len(read_prompts(str(tmp_path / "data.jsonl"))) == 3
+    summary = evaluate(  # the keywords `dflash eval` uses
+        target=str(tmp_path / "target"),
+        drafter_dir=str(tmp_path / "drafter"),
+        tokenizer=str(tmp_path / "tok"),
+        data=str(tmp_path / "data.jsonl"),
+        limit=2,
+        max_new_tokens=10,
+        device="cpu",
+    )
+    assert set(summary) == {"tau", "prompts", "tokens_generated", "histogram"}
+    assert summary["prompts"] == 2
+    assert 1.0 <= summary["tau"] <= B
+    assert list(summary["histogram"]) == ["1", "2", "3", "4"]
+    assert 0 < summary["tokens_generated"] <= 20
+    assert MASK_ID == 99  # the drafter's mask id comes from its config, not the tokenizer
+    json.dumps(summary)

@@ -1,0 +1,147 @@
+"""The serving checkpoint: exact tensor names and shapes, config fields, round trip."""
+
+import json
+
+import pytest
+import torch
+from model_support import MASK_ID, random_batch, tiny_drafter, tiny_target
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from dflash_core.model.export import ExportError, load_dflash, save_dflash
+
+H, HEADS, KV, HEAD_DIM, FFN = 64, 4, 2, 16, 128
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return tiny_drafter(target, layers=2, target_layer_ids=[0, 2, 3])
+
+
+def expected_shapes(layers: int, k: int) -> dict[str, tuple[int, ...]]:
+    shapes = {"fc.weight": (H, k * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for n in range(layers):
+        p = f"layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, H),
+            p + "self_attn.k_proj.weight": (KV * HEAD_DIM, H),
+            p + "self_attn.v_proj.weight": (KV * HEAD_DIM, H),
+            p + "self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+            p + "self_attn.q_norm.weight": (HEAD_DIM,),
+            p + "self_attn.k_norm.weight": (HEAD_DIM,),
+            p + "mlp.gate_proj.weight": (FFN, H),
+            p + "mlp.up_proj.weight": (FFN, H),
+            p + "mlp.down_proj.weight": (H, FFN),
+        }
+    return shapes
+
+
+def test_export_writes_exactly_the_spec_files_names_and_shapes(tmp_path, drafter):
+    save_dflash(drafter, str(tmp_path / "d"))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(tmp_path / "d" / "model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    assert shapes == expected_shapes(2, 3)
+    assert dtypes == {torch.bfloat16}
+
+
+def test_export_config_fields(tmp_path, drafter):
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 4
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2, 3]}
+    assert cfg["layer_types"] == ["full_attention", "full_attention"]
+    assert cfg["tie_word_embeddings"] is False
+    want = {
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": HEAD_DIM,
+        "vocab_size": 100,
+        "max_position_embeddings": 512,
+    }
+    assert {k: cfg[k] for k in want} == want
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]
+    for key in ("rms_norm_eps", "hidden_act"):
+        assert key in cfg
+    loaded = AutoConfig.from_pretrained(tmp_path / "d")  # what serving engines do first
+    assert loaded.model_type == "qwen3" and loaded.block_size == 4
+
+
+def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    assert loaded.target_layer_ids == [0, 2, 3] and loaded.block_size == 4 and loaded.mask_token_id == MASK_ID
+    batch = random_batch(1, 20, seed=2)
+    feats = target.capture(batch["input_ids"], None, drafter.target_layer_ids)
+    anchors = torch.tensor([[3, 9]])
+    assert torch.equal(
+        loaded.block_logits(feats, batch["input_ids"], None, anchors),
+        drafter.block_logits(feats, batch["input_ids"], None, anchors),
+    )
+
+
+def test_bf16_round_trip_is_close(tmp_path, target, drafter):
+    save_dflash(drafter, str(tmp_path / "d"))
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_export_to_an_fsspec_uri(target, drafter):
+    save_dflash(drafter, "memory://dflash-test/d", dtype=torch.float32)
+    loaded = load_dflash("memory://dflash-test/d", target)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
+def _save_and_edit(tmp_path, drafter, edit):
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    edit(tmp_path / "d")
+    return str(tmp_path / "d")
+
+
+def test_load_rejects_a_wrong_tensor_name(tmp_path, target, drafter):
+    from safetensors.torch import load_file, save_file
+
+    def rename(d):
+        t = load_file(d / "model.safetensors")
+        t["model.norm.weight"] = t.pop("norm.weight")
+        save_file(t, d / "model.safetensors")
+
+    with pytest.raises(ExportError, match=r"missing \['norm.weight'\], unexpected \['model.norm.weight'\]"):
+        load_dflash(_save_and_edit(tmp_path, drafter, rename), target)
+
+
+def test_load_rejects_a_wrong_shape_and_another_target(tmp_path, target, drafter):
+    def bad_config(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["intermediate_size"] = 96
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    with pytest.raises(ExportError, match=r"mlp.gate_proj.weight \(128, 64\) != \(96, 64\)"):
+        load_dflash(_save_and_edit(tmp_path, drafter, bad_config), target)
+
+    def other_target(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["num_target_layers"] = 36
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    with pytest.raises(ExportError, match="num_target_layers=36 but the target has 4"):
+        load_dflash(_save_and_edit(tmp_path, drafter, other_target), target)
+
+
+def test_load_missing_folder_says_what_is_expected(tmp_path, target):
+    with pytest.raises(ExportError, match="config.json"):
+        load_dflash(str(tmp_path / "nothing"), target)
