@@ -113,22 +113,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node or cfg.train.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,
+        on_line=lambda line: print(line, file=sys.stderr, flush=True),  # stdout keeps only the summary line
     )
     _print_summary(summary)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from dflash_core.monitor.check import run_check
-
+    if not args.metrics and not args.wandb_run:
+        raise UsageError("give --metrics URI (a metrics.jsonl) or --wandb-run entity/project/run_id")
     cfg = _config(args) if args.config else None
+    from dflash_core.monitor.check import run_check
     from dflash_core.monitor.config import CheckConfig
 
     check_cfg = cfg.check if cfg else CheckConfig()
     report = run_check(args.metrics, args.out, check_cfg, wandb_run=args.wandb_run,
                        baseline=args.baseline or check_cfg.baseline)
-    failed = [name for name, fig in report.get("figures", {}).items() if not fig.get("pass", True)]
-    _print_summary({"verdict": report["verdict"], "failed": failed, "out": args.out})
+    _print_summary({"verdict": report["verdict"], "failed": report["failed"], "warned": report["warned"],
+                    "out": args.out})
     return EXIT_FAILED if report["verdict"] == "fail" else 0
 
 
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("check", help="grad-norm and loss logs vs stability thresholds; exit 1 on fail")
-    p.add_argument("--metrics", help="metrics.jsonl (any fsspec URI)")
+    p.add_argument("--metrics", help="metrics.jsonl (any fsspec URI), or wandb://entity/project/run_id")
     p.add_argument("--wandb-run", help="entity/project/run_id: read the full history from W&B instead")
     p.add_argument("--baseline", help="report.json of an earlier healthy run to compare against")
     p.add_argument("--out", required=True)

@@ -20,7 +20,11 @@ class TrainConfig(StrictModel):
     max_steps: PositiveInt | None = None
     prefetch_threads: PositiveInt = 4
     queue_size: PositiveInt = 8
-    target_devices: list[str] | None = None
+    target_devices: list[str] | None = Field(
+        None,
+        description="target replicas per node, split evenly over the node's ranks in order (e.g. 2 ranks with "
+        "[cuda:0, cuda:1, cuda:2, cuda:3]: rank 0 gets cuda:0,1); None = one replica on the rank's own device",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: PositiveInt = 100
     keep_checkpoints: PositiveInt = 3

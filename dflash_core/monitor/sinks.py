@@ -1,0 +1,209 @@
+"""Metric sinks: one small interface; metrics.jsonl always, W&B optionally (offline by default).
+
+Records are the per-step dicts of the metrics.jsonl contract (docs: /work/notes/INTERFACES.md "Monitor").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import posixpath
+import secrets
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from dflash_core.monitor.config import WandbConfig
+
+SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
+
+
+class MetricSink:
+    """Where per-step records go; the default does nothing."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Record one optimizer step."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class NullSink(MetricSink):
+    """Drops every record (ranks other than 0)."""
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no NaN/Infinity: a non-finite float becomes null, which the monitor reads as "not a number".
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class JsonlSink(MetricSink):
+    """metrics.jsonl: one line per step, flushed every step, appended on resume, never truncated.
+
+    On open it reads the steps already in the file: a resumed run re-executes the steps after its checkpoint,
+    and those records are skipped instead of written twice. An incomplete last line (a crash in the middle of
+    a write) holds no record; it is cut off so that the file stays valid JSONL.
+    """
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self._fs, self._path = fsspec.core.url_to_fs(uri)
+        self._fs.makedirs(posixpath.dirname(self._path) or ".", exist_ok=True)
+        self._written = self._existing_steps()
+        self._fh = self._fs.open(self._path, "ab")
+
+    def _existing_steps(self) -> set[int]:
+        if not self._fs.exists(self._path):
+            return set()
+        with self._fs.open(self._path, "rb") as fh:
+            data = fh.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) != len(data):
+            self._cut_partial_line(complete)
+        steps = set()
+        for line in complete.splitlines():
+            if line.strip():
+                steps.add(int(json.loads(line)["step"]))
+        return steps
+
+    def _cut_partial_line(self, complete: bytes) -> None:
+        if isinstance(self._fs, LocalFileSystem):
+            with open(self._path, "r+b") as fh:
+                fh.truncate(len(complete))
+        else:
+            with self._fs.open(self._path, "wb") as fh:
+                fh.write(complete)
+
+    @property
+    def steps_written(self) -> set[int]:
+        """Steps already in the file (including those from before a resume)."""
+        return set(self._written)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append the record unless its step is already in the file; flush (and fsync locally)."""
+        step = int(record["step"])
+        if step in self._written:
+            return
+        line = json.dumps(_json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
+        self._fh.write(line.encode())
+        self._fh.flush()
+        if hasattr(self._fh, "fileno"):
+            try:
+                os.fsync(self._fh.fileno())
+            except (OSError, ValueError):
+                pass  # not a real file descriptor (in-memory filesystem)
+        self._written.add(step)
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()
+
+
+def scrub_secrets(config: Any) -> Any:
+    """A copy of a config mapping without anything that looks like a credential."""
+    if isinstance(config, dict):
+        return {
+            k: scrub_secrets(v) for k, v in config.items() if not any(w in str(k).lower() for w in SECRET_WORDS)
+        }
+    if isinstance(config, list):
+        return [scrub_secrets(v) for v in config]
+    key = os.environ.get("WANDB_API_KEY")
+    return "<redacted>" if key and isinstance(config, str) and key in config else config
+
+
+def wandb_mode(cfg: WandbConfig) -> str:
+    """The mode W&B actually runs in: online only when asked for AND a key is configured."""
+    if not cfg.enabled or cfg.mode == "disabled":
+        return "disabled"
+    if cfg.mode == "online" and os.environ.get("WANDB_API_KEY"):
+        return "online"
+    return "offline"
+
+
+class WandbSink(MetricSink):
+    """Weights & Biases: run config logged, grad_norm summarised by its max, offline unless a key is set.
+
+    The run id is kept in `<out_dir>/wandb_run_id` so that a resumed training run continues the same W&B run.
+    Records of steps W&B already has (a resume re-executes a few steps) are not logged again: those up to
+    `logged_through` (the last step metrics.jsonl holds) or up to the resumed run's summary step.
+    """
+
+    def __init__(
+        self, cfg: WandbConfig, run_config: dict[str, Any], out_dir: str, logged_through: int = -1
+    ) -> None:
+        import wandb  # imported here: only rank 0 with W&B enabled pays for it
+
+        self._wandb = wandb
+        mode = wandb_mode(cfg)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        id_file = out / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
+        id_file.write_text(run_id)
+        self.run = wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.name, tags=list(cfg.tags), id=run_id,
+            resume="allow", mode=mode, dir=str(out), config=scrub_secrets(run_config),
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.run.define_metric("grad_norm", step_metric="step", summary="max")
+        self.run.define_metric("loss", step_metric="step", summary="min")
+        resumed = int(self.run.summary.get("step", -1)) if self.run.resumed else -1
+        self._last_step = max(resumed, logged_through)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log the scalar fields of a record (nested dicts flattened as key/sub)."""
+        if int(record["step"]) <= self._last_step:
+            return
+        self.run.log(_flatten(record))
+        self._last_step = int(record["step"])
+
+    def close(self) -> None:
+        """Finish the run (writes the offline run folder)."""
+        self.run.finish()
+
+
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}/"))
+        elif isinstance(value, list):
+            flat.update({f"{name}/{i}": v for i, v in enumerate(value)})
+        elif isinstance(value, bool | int | float) or value is None:
+            flat[name] = float("nan") if value is None else value
+    return flat
+
+
+class MultiSink(MetricSink):
+    """Fan out to several sinks; closes them all even if one fails."""
+
+    def __init__(self, sinks: list[MetricSink]) -> None:
+        self.sinks = list(sinks)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log to every sink."""
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        """Close every sink; re-raise the first error afterwards."""
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - close the others first, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]

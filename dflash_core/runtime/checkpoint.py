@@ -1,0 +1,159 @@
+"""Checkpoints: atomic (temporary folder, fsync, rename), keep the last K, resume from the newest complete one.
+
+Layout of `<out>/checkpoints/step-N/` (N = optimizer steps completed = the plan step to run next):
+- `model.safetensors`: the drafter's trainable weights (fp32 master weights, names as in its state_dict);
+- `train_state.pt`: optimizer, scheduler, loop counters and every rank's RNG states (torch.load weights_only);
+- `meta.json`: written last, {"step": N, "complete": true, ...}.
+A folder only ever gets its final name by an atomic rename of a fully written and fsynced temporary folder,
+so a crash in the middle of a save leaves `.tmp-*` debris (removed at the next start) and the previous
+checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names it."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the step to continue at, drafter weights and the training state."""
+
+    step: int
+    path: Path
+    model: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, numpy, python) in a weights_only-loadable form."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": [version, list(internal), gauss_next],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Writes, lists, prunes and loads the checkpoints of one run folder (a local path)."""
+
+    def __init__(self, root: str | Path, keep: int, faults: FaultPlan = NO_FAULTS) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.faults = faults
+
+    def clean_debris(self) -> None:
+        """Remove temporary folders left by a crash during a save (rank 0, before training)."""
+        if self.root.exists():
+            for tmp in self.root.glob(".tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as (step, path), oldest first."""
+        found = []
+        for path in self.root.glob("step-*") if self.root.exists() else []:
+            match = STEP_DIR.match(path.name)
+            if match and (path / "meta.json").exists():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        found = self.complete()
+        return found[-1][1] if found else None
+
+    def save(self, step: int, model: dict[str, torch.Tensor], state: dict[str, Any]) -> Path:
+        """Write checkpoint `step-<step>` atomically and prune old ones; returns its path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        _fsync_file(tmp / "model.safetensors")
+        self.faults.maybe_kill("crash_in_checkpoint", step)
+        torch.save(state, tmp / "train_state.pt")
+        _fsync_file(tmp / "train_state.pt")
+        meta = {"step": step, "complete": True, "time": time.time(), "tensors": len(weights)}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        _fsync_file(tmp / "meta.json")
+        _fsync_dir(tmp)
+        final = self.root / f"step-{step}"
+        self._replace(tmp, final)
+        self.prune()
+        return final
+
+    def _replace(self, tmp: Path, final: Path) -> None:
+        old = None
+        if final.exists():  # the same step saved again: move the old one aside, never delete it first
+            old = self.root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints."""
+        for _, path in self.complete()[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, path: str | Path) -> Checkpoint:
+        """Load a checkpoint folder; CheckpointError names the folder and what is wrong."""
+        path = Path(path)
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            model = load_file(str(path / "model.safetensors"))
+            state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - safetensors and pickle raise their own error types
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); delete the folder to resume "
+                "from the previous checkpoint"
+            ) from exc
+        return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state)

@@ -1,0 +1,301 @@
+"""The training run of one rank: checks the inputs, builds the models and the three loops, trains, saves.
+
+Stages: BatchPrefetcher -> [batches] -> TargetForwardLoop -> [features] -> DrafterTrainLoop (main thread).
+Any error in any stage fails every channel, so all stages stop and the main thread re-raises the original.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_core.config import PipelineConfig
+from dflash_core.model.drafter import DFlashDrafter, build_drafter
+from dflash_core.model.export import save_dflash
+from dflash_core.model.target import TargetModel, load_target
+from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink, WandbSink, wandb_mode
+from dflash_core.runtime.batch import MicroBatch, PlanRow
+from dflash_core.runtime.channel import Channel, fail_all
+from dflash_core.runtime.checkpoint import CheckpointManager, rng_state, set_rng_state
+from dflash_core.runtime.distributed import (
+    DistEnv,
+    broadcast_int,
+    gather_objects,
+    init_process_group,
+    replica_devices,
+    resolve_device,
+    shutdown,
+)
+from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
+from dflash_core.runtime.prefetch import BatchPrefetcher
+from dflash_core.runtime.schedule import make_scheduler
+from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
+from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
+
+
+class PlanMismatchError(ValueError):
+    """The plan does not fit this launch or these token shards (checked before any work)."""
+
+
+@dataclass
+class RunPlan:
+    """What this rank trains: its plan rows from `start` on, and the step-level facts of the plan."""
+
+    table: pl.DataFrame
+    meta: dict[str, Any]
+    grad_accum: int
+    num_steps: int  # steps this run trains in total (plan steps, capped by train.max_steps)
+    buckets: list[int]
+
+    def rank_rows(self, rank: int, start: int) -> list[PlanRow]:
+        """This rank's micro-batches of steps start..num_steps-1, in (step, micro) order."""
+        part = self.table.filter(
+            (pl.col("rank") == rank) & (pl.col("step") >= start) & (pl.col("step") < self.num_steps)
+        ).sort("step", "micro")
+        rows = [
+            PlanRow(int(r["step"]), int(r["micro"]), int(r["bucket"]), tuple(int(i) for i in r["sample_ids"]))
+            for r in part.iter_rows(named=True)
+        ]
+        expected = max(0, self.num_steps - start) * self.grad_accum
+        if len(rows) != expected:
+            raise PlanMismatchError(
+                f"plan: rank {rank} has {len(rows)} micro-batches in steps {start}..{self.num_steps - 1}, expected "
+                f"{expected} (grad_accum {self.grad_accum} per step); re-run `dflash plan`"
+            )
+        return rows
+
+    def epoch(self, step: int) -> int:
+        """The epoch a plan step belongs to (plan.parquet's epoch column when it has one)."""
+        if "epoch" in self.table.columns:
+            row = step * int(self.meta["world_size"]) * self.grad_accum  # rows sorted by (step, rank, micro)
+            return int(self.table["epoch"][row])
+        total, epochs = int(self.meta.get("num_steps", self.num_steps)), int(self.meta.get("epochs", 1))
+        return min(epochs - 1, step * epochs // max(1, total))
+
+
+def check_plan(meta: dict[str, Any], plan_dir: str, world_size: int, fingerprint: str, tokenized: str) -> None:
+    """Refuse a plan made for another world size or other token shards (before any work)."""
+    if int(meta["world_size"]) != world_size:
+        raise PlanMismatchError(
+            f"{plan_dir}/plan.json was made for world_size {meta['world_size']}, but this launch has {world_size} "
+            f"processes; re-run `dflash plan --world-size {world_size}` or launch {meta['world_size']} processes"
+        )
+    planned = meta.get("tokenized_fingerprint")
+    if planned != fingerprint:
+        raise PlanMismatchError(
+            f"{plan_dir}/plan.json was made for token shards with fingerprint {planned!r}, but {tokenized} has "
+            f"{fingerprint!r}; re-run `dflash plan --tokenized {tokenized}`"
+        )
+
+
+def load_run_plan(table: pl.DataFrame, meta: dict[str, Any], max_steps: int | None) -> RunPlan:
+    """The plan as this run uses it."""
+    num_steps = int(meta["num_steps"]) if "num_steps" in meta else int(table["step"].max()) + 1
+    if max_steps is not None:
+        num_steps = min(num_steps, max_steps)
+    buckets = sorted(int(b) for b in table["bucket"].unique().to_list())
+    return RunPlan(table, meta, int(meta["grad_accum"]), num_steps, buckets)
+
+
+def wrap_ddp(drafter: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DDP without per-forward buffer broadcasts: the drafter's only buffers are RoPE tables, equal everywhere."""
+    ids = [device.index] if device.type == "cuda" else None
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return DistributedDataParallel(drafter, device_ids=ids, forward_sync_buffers=False)
+    return DistributedDataParallel(drafter, device_ids=ids, broadcast_buffers=False)  # torch < 2.13
+
+
+class Trainer:
+    """One rank's run: `setup()` (models, optimizer, resume) then `train()` -> summary dict."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        plan: RunPlan,
+        reader,
+        out: str,
+        env: DistEnv,
+        mask_token_id: int,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> None:
+        self.cfg, self.plan, self.reader, self.env, self.faults = cfg, plan, reader, env, faults
+        self.out = Path(out)
+        self.mask_token_id = mask_token_id
+        self.device = resolve_device(cfg.train.device, env)
+        self.ckpts = CheckpointManager(self.out / "checkpoints", cfg.train.keep_checkpoints, faults)
+        self.start_step = 0
+        self.resumed_from: str | None = None
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+
+    def setup(self) -> Trainer:
+        """Process group, target replicas, drafter, optimizer, schedule; resume from the newest checkpoint."""
+        init_process_group(self.env, self.device)
+        t = self.cfg.train
+        self.targets = self._load_targets()
+        torch.manual_seed(t.seed)  # every rank builds the same initial drafter
+        self.drafter: DFlashDrafter = build_drafter(self.targets[0], self.cfg.model, self.mask_token_id)
+        self.drafter.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        self.scheduler = make_scheduler(self.optimizer, self.plan.num_steps, t.warmup_ratio, t.schedule, t.min_lr_ratio)
+        self.loop_state: dict[str, Any] | None = None
+        self._resume()
+        self.model = wrap_ddp(self.drafter, self.device) if self.env.world_size > 1 else self.drafter
+        return self
+
+    def _load_targets(self) -> list[TargetModel]:
+        m = self.cfg.model
+        devices = replica_devices(self.cfg.train.target_devices, self.env, self.device)
+        # one model per replica even on a shared device: capture() serialises calls on one model
+        return [load_target(m.target, m.dtype, d, m.trust_remote_code) for d in devices]
+
+    def _resume(self) -> None:
+        if self.env.is_main:
+            self.ckpts.clean_debris()
+        latest = self.ckpts.latest() if self.env.is_main else None
+        step = broadcast_int(-1 if latest is None else int(latest.name.split("-")[1]), self.env, self.device)
+        if step < 0:
+            return
+        ckpt = self.ckpts.load(self.ckpts.root / f"step-{step}")
+        self.drafter.load_state_dict(ckpt.model)
+        self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        self.loop_state = ckpt.state["loop"]
+        set_rng_state(ckpt.state["rng"][self.env.rank])
+        self.start_step, self.resumed_from = step, str(ckpt.path)
+
+    # ---- the run -------------------------------------------------------------------------------------------
+
+    def _build_loops(self) -> tuple[BatchPrefetcher, TargetForwardLoop, DrafterTrainLoop, list[Channel]]:
+        t = self.cfg.train
+        batches: Channel[MicroBatch] = Channel(t.queue_size, "batches")
+        features: Channel[MicroBatch] = Channel(t.queue_size, "features")
+        rows = self.plan.rank_rows(self.env.rank, self.start_step)
+        prefetch = BatchPrefetcher(
+            rows, self.reader, batches, t.prefetch_threads, pin_memory=self.device.type == "cuda", faults=self.faults
+        )
+        hidden = self.targets[0].hidden_size
+        target = TargetForwardLoop(
+            self.targets, self.drafter.target_layer_ids, batches, features,
+            cost=lambda b: batch_cost(b.n_samples, b.max_len, hidden), feature_device=self.device, faults=self.faults,
+        )
+        settings = LoopSettings(
+            grad_accum=self.plan.grad_accum, clip=t.clip_grad, seed=t.seed, rank=self.env.rank,
+            world_size=self.env.world_size, device=self.device, buckets=self.plan.buckets,
+            block_size=self.drafter.block_size,
+            autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+        )
+        health = lambda: {"queue_depth": {"prefetch": batches.depth(), "target": features.depth()}}  # noqa: E731
+        loop = DrafterTrainLoop(self.model, self.optimizer, self.scheduler, features, settings, self.faults, health)
+        if self.loop_state is not None:
+            loop.load_state_dict(self.loop_state)
+        return prefetch, target, loop, [batches, features]
+
+    def _sink(self) -> MetricSink:
+        if not self.env.is_main:
+            return NullSink()
+        jsonl = JsonlSink(str(self.out / "metrics.jsonl"))
+        sinks: list[MetricSink] = [jsonl]
+        if wandb_mode(self.cfg.wandb) != "disabled":
+            logged = max(jsonl.steps_written, default=-1)  # a resume re-runs these; W&B has them already
+            sinks.append(WandbSink(self.cfg.wandb, self.cfg.model_dump(mode="json"), str(self.out), logged))
+        return MultiSink(sinks)
+
+    def train(self) -> dict[str, Any]:
+        """Train steps start_step..num_steps-1, checkpoint, export the drafter; rank 0's summary."""
+        if self.env.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        prefetch, target, loop, channels = self._build_loops()
+        sink = self._sink()
+        started = time.perf_counter()
+        last: dict[str, Any] = {}
+        tokens = 0
+        try:
+            prefetch.start()
+            target.start()
+            for step in range(self.start_step, self.plan.num_steps):
+                self.faults.maybe_kill("kill", step)
+                last = {**loop.train_step(step), "epoch": self.plan.epoch(step)}
+                tokens += last["n_tokens"]
+                sink.log(last)
+                self._check_nonfinite(loop, step)
+                if (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps:
+                    self._save(step + 1, loop)
+        except BaseException as exc:
+            fail_all(channels, exc)  # wakes and stops every stage
+            raise
+        finally:
+            sink.close()
+        prefetch.join(timeout=10)
+        target.join(timeout=10)
+        self._export()
+        elapsed = time.perf_counter() - started
+        return self._summary(last, loop, tokens, elapsed)
+
+    def _check_nonfinite(self, loop: DrafterTrainLoop, step: int) -> None:
+        if loop.nonfinite_total > self.cfg.train.max_nonfinite:
+            raise NonFiniteError(
+                f"plan step {step}: {loop.nonfinite_total} steps had a non-finite loss or gradient norm, more than "
+                f"train.max_nonfinite={self.cfg.train.max_nonfinite}; see metrics.jsonl (nonfinite) and lower "
+                "train.lr or check the data of the skipped steps"
+            )
+
+    def _save(self, step: int, loop: DrafterTrainLoop) -> None:
+        rngs = gather_objects(rng_state(), self.env)
+        if not self.env.is_main:
+            return
+        state = {
+            "step": step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "loop": loop.state_dict(),
+            "rng": rngs,
+        }
+        self.ckpts.save(step, self.drafter.state_dict(), state)
+
+    def _export(self) -> None:
+        if self.env.is_main:
+            save_dflash(self.drafter, str(self.out / "drafter"))
+        shutdown(self.env)
+
+    def _summary(self, last: dict[str, Any], loop: DrafterTrainLoop, tokens: int, elapsed: float) -> dict[str, Any]:
+        def num(key: str) -> float | None:
+            value = last.get(key)
+            return value if isinstance(value, int | float) and math.isfinite(value) else None
+
+        return {
+            "steps": max(0, self.plan.num_steps - self.start_step),
+            "start_step": self.start_step,
+            "num_steps": self.plan.num_steps,
+            "resumed_from": self.resumed_from,
+            "world_size": self.env.world_size,
+            "final_loss": num("loss"),
+            "final_acc": num("acc"),
+            "accept_len": num("accept_len"),
+            "grad_norm_avg": num("grad_norm_avg"),
+            "nonfinite_total": loop.nonfinite_total,
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+            "elapsed_s": round(elapsed, 3),
+            "peak_mem_gb": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            if self.device.type == "cuda" else None,
+            "metrics": str(self.out / "metrics.jsonl"),
+            "checkpoints": str(self.ckpts.root),
+            "drafter": str(self.out / "drafter"),
+        }
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The one-line JSON summary (last line of stdout)."""
+    return json.dumps(summary, separators=(",", ":"))

@@ -1,0 +1,98 @@
+"""The torchrun entry point: `python -m dflash_core.runtime.worker --tokenized DIR --plan DIR --out DIR --config FILE`.
+
+Every rank runs this. Inputs are checked before any work (plan world size, shard fingerprint); rank 0 prints a
+one-line JSON summary as its last line of stdout. Any error prints the original traceback and exits 1 at once
+(os._exit: no stage thread, W&B helper or process-group teardown can keep a failed rank alive, and torchrun
+then stops the other ranks). Test hook: DFLASH_FAULT (see dflash_core/runtime/faults.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from dflash_core.config import PipelineConfig, load_config
+from dflash_core.runtime.distributed import DistEnv
+from dflash_core.runtime.faults import FaultPlan
+from dflash_core.runtime.trainer import Trainer, check_plan, load_run_plan, summary_line
+
+
+class MaskTokenError(ValueError):
+    """No mask token id: neither model.mask_token_id nor the tokenizer's mask token."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's command line."""
+    p = argparse.ArgumentParser(prog="dflash_core.runtime.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--tokenized", required=True, help="folder written by `dflash tokenize`")
+    p.add_argument("--plan", required=True, help="folder written by `dflash plan`")
+    p.add_argument("--out", required=True, help="run folder: metrics.jsonl, checkpoints/, drafter/")
+    p.add_argument("--config", required=True, help="pipeline config (YAML path or preset name)")
+    return p.parse_args(argv)
+
+
+def resolve_uri(uri: str) -> str:
+    """example://... -> the built example assets (dflash_core.example); anything else unchanged."""
+    if not uri.startswith("example://"):
+        return uri
+    from dflash_core.example import resolve_uri as resolve_example
+
+    return resolve_example(uri)
+
+
+def mask_token_id(cfg: PipelineConfig) -> int:
+    """model.mask_token_id, else the tokenizer's mask token."""
+    if cfg.model.mask_token_id is not None:
+        return cfg.model.mask_token_id
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_uri(cfg.data.tokenizer))
+    if tok.mask_token_id is None:
+        raise MaskTokenError(
+            f"tokenizer {cfg.data.tokenizer} has no mask token; set model.mask_token_id to an id whose embedding "
+            "exists in the target (e.g. 151669 for Qwen3)"
+        )
+    return int(tok.mask_token_id)
+
+
+def run(args: argparse.Namespace, env: DistEnv) -> dict:
+    """Check the inputs, then train this rank; returns the summary."""
+    from dflash_core.data.shards import ShardReader
+    from dflash_core.plan.io import read_plan
+
+    cfg = load_config(args.config)
+    table, meta = read_plan(args.plan)
+    reader = ShardReader(args.tokenized)
+    check_plan(meta, args.plan, env.world_size, reader.fingerprint, args.tokenized)
+    plan = load_run_plan(table, meta, cfg.train.max_steps)
+    cfg.model.target = resolve_uri(cfg.model.target)
+    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), FaultPlan.from_env(env.rank))
+    return trainer.setup().train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; exits the process (status 1 with the traceback on any error)."""
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    transformers_logging.disable_progress_bar()  # one loading bar per rank and replica is noise in the log
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    try:
+        summary = run(args, env)
+    except BaseException:  # noqa: BLE001 - report and leave at once, whatever it was
+        print(f"[rank {env.rank}] training failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if env.is_main:
+        print(summary_line(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Checkpoints (atomic, pruned, loadable with weights_only), RNG state round trip, the LR schedule."""
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_core.runtime.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from dflash_core.runtime.schedule import lr_factor, make_scheduler, warmup_steps
+
+
+def _state(step: int) -> tuple[dict, dict]:
+    model = {"fc.weight": torch.full((3, 4), float(step)), "norm.weight": torch.ones(4)}
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    return model, {"step": step, "optimizer": opt.state_dict(), "loop": {"nonfinite_total": 1}, "rng": [rng_state()]}
+
+
+def test_save_load_and_keep_last_k(tmp_path):
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep=2)
+    for step in (3, 6, 9):
+        mgr.save(step, *_state(step))
+    assert [s for s, _ in mgr.complete()] == [6, 9]
+    ckpt = mgr.load(mgr.latest())
+    assert ckpt.step == 9 and torch.equal(ckpt.model["fc.weight"], torch.full((3, 4), 9.0))
+    assert ckpt.state["loop"]["nonfinite_total"] == 1
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    root = tmp_path / "checkpoints"
+    CheckpointManager(root, keep=3).save(4, *_state(4))
+    script = textwrap.dedent(f"""
+        import torch
+        from dflash_core.runtime.checkpoint import CheckpointManager
+        from dflash_core.runtime.faults import FaultPlan, parse_faults
+        mgr = CheckpointManager({str(root)!r}, keep=3, faults=FaultPlan(parse_faults("crash_in_checkpoint@8"), 0))
+        mgr.save(8, {{"fc.weight": torch.zeros(3, 4)}}, {{"step": 8}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert list(root.glob(".tmp-step-8-*"))  # the half-written folder is there...
+    mgr = CheckpointManager(root, keep=3)
+    assert mgr.latest().name == "step-4"  # ...but never counts as a checkpoint
+    assert mgr.load(mgr.latest()).step == 4
+    mgr.clean_debris()
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2)
+    path = mgr.save(2, *_state(2))
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="step-2"):
+        mgr.load(path)
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    a = (torch.rand(3), np.random.rand(3), random.random())
+    set_rng_state(state)
+    b = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    total = 100
+    w = warmup_steps(total, 0.04)
+    assert w == 4
+    factors = [lr_factor(s, total, w, "cosine", 0.1) for s in range(total)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert factors[-1] == pytest.approx(0.1, abs=0.01)
+    assert lr_factor(50, total, w, "constant") == 1.0
+
+
+def test_scheduler_state_resumes():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = make_scheduler(opt, 10, 0.2, "cosine", 0.0)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    saved, saved_opt = sched.state_dict(), opt.state_dict()
+    opt2 = torch.optim.AdamW([p], lr=1.0)
+    sched2 = make_scheduler(opt2, 10, 0.2, "cosine", 0.0)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved)
+    for _ in range(3):
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+        sched.step()
+        sched2.step()

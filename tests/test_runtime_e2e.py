@@ -1,0 +1,210 @@
+"""Reliability of `torchrun -m dflash_core.runtime.worker` with 2 CPU processes (gloo), tiny models.
+
+Each launch pays Python + torch + transformers start-up per rank, so these are marked slow (they run in CI).
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from runtime_fixtures import build_inputs, torchrun, write_config, write_shards
+from safetensors.torch import load_file
+
+from dflash_core.model.export import load_dflash
+from dflash_core.model.target import load_target
+from dflash_core.runtime.checkpoint import CheckpointManager
+from dflash_core.runtime.launch import launch_train
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = {"step", "epoch", "loss", "acc", "accept_len", "acc_by_slot", "grad_norm", "grad_norm_avg", "clipped",
+            "clip", "lr", "n_tokens", "n_loss_tokens", "n_samples", "max_len", "bucket_mix", "bucket_tokens",
+            "loss_by_bucket", "nonfinite", "nonfinite_total", "skipped", "tokens_per_s", "queue_depth",
+            "drafter_wait_s", "stage_s", "time"}
+# every candidate anchor is used (num_anchors >= positions), so results do not depend on which rank or micro-batch
+# slot a sample lands in: a 2-rank run and a 1-rank run over the same step contents must agree
+ALL_ANCHORS = {"num_anchors": 512}
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(output: str) -> dict:
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{")))
+
+
+def _config(tmp: Path, inputs, name: str, model: dict | None = None, **train) -> str:
+    path = write_config(tmp / f"{name}.yaml", inputs, **train)
+    if model:
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text())
+        raw["model"].update(model)
+        Path(path).write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return build_inputs(tmp_path_factory.mktemp("runtime-e2e"))
+
+
+@pytest.fixture(scope="module")
+def baseline(inputs, tmp_path_factory):
+    """One uninterrupted 2-process run; other tests compare against it."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    config = _config(tmp, inputs, "base", ALL_ANCHORS)
+    out = tmp / "out"
+    run = torchrun(inputs, out, config)
+    assert run.returncode == 0, run.output[-4000:]
+    return out, config, run
+
+
+def test_two_processes_write_the_contract_files(inputs, baseline):
+    out, _, run = baseline
+    summary = _summary(run.output)
+    plan = json.loads((Path(inputs.plan) / "plan.json").read_text())
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(plan["num_steps"]))
+    assert all(REQUIRED <= set(r) for r in records)
+    assert all(r["grad_norm"] > 0 and r["nonfinite"] is False for r in records)
+    table = pl.read_parquet(Path(inputs.plan) / "plan.parquet")
+    step0 = table.filter(pl.col("step") == 0)
+    assert records[0]["n_samples"] == int(step0["n_samples"].sum())  # both ranks' micro-batches counted
+    assert records[0]["n_tokens"] == int(step0["n_tokens"].sum())
+    assert records[0]["max_len"] == int(step0["max_len"].max())
+    assert sum(records[0]["bucket_mix"].values()) == step0.height
+    assert summary["steps"] == plan["num_steps"] and summary["world_size"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-7"]  # keep 2
+    drafter = load_dflash(str(out / "drafter"), load_target(inputs.target))
+    assert drafter.block_size == 4
+
+
+def test_loss_is_normalised_over_the_whole_step_across_ranks(inputs, baseline, tmp_path):
+    """Same step contents on 1 rank x 4 micro-batches: the same losses and weights as 2 ranks x 2."""
+    out2, config, _ = baseline
+    table = pl.read_parquet(Path(inputs.plan) / "plan.parquet")
+    meta = json.loads((Path(inputs.plan) / "plan.json").read_text())
+    plan1 = tmp_path / "plan-w1"
+    plan1.mkdir()
+    # rank r micro m of the 2-rank plan becomes micro 2r+m of a 1-rank plan (same row order)
+    table.with_columns(micro=(pl.col("rank") * 2 + pl.col("micro")).cast(pl.Int32), rank=pl.lit(0, pl.Int32)) \
+        .write_parquet(plan1 / "plan.parquet")
+    (plan1 / "plan.json").write_text(json.dumps({**meta, "world_size": 1, "grad_accum": 4}))
+    out1 = tmp_path / "out1"
+    run = torchrun(inputs, out1, config, nproc=1, plan=str(plan1))
+    assert run.returncode == 0, run.output[-4000:]
+    one, two = _metrics(out1), _metrics(out2)
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+        assert a["n_loss_tokens"] == b["n_loss_tokens"]
+    w1 = load_file(out1 / "checkpoints" / "step-7" / "model.safetensors")
+    w2 = load_file(out2 / "checkpoints" / "step-7" / "model.safetensors")
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["prefetch", "target", "drafter"])
+def test_exception_in_a_stage_ends_the_run_fast_with_the_original_traceback(inputs, tmp_path, stage):
+    config = _config(tmp_path, inputs, "c")
+    run = torchrun(inputs, tmp_path / "out", config, fault=f"{stage}@3:1")
+    assert run.returncode != 0
+    assert "InjectedFault" in run.output and f"injected fault in stage '{stage}'" in run.output
+    origin = {"prefetch": "prefetch.py", "target": "target_loop.py", "drafter": "train_loop.py"}[stage]
+    assert re.search(rf'File ".*{origin}", line \d+, in (load|forward|_micro_step)', run.output)
+    fired = float(re.search(r"at unix time (\d+\.\d+)", run.output).group(1))
+    assert run.ended - fired < 10, f"run ended {run.ended - fired:.1f} s after the fault"
+
+
+def test_nan_micro_batch_is_skipped_counted_and_training_continues(inputs, tmp_path):
+    config = _config(tmp_path, inputs, "c")
+    run = torchrun(inputs, tmp_path / "out", config, fault="nan@2")
+    assert run.returncode == 0, run.output[-4000:]
+    records = _metrics(tmp_path / "out")
+    bad = records[2]
+    assert bad["nonfinite"] and bad["skipped"] and bad["grad_norm"] is None and bad["loss"] is None
+    assert [r["nonfinite_total"] for r in records] == [0, 0, 1, 1, 1, 1, 1]
+    assert all(r["grad_norm"] is not None for r in records[3:])
+    assert _summary(run.output)["nonfinite_total"] == 1
+
+
+def test_too_many_nonfinite_steps_abort_with_a_clear_message(inputs, tmp_path):
+    config = _config(tmp_path, inputs, "c", max_nonfinite=0)
+    run = torchrun(inputs, tmp_path / "out", config, fault="nan@1")
+    assert run.returncode != 0
+    assert "NonFiniteError" in run.output and "train.max_nonfinite=0" in run.output
+    assert [r["step"] for r in _metrics(tmp_path / "out")] == [0, 1]  # the bad step is logged first
+
+
+def _same_drafter(a: Path, b: Path) -> bool:
+    return (a / "drafter" / "model.safetensors").read_bytes() == (b / "drafter" / "model.safetensors").read_bytes()
+
+
+def test_kill_9_then_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    killed = torchrun(inputs, out, config, fault="kill@5:1")
+    assert killed.returncode != 0 and "SIGKILL" in killed.output
+    assert (out / "checkpoints" / "step-3").exists() and not (out / "drafter").exists()
+    resumed = torchrun(inputs, out, config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert _summary(resumed.output)["start_step"] == 3
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(7))  # each step exactly once
+    base = _metrics(base_out)
+    assert [r["loss"] for r in records] == [r["loss"] for r in base]
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in base]
+    assert _same_drafter(out, base_out)
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(inputs, baseline, tmp_path):
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    crashed = torchrun(inputs, out, config, fault="crash_in_checkpoint@6:0")
+    assert crashed.returncode != 0
+    ckpts = CheckpointManager(out / "checkpoints", keep=2)
+    assert ckpts.latest().name == "step-3" and ckpts.load(ckpts.latest()).step == 3
+    assert list((out / "checkpoints").glob(".tmp-step-6-*"))
+    resumed = torchrun(inputs, out, config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert _same_drafter(out, base_out)
+
+
+def test_missing_shard_is_a_clear_error_naming_the_file(inputs, tmp_path):
+    tok = tmp_path / "tokenized"
+    shutil.copytree(inputs.tokenized, tok)
+    (tok / "part-00002.parquet").unlink()
+    config = _config(tmp_path, inputs, "c")
+    broken = type(inputs)(str(tok), inputs.plan, inputs.target, inputs.root)
+    run = torchrun(broken, tmp_path / "out", config)
+    assert run.returncode != 0
+    assert re.search(r"ShardError: .*part-00002\.parquet: missing part file", run.output)
+
+
+def test_plan_for_another_world_size_or_other_shards_is_refused_before_work(inputs, tmp_path):
+    config = _config(tmp_path, inputs, "c")
+    run = torchrun(inputs, tmp_path / "out", config, nproc=1)
+    assert run.returncode != 0
+    assert "was made for world_size 2, but this launch has 1 processes" in run.output
+    assert not (tmp_path / "out").exists()  # nothing was started
+    other = type(inputs)(write_shards(tmp_path / "other", 96, seed=1), inputs.plan, inputs.target, inputs.root)
+    run = torchrun(other, tmp_path / "out", config)
+    assert run.returncode != 0 and "fingerprint" in run.output and "re-run `dflash plan" in run.output
+
+
+def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
+    one = build_inputs(inputs.root, world_size=1)  # same shards and target, a plan for one process
+    config = _config(tmp_path, one, "c", checkpoint_every=100)
+    lines: list[str] = []
+    summary = launch_train(one.tokenized, one.plan, str(tmp_path / "out"), config, nproc_per_node=1,
+                           on_line=lines.append, timeout_s=600)
+    assert summary["world_size"] == 1 and summary["steps"] == summary["num_steps"] > 0
+    assert summary["final_loss"] is not None and lines[-1].startswith("{")
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [f"step-{summary['num_steps']}"]

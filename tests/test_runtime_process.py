@@ -1,0 +1,84 @@
+"""Process groups: lines streamed, the whole group killed on timeout/cancel, failures carry the last lines."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from dflash_core.runtime.launch import parse_summary, torchrun_command
+from dflash_core.runtime.process import ProcessFailed, run_process_group
+
+# a parent that starts a grandchild (like torchrun starting ranks) and both sleep
+TREE = (
+    "import subprocess, sys, time;"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    "print('child', child.pid, flush=True); time.sleep(60)"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (killed, not yet reaped by its parent) counts as dead
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _child_pid(lines: list[str]) -> int:
+    return int(next(line for line in lines if line.startswith("child")).split()[1])
+
+
+def test_streams_lines_and_returns_zero():
+    lines: list[str] = []
+    rc = run_process_group([sys.executable, "-c", "print('a'); print('b')"], on_line=lines.append)
+    assert rc == 0 and lines == ["a", "b"]
+
+
+def test_nonzero_exit_raises_with_last_lines():
+    code = "import sys; [print(f'line {i}') for i in range(100)]; sys.exit(3)"
+    with pytest.raises(ProcessFailed) as info:
+        run_process_group([sys.executable, "-c", code], on_line=lambda _: None)
+    assert info.value.returncode == 3
+    assert info.value.tail[-1] == "line 99" and "line 99" in str(info.value)
+
+
+def test_timeout_kills_the_whole_group():
+    lines: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(ProcessFailed, match="timed out"):
+        run_process_group([sys.executable, "-c", TREE], on_line=lines.append, timeout_s=3, grace_s=1)
+    assert time.monotonic() - start < 15
+    time.sleep(0.5)
+    assert not _alive(_child_pid(lines))  # the grandchild went too
+
+
+def test_cancel_kills_the_whole_group():
+    lines: list[str] = []
+    cancel = threading.Event()
+    threading.Timer(3, cancel.set).start()
+    with pytest.raises(ProcessFailed, match="cancelled"):
+        run_process_group([sys.executable, "-c", TREE], on_line=lines.append, cancel=cancel, grace_s=1)
+    time.sleep(0.5)
+    assert not _alive(_child_pid(lines))
+
+
+def test_torchrun_command_single_node_and_multi_node():
+    cmd = torchrun_command("tok", "plan", "out", "cfg.yaml", nproc_per_node=2)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
+    assert cmd[cmd.index("-m", 3) + 1] == "dflash_core.runtime.worker"
+    multi = torchrun_command("t", "p", "o", "c", 8, nnodes=4, rdzv_endpoint="head:29400", rdzv_id="job7")
+    assert "--standalone" not in multi and multi[multi.index("--rdzv-endpoint") + 1] == "head:29400"
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        torchrun_command("t", "p", "o", "c", 8, nnodes=2)
+
+
+def test_parse_summary_takes_the_last_json_object():
+    assert parse_summary(["{\"a\": 1}", "noise", "[default0]:{\"steps\": 3}", "bye"]) == {"steps": 3}
+    with pytest.raises(ValueError):
+        parse_summary(["no json here"])

@@ -1,0 +1,109 @@
+"""Metric sinks: metrics.jsonl append/resume semantics, W&B offline with grad_norm summarised by max."""
+
+import json
+import math
+import os
+
+import pytest
+
+from dflash_core.monitor.config import WandbConfig
+from dflash_core.monitor.sinks import JsonlSink, MultiSink, NullSink, WandbSink, scrub_secrets, wandb_mode
+
+
+def _rec(step: int, **extra) -> dict:
+    return {"step": step, "loss": 1.0 / (step + 1), "grad_norm": 0.5, "clipped": False, "clip": 1.0,
+            "nonfinite": False, **extra}
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(path)]
+
+
+def test_jsonl_flushes_each_step_and_writes_nan_as_null(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = JsonlSink(str(path))
+    sink.log(_rec(0, loss=math.nan, grad_norm=math.inf, loss_by_bucket={"1": math.nan}))
+    line = json.loads(path.read_text())  # visible before close: flushed per step
+    assert line["loss"] is None and line["grad_norm"] is None and line["loss_by_bucket"] == {"1": None}
+    sink.close()
+
+
+def test_jsonl_resume_appends_never_truncates_never_duplicates(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlSink(str(path))
+    for s in range(5):
+        first.log(_rec(s))
+    first.close()
+    before = path.read_text()
+    resumed = JsonlSink(str(path))  # resumed from a checkpoint at step 3: steps 3 and 4 run again
+    for s in range(3, 8):
+        resumed.log(_rec(s, loss=99.0))
+    resumed.close()
+    assert path.read_text().startswith(before)
+    assert _steps(path) == list(range(8))
+    assert [json.loads(line)["loss"] for line in open(path)][3] == pytest.approx(0.25)  # the original record
+
+
+def test_jsonl_cuts_a_partial_last_line_from_a_crash(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(_rec(0)) + "\n" + json.dumps(_rec(1)) + "\n" + '{"step": 2, "lo')
+    sink = JsonlSink(str(path))
+    sink.log(_rec(2))
+    sink.close()
+    assert _steps(path) == [0, 1, 2]
+
+
+def test_jsonl_on_memory_filesystem():
+    sink = JsonlSink("memory://runs/x/metrics.jsonl")
+    sink.log(_rec(0))
+    sink.close()
+    again = JsonlSink("memory://runs/x/metrics.jsonl")
+    assert again.steps_written == {0}
+    again.close()
+
+
+def test_wandb_mode_is_offline_without_key(monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode(WandbConfig(mode="online")) == "offline"
+    assert wandb_mode(WandbConfig(enabled=False)) == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_mode(WandbConfig(mode="online")) == "online"
+    assert wandb_mode(WandbConfig(mode="offline")) == "offline"
+
+
+def test_scrub_secrets_drops_keys_and_values(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "secret-value-123")
+    cfg = {"wandb": {"api_key": "x", "project": "p"}, "note": "uses secret-value-123", "lr": 1e-3}
+    assert scrub_secrets(cfg) == {"wandb": {"project": "p"}, "note": "<redacted>", "lr": 1e-3}
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_keeps_grad_norm_max_and_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    # a resumed run: step 0 is already in metrics.jsonl (and W&B), so it is not logged again
+    sink = WandbSink(WandbConfig(mode="offline", project="t"), {"train": {"lr": 0.1}}, str(tmp_path), 0)
+    for s, g in enumerate([9.0, 7.0, 2.0]):
+        sink.log(_rec(s, grad_norm=g, queue_depth={"prefetch": 2, "target": 1}, acc_by_slot=[0.5, 0.25]))
+    run = sink.run
+    assert run.config["train"]["lr"] == 0.1
+    assert dict(run.summary["grad_norm"]) == {"max": 7.0}  # max, not the last value
+    sink.close()
+    assert (tmp_path / "wandb_run_id").exists()
+    assert any(p.name.startswith("offline-run") for p in (tmp_path / "wandb").iterdir())
+
+
+def test_multisink_closes_all_even_if_one_fails():
+    closed = []
+
+    class Boom(NullSink):
+        def close(self):
+            raise OSError("disk full")
+
+    class Track(NullSink):
+        def close(self):
+            closed.append(True)
+
+    with pytest.raises(OSError):
+        MultiSink([Boom(), Track()]).close()
+    assert closed == [True]
+    assert os.environ.get("WANDB_MODE") == "offline"  # conftest keeps tests offline

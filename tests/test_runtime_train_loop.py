@@ -1,0 +1,123 @@
+"""DrafterTrainLoop in one process: step-level loss normalisation is exact, non-finite steps are skipped."""
+
+import math
+
+import pytest
+import torch
+from runtime_fixtures import BLOCK, MASK_ID, write_shards, write_target
+
+from dflash_core.data.shards import ShardError, ShardReader
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.drafter import build_drafter
+from dflash_core.model.target import load_target
+from dflash_core.runtime.batch import PlanRow, collate
+from dflash_core.runtime.channel import Channel
+from dflash_core.runtime.faults import FaultPlan, parse_faults
+from dflash_core.runtime.prefetch import BatchPrefetcher
+from dflash_core.runtime.schedule import make_scheduler
+from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, anchor_generator, anchor_seed
+
+
+class Recorder(torch.optim.Optimizer):
+    """An optimizer that only records the gradients it was asked to apply."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    target = load_target(write_target(root / "target"), dtype="float32")
+    reader = ShardReader(write_shards(root / "tokenized", n_samples=12))
+    torch.manual_seed(0)
+    drafter = build_drafter(target, ModelConfig(target="x", block_size=BLOCK, num_anchors=6), MASK_ID)
+    return target, reader, drafter, root
+
+
+def _micro_batches(target, reader, drafter, step=0):
+    batches = []
+    for micro, ids in enumerate([(0, 1, 2), (3, 4)]):  # different sizes: per-micro means would be wrong
+        b = collate(reader.rows(ids), PlanRow(step, micro, micro, ids), seq=micro)
+        b.features = target.capture(b.input_ids, b.attention_mask, drafter.target_layer_ids)
+        batches.append(b)
+    return batches
+
+
+def _loop(drafter, batches, faults=None, clip=1e9):
+    inbox = Channel(len(batches))
+    for b in batches:
+        inbox.put(b)
+    opt = Recorder(drafter.parameters())
+    settings = LoopSettings(grad_accum=len(batches), clip=clip, seed=0, rank=0, world_size=1,
+                            device=torch.device("cpu"), buckets=[0, 1], block_size=BLOCK)
+    sched = make_scheduler(opt, 10, 0.0, "constant", 0.0)
+    return DrafterTrainLoop(drafter, opt, sched, inbox, settings, faults or FaultPlan([], 0)), opt
+
+
+def test_gradient_is_that_of_the_step_loss_not_a_mean_of_micro_means(parts):
+    target, reader, drafter, _ = parts
+    batches = _micro_batches(target, reader, drafter)
+    loop, opt = _loop(drafter, batches)
+    record = loop.train_step(0)
+
+    drafter.zero_grad()
+    outs = [drafter(b.features, b.input_ids, b.loss_mask, b.attention_mask, generator=anchor_generator(
+        0, 0, b.micro, 0, torch.device("cpu"))) for b in batches]
+    total = sum(o.weighted_loss_sum for o in outs) / sum(o.weight_sum for o in outs)
+    total.backward()
+    expected = [p.grad for p in drafter.parameters()]
+    assert record["loss"] == pytest.approx(total.item(), rel=1e-6)
+    for got, want in zip(opt.seen[0], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    means = sum(o.weighted_loss_sum / o.weight_sum for o in outs) / 2
+    assert abs(means.item() - total.item()) > 1e-4  # the two definitions really differ on this data
+    assert record["grad_norm"] == pytest.approx(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in expected])).item(), rel=1e-5)
+    assert record["bucket_mix"] == {"0": 1, "1": 1} and record["n_samples"] == 5
+    assert set(record["loss_by_bucket"]) == {"0", "1"}
+    assert record["n_loss_tokens"] == sum(b.n_loss_tokens for b in batches)
+
+
+def test_clip_flag_and_threshold_logged(parts):
+    target, reader, drafter, _ = parts
+    loop, opt = _loop(drafter, _micro_batches(target, reader, drafter), clip=1e-6)
+    record = loop.train_step(0)
+    assert record["clipped"] is True and record["clip"] == 1e-6 and record["grad_norm"] > 1e-6
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in opt.seen[0]]))
+    assert norm.item() == pytest.approx(1e-6, rel=1e-3)  # what the optimizer saw was clipped
+
+
+def test_nan_micro_batch_skips_the_step_and_counts_it(parts):
+    target, reader, drafter, _ = parts
+    batches = _micro_batches(target, reader, drafter, step=2)
+    loop, opt = _loop(drafter, batches, faults=FaultPlan(parse_faults("nan@2"), 0))
+    lr_before = opt.param_groups[0]["lr"]
+    record = loop.train_step(2)
+    assert record["nonfinite"] and record["skipped"] and record["nonfinite_total"] == 1
+    assert record["grad_norm"] is None and math.isnan(record["loss"])
+    assert opt.seen == []  # the optimizer never stepped
+    assert all(p.grad is None for p in drafter.parameters())  # and the poisoned gradients are gone
+    assert opt.param_groups[0]["lr"] == lr_before
+
+
+def test_anchor_seed_depends_on_every_coordinate():
+    seeds = {anchor_seed(0, s, m, r) for s in range(3) for m in range(3) for r in range(3)}
+    assert len(seeds) == 27 and anchor_seed(0, 1, 2, 3) == anchor_seed(0, 1, 2, 3)
+
+
+def test_missing_and_corrupt_shards_name_the_file(parts, tmp_path):
+    _, _, _, root = parts
+    import shutil
+
+    tok = tmp_path / "tokenized"
+    shutil.copytree(root / "tokenized", tok)
+    (tok / "part-00000.parquet").write_bytes(b"PAR1 not really")
+    out = Channel(2)
+    BatchPrefetcher([PlanRow(0, 0, 0, (0, 1))], ShardReader(str(tok)), out, threads=2).start()
+    with pytest.raises(ShardError, match="part-00000.parquet"):
+        out.get()
