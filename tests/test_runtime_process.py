@@ -82,3 +82,28 @@ def test_parse_summary_takes_the_last_json_object():
     assert parse_summary(["{\"a\": 1}", "noise", "[default0]:{\"steps\": 3}", "bye"]) == {"steps": 3}
     with pytest.raises(ValueError):
         parse_summary(["no json here"])
+
+
+# A launcher process (like the Prefect flow run) whose torchrun-like child starts a rank-like grandchild.
+LAUNCHER = (
+    "import sys; from dflash_core.runtime.process import run_process_group;"
+    "rank = 'from dflash_core.runtime.process import die_with_parent; import time; die_with_parent(); time.sleep(60)';"
+    "agent = ('import subprocess, sys, time; c = subprocess.Popen([sys.executable, \"-c\", %r]);'"
+    "         'print(\"child\", c.pid, flush=True); time.sleep(60)') % rank;"
+    "run_process_group([sys.executable, '-c', agent], on_line=lambda l: print(l, flush=True))"
+)
+
+
+def test_killing_the_launcher_outright_leaves_no_process_behind():
+    import subprocess
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    line = launcher.stdout.readline()
+    rank = int(line.split()[1])
+    assert _alive(rank)
+    launcher.kill()  # SIGKILL: no finally blocks, no cleanup code of ours runs
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)

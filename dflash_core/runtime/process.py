@@ -7,9 +7,11 @@ would leave ranks holding GPUs. Everything runs in a new session, so one `killpg
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +30,20 @@ class ProcessFailed(RuntimeError):
         last = "\n".join(tail[-20:])
         what = "torchrun" if "torch.distributed.run" in cmd else os.path.basename(cmd[0]) if cmd else "?"
         super().__init__(f"{what} {reason} (exit code {returncode}); last lines:\n{last}")
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (no-op elsewhere).
+
+    The launcher's own process can die without running any cleanup (SIGKILL, a Prefect worker cancelling the
+    flow run); torchrun and its ranks then get SIGTERM instead of living on as orphans holding GPUs.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), sig)
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -66,6 +82,7 @@ def run_process_group(
     proc = subprocess.Popen(
         list(cmd), env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, errors="replace",
+        preexec_fn=die_with_parent,
     )
     pump = threading.Thread(target=_pump, args=(proc.stdout, on_line, tail), daemon=True)
     pump.start()

@@ -19,6 +19,7 @@ from transformers.utils import logging as transformers_logging
 from dflash_core.config import PipelineConfig, load_config
 from dflash_core.runtime.distributed import DistEnv
 from dflash_core.runtime.faults import FaultPlan
+from dflash_core.runtime.process import die_with_parent
 from dflash_core.runtime.trainer import Trainer, check_plan, load_run_plan, summary_line
 
 
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exits the process (status 1 with the traceback on any error)."""
     args = parse_args(argv)
+    die_with_parent()  # a torchrun agent killed outright must not leave this rank running
     env = DistEnv.from_env()
     transformers_logging.disable_progress_bar()  # one loading bar per rank and replica is noise in the log
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
