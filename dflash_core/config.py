@@ -16,7 +16,8 @@ from dflash_core.plan.config import PlanConfig
 from dflash_core.runtime.config import TrainConfig
 from dflash_core.schema import StrictModel
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "infra" / "configs"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PRESETS_DIR = REPO_ROOT / "infra" / "configs"
 
 
 class ConfigError(ValueError):

@@ -36,8 +36,9 @@ def publish_plan(summary: dict[str, Any], plan_dir: str) -> None:
     text = (
         f"## Interleaving\n{summary['num_micro_batches']} micro-batches in {summary['num_steps']} optimizer steps "
         f"(world size {summary['world_size']}, grad accum {summary['grad_accum']}).\n\n" + "\n".join(lines)
-        + f"\n\nPer-step token CV: {summary.get('step_tokens_cv', float('nan')):.4f}; "
-        f"rank imbalance (slowest / mean): {summary.get('rank_imbalance', float('nan')):.4f}\n"
+        + f"\n\nPer-step token CV: {summary['step_tokens_cv']:.4f}; "
+        f"rank imbalance (slowest rank / mean - 1, mean over steps): {summary['rank_imbalance']:.2%} "
+        f"(round-robin assignment: {summary['round_robin_rank_imbalance']['mean']:.2%})\n"
     )
     create_markdown_artifact(text, key="batch-interleaving", description="Longest same-bucket runs vs a shuffle")
     create_link_artifact(as_link(f"{plan_dir.rstrip('/')}/plan.parquet"), link_text="plan.parquet",
@@ -65,7 +66,7 @@ def publish_report(report: dict[str, Any], report_dir: str, drafter_dir: str) ->
     lines = [f"# Stability check: **{report['verdict'].upper()}**", ""]
     lines += ["| figure | value | threshold | pass |", "|---|---|---|---|"]
     for name, fig in report.get("figures", {}).items():
-        mark = "yes" if fig.get("pass", True) else "**NO**"
+        mark = {True: "yes", False: "**NO**"}.get(fig.get("pass"), "n/a")
         lines.append(f"| {name} | {_fmt(fig.get('value'))} | {_fmt(fig.get('threshold'))} | {mark} |")
     png = as_link(f"{report_dir.rstrip('/')}/stability.png")
     lines += ["", f"[stability.png]({png}) · [drafter]({as_link(drafter_dir)})"]

@@ -1,0 +1,53 @@
+"""The parent flow: tokenize -> plan -> train -> check, every output under the storage root."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Failed
+
+from dflash_core.config import PipelineConfig
+from flows import storage, tasks
+
+
+def _run_name(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{flow_run.get_name() or 'local'}"
+
+
+@flow(name="retrain-drafter", log_prints=True)
+def retrain_drafter(
+    config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
+) -> dict[str, Any]:
+    """Retrain a DFlash drafter: tokenize, plan, train, check. A failed check fails the flow run.
+
+    `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).
+    """
+    logger = get_run_logger()
+    if data_source:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
+    config = tasks.resolve_assets(config)
+    root = config.storage.root
+    data_fp = tasks.fingerprint_inputs(config)
+    tokenized = storage.join(root, "tokenized", data_fp[:16])
+    tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
+    plan_fp = tasks.plan_fingerprint(data_fp, config)
+    plan_dir = storage.join(root, "plans", plan_fp[:16])
+    plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)
+    tasks.publish_plan_artifacts(plan_summary, plan_dir)
+    run_dir = storage.join(root, "runs", _run_name(run_name))
+    train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])
+    drafter = storage.join(run_dir, "drafter")
+    report_dir = storage.join(run_dir, "report")
+    report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
+    result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
+              "report": report_dir, "run": run_dir, "steps": train_summary.get("steps")}
+    logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
+    if report["verdict"] == "fail":
+        return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")
+    return result

@@ -1,0 +1,66 @@
+"""Helpers for the flow tests: a fast tiny config and artifact look-ups through the Prefect client."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+
+from dflash_core.config import PipelineConfig, load_config
+
+EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "batch-plan-file", "training-progress",
+                      "stability-report", "stability-plot"}
+
+
+def fast_config(root: Path, **overrides) -> PipelineConfig:
+    """The tiny CPU preset, a few optimizer steps, outputs under `root`."""
+    base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled"}
+    return load_config("tiny-cpu", {**base, **overrides})
+
+
+def artifact_keys(flow_run_id: UUID) -> set[str]:
+    """Keys of every artifact made by a flow run (its tasks included), read back through the API."""
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    return {a.key for a in artifacts if a.key}
+
+
+def task_states(flow_run_id: UUID) -> dict[str, str]:
+    """Task name -> state name of a flow run's task runs."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+
+def worker_processes() -> list[int]:
+    """Pids of live training worker or torchrun processes (for orphan checks)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "dflash_core.runtime.worker" in cmd and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_all(pids: list[int]) -> None:
+    """Clean up after a failing orphan check so later tests are not disturbed."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,115 @@
+"""The retrain flow end to end under the session's Prefect test server (CPU, tiny assets)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import yaml
+from flow_helpers import (
+    EXPECTED_ARTIFACTS,
+    artifact_keys,
+    fast_config,
+    kill_all,
+    task_states,
+    worker_processes,
+)
+
+from dflash_core.config import REPO_ROOT, load_config
+from flows.retrain import retrain_drafter
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+
+
+def test_flow_end_to_end_then_cached(tmp_path, example_assets):
+    cfg = fast_config(tmp_path / "store")
+    state = retrain_drafter(config=cfg, run_name="first", return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["verdict"] in ("pass", "warn")
+    run = tmp_path / "store" / "runs" / "first"
+    for path in ("metrics.jsonl", "drafter/config.json", "drafter/model.safetensors", "report/report.json",
+                 "report/stability.png"):
+        assert (run / path).exists(), path
+    assert (tmp_path / "store" / "plans").is_dir() and (tmp_path / "store" / "tokenized").is_dir()
+    assert EXPECTED_ARTIFACTS <= artifact_keys(state.state_details.flow_run_id)
+
+    again = retrain_drafter(config=cfg, run_name="second", return_state=True)
+    assert again.is_completed(), again.message
+    states = task_states(again.state_details.flow_run_id)
+    assert states["tokenize"] == "Cached" and states["plan"] == "Cached"
+    # The artifacts of the plan are published on cached runs too.
+    assert EXPECTED_ARTIFACTS <= artifact_keys(again.state_details.flow_run_id)
+
+
+def test_cache_follows_content_not_paths(tmp_path, example_assets):
+    data = tmp_path / "data.jsonl"
+    shutil.copy(example_assets.data, data)
+    cfg = fast_config(tmp_path / "store", **{"data.source": str(data)})
+    assert retrain_drafter(config=cfg, run_name="a", return_state=True).is_completed()
+
+    # Same path, new content: tokenize (and so plan) must run again.
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:-50]) + "\n")
+    changed = retrain_drafter(config=cfg, run_name="b", return_state=True)
+    states = task_states(changed.state_details.flow_run_id)
+    assert states["tokenize"] == "Completed" and states["plan"] == "Completed"
+
+    # Only a plan parameter changes: tokenize comes from the cache, plan runs.
+    cfg2 = fast_config(tmp_path / "store", **{"data.source": str(data), "plan.seed": 7})
+    replanned = retrain_drafter(config=cfg2, run_name="c", return_state=True)
+    states = task_states(replanned.state_details.flow_run_id)
+    assert states["tokenize"] == "Cached" and states["plan"] == "Completed"
+
+    # The output folder vanished: the cache entry is not trusted, the stage runs again.
+    shutil.rmtree(tmp_path / "store" / "tokenized")
+    rebuilt = retrain_drafter(config=cfg2, run_name="d", return_state=True)
+    assert task_states(rebuilt.state_details.flow_run_id)["tokenize"] == "Completed"
+
+
+def test_failed_check_fails_the_flow_with_the_reason(tmp_path, example_assets, monkeypatch):
+    # A NaN loss at step 1 (the runtime's test hook): the step is skipped, training goes on, the check fails.
+    monkeypatch.setenv("DFLASH_FAULT", "nan@1")
+    cfg = fast_config(tmp_path / "store", **{"train.max_nonfinite": 3})
+    state = retrain_drafter(config=cfg, run_name="bad", return_state=True)
+    assert state.is_failed()
+    assert "stability check failed" in state.message and "nonfinite" in state.message
+    report = json.loads((tmp_path / "store" / "runs" / "bad" / "report" / "report.json").read_text())
+    assert report["verdict"] == "fail"
+    assert "stability-report" in artifact_keys(state.state_details.flow_run_id)
+
+
+def test_training_timeout_kills_every_process(tmp_path, example_assets):
+    cfg = fast_config(tmp_path / "store", **{"train.max_steps": None, "train.timeout_s": 4.0,
+                                               "plan.epochs": 50})
+    started = time.monotonic()
+    state = retrain_drafter(config=cfg, run_name="slow", return_state=True)
+    assert state.is_failed()
+    assert time.monotonic() - started < 120
+    time.sleep(1.0)
+    leftover = worker_processes()
+    kill_all(leftover)
+    assert leftover == [], f"orphaned training processes: {leftover}"
+
+
+def test_data_source_parameter_overrides_the_config(tmp_path, example_assets):
+    data = tmp_path / "new.jsonl"
+    data.write_text("".join(line + "\n" for line in open(example_assets.data).read().splitlines()[:400]))
+    cfg = fast_config(tmp_path / "store")
+    state = retrain_drafter(config=cfg, run_name="evt", data_source=str(data), return_state=True)
+    assert state.is_completed(), state.message
+    tokenized = state.result()["tokenized"]
+    manifest = json.loads(open(f"{tokenized}/manifest.json").read())
+    assert manifest["read"] == 400
+
+
+def test_deployment_parameters_match_the_tiny_preset():
+    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
+    nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
+    assert load_config("tiny-cpu").model_dump() == load_config("tiny-cpu").model_validate(
+        nightly["parameters"]["config"]).model_dump()
+    trigger = nightly["triggers"][0]
+    assert trigger["expect"] == ["dflash.dataset.updated"]
+    assert trigger["parameters"]["data_source"] == "{{ event.payload.data_uri }}"
