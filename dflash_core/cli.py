@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "urllib3"):  # one line per API request drowns the pipeline's own log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
