@@ -99,19 +99,31 @@ class _Throttle:
         self.emit(line)
 
 
+def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | None:
+    """The newest complete record of metrics.jsonl, reading only the file's tail (runs log ~1 KB a step)."""
+    fs, path = fsspec.core.url_to_fs(metrics_uri)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as fh:
+        size = fh.seek(0, 2)
+        fh.seek(max(0, size - tail_bytes))
+        lines = fh.read().decode("utf-8", errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the tail window or still being written
+            continue
+    return None
+
+
 def _follow_metrics(metrics_uri: str, progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
     """Update the progress artifact from the newest record of metrics.jsonl until `stop` is set."""
     last_step = -1
     while not stop.wait(every_s):
-        if not storage.exists(metrics_uri):
-            continue
-        with fsspec.open(metrics_uri, "r") as fh:
-            lines = fh.read().splitlines()
-        if lines:
-            record = json.loads(lines[-1])
-            if record.get("step", -1) != last_step:
-                last_step = record["step"]
-                progress.update(record)
+        record = _last_record(metrics_uri)
+        if record is not None and record.get("step", -1) != last_step:
+            last_step = record["step"]
+            progress.update(record)
 
 
 @task(name="train")
