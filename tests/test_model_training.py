@@ -23,6 +23,17 @@ from dflash_core.model.target import load_target
 STEPS, WINDOW = 300, 25
 
 
+def _train_step(drafter, target, opt, batch: dict, generator: torch.Generator):
+    """One AdamW step on one batch, loss normalised by its own weights, clipped at 1.0; returns the LossOutput."""
+    feats = target.capture(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
+    out = drafter(feats, **batch, generator=generator)
+    opt.zero_grad()
+    (out.weighted_loss_sum / out.weight_sum).backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    opt.step()
+    return out
+
+
 def chain_batch(step: int, perm: torch.Tensor, n: int = 4, s: int = 40) -> dict[str, torch.Tensor]:
     """Sequences that follow a fixed successor permutation from a random start: fully predictable blocks."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -45,14 +56,8 @@ def test_loss_falls_and_slot_accuracy_rises():
     losses, correct, counted = [], [], []
     for step in range(STEPS):
         batch = chain_batch(step, perm)
-        feats = target.capture(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
-        out = drafter(feats, **batch, generator=generator)
-        loss = out.weighted_loss_sum / out.weight_sum
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        out = _train_step(drafter, target, opt, batch, generator)
+        losses.append((out.weighted_loss_sum / out.weight_sum).item())
         correct.append(out.correct)
         counted.append(out.counted)
     first = slot_accuracy(sum(correct[:WINDOW]), sum(counted[:WINDOW]))
@@ -105,14 +110,8 @@ def _train_on_shards(drafter, target, reader: ShardReader, pad_id: int) -> tuple
     losses, accept = [], []
     for _ in range(EXAMPLE_STEPS):
         batch = _padded(reader.rows(sampler.choice(len(reader), EXAMPLE_BATCH, replace=False)), pad_id)
-        feats = target.capture(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
-        out = drafter(feats, **batch, generator=generator)
-        loss = out.weighted_loss_sum / out.weight_sum
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        out = _train_step(drafter, target, opt, batch, generator)
+        losses.append((out.weighted_loss_sum / out.weight_sum).item())
         accept.append(simulated_acceptance_length(slot_accuracy(out.correct, out.counted)))
     return losses, accept
 
