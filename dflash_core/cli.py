@@ -155,10 +155,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flows.demo import run_demo
+    from flows.demo import DemoSetupError, run_demo
 
-    _print_summary(run_demo(run_name=args.run_name))
-    return 0
+    try:
+        summary = run_demo(run_name=args.run_name)
+    except DemoSetupError as exc:
+        print(f"dflash demo: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _print_summary(summary)
+    return 0 if summary.get("state") == "COMPLETED" else EXIT_FAILED
 
 
 def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") -> None:

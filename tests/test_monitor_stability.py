@@ -250,3 +250,21 @@ def test_group_runs_and_recent_any():
     assert rolling.group_runs(flags) == [(1, 2), (5, 5), (10, 10)]
     assert rolling.group_runs(flags, max_gap=2) == [(1, 5), (10, 10)]
     assert rolling.recent_any(flags, 2).tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1]
+
+
+def test_constant_clipping_below_the_typical_norm_warns_with_advice_not_fails():
+    # The tiny preset's old shape: a healthy run whose pre-clip norm sits above a clip threshold set too low.
+    records = make_log(400, 0, clip=0.2)
+    result = _analyze(records)
+    figures = result.figures
+    assert figures["clip_rate"]["value"] > 0.9 and figures["clip_rate"]["status"] == "warn"
+    assert figures["longest_clip_run"]["status"] == "warn"
+    assert "train.clip_grad" in figures["clip_rate"]["advice"]
+    assert verdict(figures, result.warnings) == "warn", _status(result)
+
+
+def test_the_incident_still_fails_when_clipping_is_only_a_warning():
+    records, _ = incident_log(1500, 0)
+    result = _analyze(records)
+    assert verdict(result.figures, result.warnings) == "fail"
+    assert {"spike_score", "loss_cliffs"} & {n for n, f in result.figures.items() if f["status"] == "fail"}

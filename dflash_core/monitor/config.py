@@ -10,8 +10,10 @@ from dflash_core.schema import StrictModel
 class CheckConfig(StrictModel):
     """Stability thresholds. Breaking a hard figure fails the run; breaking a soft one warns.
 
-    Hard (fail): non-finite steps, spike score, clip rate, longest clipped run, loss cliffs.
-    Soft (warn): robust spike rate, loss spikes, spike coincidence, long-bucket runs and their spikes, trends.
+    Hard (fail): non-finite steps, gradient-norm spike score, loss cliffs: what harms training.
+    Soft (warn): clip rate and longest clipped run (constant clipping is a configuration smell: the report
+    advises a threshold), robust spike rate, loss spikes, spike coincidence, long-bucket runs and their spikes,
+    trends.
     Windows are in optimizer steps; for runs shorter than 5 windows they shrink to a fifth of the run, but
     never below `min_window`.
     """

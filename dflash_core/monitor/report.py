@@ -66,7 +66,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _bullet(name: str, fig: dict[str, Any]) -> str:
-    return f"- **{name}** = {_fmt(fig['value'])} (threshold {fig['op']} {_fmt(fig['threshold'])}): {fig['summary']}"
+    line = f"- **{name}** = {_fmt(fig['value'])} (threshold {fig['op']} {_fmt(fig['threshold'])}): {fig['summary']}"
+    return line + (f". Advice: {fig['advice']}" if fig.get("advice") else "")
 
 
 def _bucket_lines(table: list[dict[str, Any]] | None) -> list[str]:
