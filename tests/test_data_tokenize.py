@@ -224,8 +224,8 @@ def test_same_input_gives_byte_identical_output_with_any_process_count(tmp_path:
         cfg = data_config(num_proc=num_proc, batch_size=8, rows_per_part=16, rows_per_group=5, max_bad_fraction=0.1)
         tokenize_dataset(str(data), tokenizer_dir("chatml"), str(tmp_path / f"o{n}"), cfg, block_size=2)
         outs.append(_folder_bytes(tmp_path / f"o{n}"))
-    assert sorted(outs[0]) == ["index.parquet", "manifest.json", "part-00000.parquet", "part-00001.parquet",
-                               "part-00002.parquet"]
+    assert sorted(outs[0]) == [".dflash-stage.json", "index.parquet", "manifest.json", "part-00000.parquet",
+                               "part-00001.parquet", "part-00002.parquet"]
     assert outs[0] == outs[1] == outs[2]
 
 

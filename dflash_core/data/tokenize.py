@@ -36,7 +36,8 @@ from dflash_core.data.samples import (
 )
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import ChatEncoder, load_tokenizer
-from dflash_core.data.writer import ShardWriter
+from dflash_core.data.writer import OWN_FILES, ShardWriter
+from dflash_core.publish import check_output, staged_output
 
 __all__ = ["input_fingerprint", "tokenize_dataset"]
 
@@ -49,25 +50,30 @@ Progress = Callable[[dict[str, Any]], None]
 
 
 def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, block_size: int,
-                     progress: Progress | None = None) -> dict[str, Any]:
-    """Tokenize every conversation under `source` into `out`; returns the CLI summary."""
+                     progress: Progress | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Tokenize every conversation under `source` into `out`; returns the CLI summary.
+
+    `out` is published whole when the stage succeeds (dflash_core/publish.py); a failure leaves it as it was.
+    """
+    check_output(out, "tokenize", OWN_FILES, overwrite)  # before the slow set-up: a wrong --out fails at once
     files = _without_output(list_files(source), out)
     tok = load_tokenizer(tokenizer)
     encoder = ChatEncoder(tok, tokenizer)  # fails here, before any work, on a template we cannot use
     spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size)
     fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, tok), output_params(cfg, block_size))
     run = _Run(files, cfg, progress)
-    writer = ShardWriter(out, cfg.rows_per_part, cfg.rows_per_group)
-    try:
-        local = SampleBuilder(spec, encoder)
-        for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
-            run.account(result, writer)
-        run.report(final=True)
-        run.drops.check(run.read, cfg.max_bad_fraction)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish(run.manifest(fingerprint, encoder, cfg, block_size))
+    with staged_output(out, "tokenize", OWN_FILES, overwrite) as staging:
+        writer = ShardWriter(staging, cfg.rows_per_part, cfg.rows_per_group)
+        try:
+            local = SampleBuilder(spec, encoder)
+            for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
+                run.account(result, writer)
+            run.report(final=True)
+            run.drops.check(run.read, cfg.max_bad_fraction)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.finish(run.manifest(fingerprint, encoder, cfg, block_size))
     return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "tokens": run.tokens,
             "supervised_tokens": run.supervised, "out": out, "fingerprint": fingerprint}
 
