@@ -124,14 +124,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("give --metrics URI (a metrics.jsonl) or --wandb-run entity/project/run_id")
     cfg = _config(args) if args.config else None
     from dflash_core.monitor.check import run_check
-    from dflash_core.monitor.config import CheckConfig
 
-    check_cfg = cfg.check if cfg else CheckConfig()
+    check_cfg = cfg.check if cfg else _check_overrides(args.set or [])
     report = run_check(args.metrics, args.out, check_cfg, wandb_run=args.wandb_run,
                        baseline=args.baseline or check_cfg.baseline)
     _print_summary({"verdict": report["verdict"], "failed": report["failed"], "warned": report["warned"],
                     "out": args.out})
     return EXIT_FAILED if report["verdict"] == "fail" else 0
+
+
+def _check_overrides(pairs: list[str]):
+    """CheckConfig from `--set check.KEY=VALUE` alone (check needs no pipeline config file)."""
+    from dflash_core.config import ConfigError
+    from dflash_core.monitor.config import CheckConfig
+
+    values = _overrides(pairs)
+    others = [key for key in values if not key.startswith("check.")]
+    if others:
+        raise UsageError(f"--set {others[0]}: without --config, check takes only check.* keys")
+    try:
+        return CheckConfig.model_validate({key.removeprefix("check."): v for key, v in values.items()})
+    except ValueError as exc:
+        raise ConfigError(f"--set: {exc}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -18,6 +18,9 @@ class CheckConfig(StrictModel):
     never below `min_window`.
     """
 
+    # A hard figure that cannot be computed (too few steps, a required field never logged) fails the run: the gate
+    # never passes what it cannot judge. Only smoke runs of a few steps should set this to false.
+    fail_unjudged: bool = True
     # Non-finite loss or gradient norm.
     max_nonfinite: NonNegativeInt = 0
     # Gradient-norm spikes: the OLMo 2 spike score (mean/std of the trailing window) ...

@@ -106,7 +106,17 @@ def analyze(frame: pl.DataFrame, cfg: CheckConfig) -> Analysis:
         "long_runs": [(steps[a], steps[b]) for a, b in _long_runs(series, cfg) if b - a + 1 >= cfg.long_run_min],
     }
     result.notes += [f["summary"] for f in figures.values() if f["status"] == "n/a"]
+    if cfg.fail_unjudged:
+        _fail_unjudged(figures)
     return result
+
+
+def _fail_unjudged(figures: dict[str, dict[str, Any]]) -> None:
+    """A hard figure without a value fails: a broken logger or a too-short run must not pass the gate."""
+    for fig in figures.values():
+        if fig["severity"] == "fail" and fig["status"] == "n/a":
+            fig["status"] = "fail"
+            fig["summary"] += " -> cannot judge, so the check fails (check.fail_unjudged)"
 
 
 def _dedupe(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
