@@ -31,7 +31,11 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--set expects KEY=VALUE (e.g. train.lr=1e-3), got {pair!r}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--set {key}: the value {value!r} is not valid YAML ({getattr(exc, 'problem', exc)})"
+                             "; quote it") from None
     return out
 
 
@@ -108,9 +112,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         fs.makedirs(root, exist_ok=True)
         config_path = args.out.rstrip("/") + "/config.yaml"
         dump_config(cfg, config_path)
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     summary = launch_train(
         tokenized=args.tokenized, plan=args.plan, out=args.out, config_path=config_path,
-        nproc_per_node=args.nproc_per_node or cfg.train.nproc_per_node, nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,
         on_line=lambda line: print(line, file=sys.stderr, flush=True),  # stdout keeps only the summary line

@@ -68,29 +68,65 @@ def resolve_config_path(path: str) -> str:
     return str(preset) if "/" not in path and not path.endswith((".yaml", ".yml")) and preset.exists() else path
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would let the last one win silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read a YAML config (path, fsspec URI or preset name), apply dotted overrides, validate."""
     path = resolve_config_path(path)
     try:
         with fsspec.open(path, "r", encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh)
+            raw = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder; --config takes a YAML file or a preset name") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file; --config takes a YAML file or a preset name") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(f"{path}: invalid YAML: {where}{getattr(exc, 'problem', exc)}") from None
     raw = raw if raw is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
-    return parse_config(raw, path)
+    try:
+        return parse_config(raw, path)
+    except ConfigError as exc:
+        raise _blame_overrides(exc, path, overrides or {}) from None
+
+
+def _blame_overrides(exc: ConfigError, path: str, overrides: dict[str, Any]) -> ConfigError:
+    """A bad value that came from --set is reported as --set's, not as the config file's."""
+    message = str(exc)
+    culprits = [key for key in overrides if f"'{key}'" in message]
+    if not culprits:
+        return exc
+    return ConfigError(message.replace(f"{path}: ", f"--set {', '.join(culprits)} (over {path}): ", 1))
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
-    for part in parents:
+    for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            where = ".".join(parents[: depth + 1])
+            raise ConfigError(f"--set {dotted}: '{where}' is a value ({type(node).__name__}), not a section; "
+                              "set it directly, e.g. --set " + f"{where}=...")
     node[leaf] = value
 
 

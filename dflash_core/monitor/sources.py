@@ -108,11 +108,11 @@ def _is_step(value: Any) -> bool:
 
 def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
     """The full history of a W&B run via scan_history (never the sampled history())."""
-    if api is None:
-        import wandb  # slow import: only when a W&B run is asked for
-
-        api = wandb.Api()
     try:
+        if api is None:
+            import wandb  # slow import: only when a W&B run is asked for
+
+            api = wandb.Api()  # raises without credentials: the same one-line answer as a bad path
         rows = list(api.run(path).scan_history())
     except Exception as exc:  # noqa: BLE001 - W&B raises many types; all mean the same to the user
         raise MetricsError(
