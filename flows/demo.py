@@ -41,6 +41,9 @@ def run_demo(run_name: str | None = None) -> dict[str, Any]:
     """Run retrain-drafter on the tiny CPU preset; print where the drafter, plan and report are."""
     prepare_prefect_home()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary server's first start creates its database; Prefect's 20 s default is too short on a busy
+    # 2-core machine (seen: "Timed out while attempting to connect to ephemeral Prefect API server").
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("WANDB_MODE", "offline")
     from dflash_core.config import load_config
     from flows.retrain import retrain_drafter
