@@ -231,3 +231,26 @@ def test_missing_tokenizer_path_is_a_one_line_error_naming_it(tmp_path: Path) ->
             load_tokenizer(path)
         msg = str(err.value)
         assert path in msg and "no such folder" in msg and "\n" not in msg and "Repo id" not in msg
+
+
+def test_openai_legacy_function_call_and_function_role_are_read_as_a_tool_call() -> None:
+    record = {"messages": [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": RESULT},
+        {"role": "assistant", "content": ANSWER}]}
+    conv = to_conversation(record)
+    assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert conv.messages[2] == {"role": "tool", "content": RESULT, "name": "get_weather"}
+
+
+def test_template_error_lists_the_source_roles(tmp_path: Path) -> None:
+    """Gemma-like templates raise on a tool turn: the detail says which source role became 'tool'."""
+    record = {"conversations": [{"from": "human", "value": "Look it up."}, {"from": "gpt", "value": "Looking."},
+                                {"from": "observation", "value": "found"}, {"from": "gpt", "value": "Found it."}]}
+    summary = _run(tmp_path, [record], tokenizer_dir("gemma"), max_bad_fraction=1.0)
+    assert summary["dropped"] == {"template_error": 1}
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_error"][0]["detail"]
+    assert "unknown role tool" in detail and "observation->tool" in detail

@@ -4,8 +4,8 @@ parts, tool calls and reasoning.
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
   turns whose value is the call JSON, `observation` turns; Hermes: `from: tool`), OpenAI `messages` with
-  `role`/`content` (assistant `content: null` + `tool_calls`, `tool` messages with `tool_call_id`/`name`,
-  top-level `tools` as a list or a JSON string);
+  `role`/`content` (assistant `content: null` + `tool_calls` or the older `function_call`, `tool`/`function`
+  messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
 - reasoning from `reasoning_content` (or `reasoning`), typed parts, or an inline `<think>...</think>` block that
@@ -63,6 +63,10 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
     sources: list[str] = field(default_factory=list)
     notes: list[Drop] = field(default_factory=list)
+
+    def source(self, j: int) -> str:
+        """Message j's role as written in the data (its canonical role when not recorded)."""
+        return self.sources[j] if j < len(self.sources) else self.messages[j]["role"]
 
     @property
     def uses_tools(self) -> bool:
@@ -183,7 +187,7 @@ def _checked(conv: Conversation) -> Conversation | Drop:
         return Drop("no_assistant_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
     for i, m in enumerate(conv.messages):
         if not _has_output(m) and not (m["role"] == "assistant" and m.get("reasoning_content")):
-            conv.notes.append(Drop(f"empty_{m['role']}_turn", f"turn {i} ({conv.sources[i]}) is empty; kept"
+            conv.notes.append(Drop(f"empty_{m['role']}_turn", f"turn {i} ({conv.source(i)}) is empty; kept"
                                    + (", not supervised" if m["role"] == "assistant" else "")))
     if not any(_has_output(m) or m.get("reasoning_content") for m in assistant):
         return Drop("no_assistant_content", f"all {len(assistant)} assistant turns are empty")
@@ -202,7 +206,7 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
     if fmt is None:
         return Drop("wrong_schema", f"turn {i} has neither from/value nor role/content")
     role_field, content_field = FIELDS[fmt]
-    if role_field not in raw or (content_field not in raw and not raw.get("tool_calls")):
+    if role_field not in raw or not (content_field in raw or raw.get("tool_calls") or raw.get("function_call")):
         return Drop("wrong_schema", f"turn {i} lacks '{role_field}' or '{content_field}' ({fmt} format)")
     source = raw[role_field]
     role = roles.get(source.lower()) if isinstance(source, str) else None
@@ -235,11 +239,12 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
     if isinstance(parts, Drop):
         return parts
     text, reasoning, calls = parts
-    if raw.get("tool_calls"):
-        more = _tool_calls(raw["tool_calls"], i)
-        if isinstance(more, Drop):
-            return more
-        calls += more
+    for key in ("tool_calls", "function_call"):  # function_call: OpenAI's older single-call field
+        if raw.get(key) and role == "assistant":
+            more = _tool_calls(raw[key], i)
+            if isinstance(more, Drop):
+                return more
+            calls += more
     explicit = raw.get("reasoning_content", raw.get("reasoning"))
     if isinstance(explicit, str) and explicit.strip():
         reasoning.insert(0, explicit)

@@ -182,8 +182,7 @@ class FileRecords:
 
 
 def _truncated(records: int, what: str) -> ReadFailure:
-    return ReadFailure(f"the file is cut short ({what}); the {records} records before the cut were read",
-                       "truncated_file")
+    return ReadFailure(f"the file is cut short ({what}); records read before the cut: {records}", "truncated_file")
 
 
 def _is_json(line: bytes) -> bool:

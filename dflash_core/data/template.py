@@ -228,10 +228,12 @@ class ChatEncoder:
             return Drop("template_has_no_tools", f"the record has tools or tool calls and the chat template of "
                         f"'{self.name}' does not render tool calls; use a tool-calling model's tokenizer")
         if isinstance(text, Exception):
-            return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]}")
+            roles = ", ".join(dict.fromkeys(f"{conv.source(j)}->{m['role']}" for j, m in enumerate(messages)))
+            return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]} "
+                        f"(roles as read: {roles}; data.role_map maps a source role to another)")
         spans = _spliced_spans(messages, slots, text, skeleton)
         if isinstance(spans, int):
-            source, role = conv.sources[spans], messages[spans]["role"]
+            source, role = conv.source(spans), messages[spans]["role"]
             return Drop("turn_dropped_by_template", f"turn {spans} (role {source!r}, read as {role}) is not in the "
                         f"rendered text; map {source!r} to a role the template renders with data.role_map, e.g. "
                         f"role_map: {{{source}: {'user' if role != 'user' else 'assistant'}}}")
