@@ -254,3 +254,17 @@ def test_template_error_lists_the_source_roles(tmp_path: Path) -> None:
     assert summary["dropped"] == {"template_error": 1}
     detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_error"][0]["detail"]
     assert "unknown role tool" in detail and "observation->tool" in detail
+
+
+@pytest.mark.slow  # a fresh interpreter importing the CLI: ~10-50 s on a loaded machine
+def test_cli_names_a_missing_tokenizer_folder_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "d.jsonl", [HERMES])
+    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "tokenize", "--data", str(data), "--tokenizer",
+                           str(tmp_path / "gone" / "tok"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(errors) == 1
+    assert str(tmp_path / "gone" / "tok") in errors[0] and "no such folder" in errors[0]
