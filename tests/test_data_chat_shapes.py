@@ -268,3 +268,29 @@ def test_cli_names_a_missing_tokenizer_folder_in_one_line(tmp_path: Path) -> Non
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 2 and len(errors) == 1
     assert str(tmp_path / "gone" / "tok") in errors[0] and "no such folder" in errors[0]
+
+
+# Llama-3.1-like: a tool-calling turn is only its JSON call (its text is not rendered), tool results as ipython.
+LLAMA31_LIKE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}"
+    "\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def test_llama31_like_template_supervises_a_call_only_turn_and_refuses_to_lose_text(
+        tmp_path: Path, example_assets) -> None:
+    tok = AutoTokenizer.from_pretrained(example_assets.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA31_LIKE
+    tok.save_pretrained(tmp_path / "tok")
+    with_text = json.loads(json.dumps(OPENAI_TOOLS))
+    with_text["id"], with_text["messages"][2]["content"] = "text+call", "Let me check."
+    summary = _run(tmp_path, [OPENAI_TOOLS, with_text], str(tmp_path / "tok"), max_bad_fraction=1.0)
+    assert summary["kept"] == 1 and summary["dropped"] == {"turn_dropped_by_template": 1}
+    assert _supervised(tmp_path, str(tmp_path / "tok")) == [[
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"]]
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]["detail"]
+    assert "renders only the calls" in detail

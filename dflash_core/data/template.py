@@ -233,10 +233,7 @@ class ChatEncoder:
                         f"(roles as read: {roles}; data.role_map maps a source role to another)")
         spans = _spliced_spans(messages, slots, text, skeleton)
         if isinstance(spans, int):
-            source, role = conv.source(spans), messages[spans]["role"]
-            return Drop("turn_dropped_by_template", f"turn {spans} (role {source!r}, read as {role}) is not in the "
-                        f"rendered text; map {source!r} to a role the template renders with data.role_map, e.g. "
-                        f"role_map: {{{source}: {'user' if role != 'user' else 'assistant'}}}")
+            return _dropped_turn(conv, messages, spans)
         if spans is None and not isinstance(skeleton, Exception):
             spans = _anchored_spans(skeleton, text)
         spans = spans or _searched_spans(messages, slots, text)
@@ -280,6 +277,17 @@ class ChatEncoder:
             close = text.find(self.eot, end, hi) if self.eot else -1
             return start, close + len(self.eot) if close >= 0 else end
         return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
+
+
+def _dropped_turn(conv: Conversation, messages: Messages, j: int) -> Drop:
+    """Why turn j's text is missing from the render, naming its role as written in the data."""
+    source, role = conv.source(j), messages[j]["role"]
+    if messages[j].get("tool_calls"):  # Llama 3.1 writes only the call of a tool-calling turn
+        return Drop("turn_dropped_by_template", f"turn {j} ({source!r}) has text and tool calls; the template "
+                    "renders only the calls, so its text would be lost")
+    return Drop("turn_dropped_by_template", f"turn {j} (role {source!r}, read as {role}) is not in the rendered "
+                f"text; map {source!r} to a role the template renders with data.role_map, e.g. role_map: "
+                f"{{{source}: {'user' if role != 'user' else 'assistant'}}}")
 
 
 def _marked(messages: Messages) -> tuple[Messages, list[Slot]]:
