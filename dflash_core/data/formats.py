@@ -8,8 +8,9 @@ parts, tool calls and reasoning.
   messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
-- reasoning from `reasoning_content` (or `reasoning`), typed parts, or an inline `<think>...</think>` block that
-  opens an assistant's content: always moved to `reasoning_content`.
+- reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
+  assistant's content (after `<think>`, which some models leave to the prompt), as Qwen3's template reads it;
+  always moved to `reasoning_content`.
 Empty or blank turns are kept (with a note): the chat template renders them, an empty assistant turn is simply
 not supervised.
 """
