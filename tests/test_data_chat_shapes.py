@@ -294,3 +294,20 @@ def test_llama31_like_template_supervises_a_call_only_turn_and_refuses_to_lose_t
         '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"]]
     detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]["detail"]
     assert "renders only the calls" in detail
+
+
+def test_typed_tool_call_parts_are_supervised_with_the_turn_text(tmp_path: Path, qwen3_tok: str) -> None:
+    """LLaMA-Factory reasoning/tool data: content as typed parts with `value` keys, a tool_call part among them."""
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    record = {"tools": json.dumps([WEATHER]), "conversations": [
+        {"from": "human", "value": [{"type": "text", "value": QUESTION}]},
+        {"from": "gpt", "value": [{"type": "reasoning", "value": "I need the weather tool."},
+                                  {"type": "text", "value": "Let me check."}, {"type": "tool_call", "value": call}]},
+        {"from": "observation", "value": [{"type": "text", "value": RESULT}]},
+        {"from": "gpt", "value": [{"type": "text", "value": ANSWER}]}]}
+    assert _run(tmp_path, [record], qwen3_tok)["kept"] == 1
+    assert _supervised(tmp_path, qwen3_tok) == [["Let me check.\n" + CALL_TEXT, ANSWER + "<|im_end|>"]]
+    assert _run(tmp_path, [record], qwen3_tok, thinking="keep")["kept"] == 1  # reasoning after the last query
+    assert _supervised(tmp_path, qwen3_tok) == [[
+        "<think>\nI need the weather tool.\n</think>\n\nLet me check.\n" + CALL_TEXT,
+        "<think>\n\n</think>\n\n" + ANSWER + "<|im_end|>"]]
