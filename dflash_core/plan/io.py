@@ -13,6 +13,7 @@ from dflash_core.data.shards import read_index, read_manifest
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.errors import PlanError
 from dflash_core.plan.planner import make_plan
+from dflash_core.plan.validation import VAL_FILE, val_batches, val_mask
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
 _INDEX_COLUMNS = {"sample_id": pl.Int64, "length": pl.Int32}
@@ -47,9 +48,11 @@ def _join(folder: str, name: str) -> str:
 
 
 def run_plan(tokenized: str, out: str, cfg: PlanConfig) -> dict[str, Any]:
-    """Plan a tokenized folder into `out` (plan.parquet, then plan.json); CLI summary + "plan": plan.json."""
+    """Plan a tokenized folder into `out` (val.parquet, plan.parquet, then plan.json); CLI summary + "plan"."""
     index = _load_index(tokenized)
     fingerprint = read_manifest(tokenized).get("fingerprint")
+    held_out = val_mask(index["sample_id"].to_numpy(), cfg)
+    val, index = index.filter(held_out), index.filter(~held_out)
     loss = index["n_loss_tokens"].to_numpy() if "n_loss_tokens" in index.columns else None
     try:
         plan = make_plan(index["length"].to_numpy(), index["sample_id"].to_numpy(), cfg, loss)
@@ -58,6 +61,12 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig) -> dict[str, Any]:
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
+    if val.height:
+        batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens)
+        with fsspec.open(_join(out, VAL_FILE), "wb") as fh:
+            batches.write_parquet(fh, statistics=True)
+        summary["val"] = {"file": VAL_FILE, "samples": val.height, "batches": batches.height,
+                          "tokens": int(val["length"].sum())}
     with fsspec.open(_join(out, PLAN_FILE), "wb") as fh:
         plan.batches.write_parquet(fh, statistics=True)
     with fsspec.open(_join(out, SUMMARY_FILE), "w", encoding="utf-8") as fh:
@@ -72,6 +81,7 @@ def cli_summary(summary: dict[str, Any], out: str) -> dict[str, Any]:
     return {
         "out": out,
         "samples": summary["num_samples"],
+        "val_samples": (summary.get("val") or {}).get("samples", 0),
         "steps": summary["num_steps"],
         "micro_batches": summary["num_micro_batches"],
         "edges": summary["edges"],
@@ -116,6 +126,21 @@ def read_plan(plan_dir: str) -> tuple[pl.DataFrame, dict[str, Any]]:
         raise PlanError(f"{path}: unreadable ({exc}); re-run `dflash plan`") from exc
     _check_plan(plan, summary, path)
     return plan, summary
+
+
+def read_val(plan_dir: str, summary: dict[str, Any]) -> pl.DataFrame | None:
+    """val.parquet's batches (batch, sample_ids, n_samples, max_len, n_tokens), or None without a val slice."""
+    if not summary.get("val"):
+        return None
+    path = _join(plan_dir, summary["val"]["file"])
+    try:
+        with fsspec.open(path, "rb") as fh:
+            val = pl.read_parquet(fh)
+    except FileNotFoundError:
+        raise PlanError(f"{path}: missing but plan.json lists it; re-run `dflash plan --out {plan_dir}`") from None
+    if val["n_samples"].sum() != summary["val"]["samples"]:
+        raise PlanError(f"{path}: {val['n_samples'].sum()} samples, plan.json says {summary['val']['samples']}")
+    return val
 
 
 def _read_summary(path: str) -> dict[str, Any]:
