@@ -23,7 +23,8 @@ EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "batch-plan-file", "tr
 
 def fast_config(root: Path, **overrides) -> PipelineConfig:
     """The tiny CPU preset, a few optimizer steps, outputs under `root`."""
-    base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled"}
+    base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled",
+            "train.eval_every": 2, "eval.limit": 2, "eval.max_new_tokens": 16}
     return load_config("tiny-cpu", {**base, **overrides})
 
 

@@ -22,7 +22,7 @@ from dflash_core.runtime.validate import BestTracker, Validator
 
 @pytest.fixture(scope="module")
 def validator(tmp_path_factory):
-    inputs = build_inputs(tmp_path_factory.mktemp("validate"), world_size=1, grad_accum=1)
+    inputs = build_inputs(tmp_path_factory.mktemp("validate"), world_size=1, grad_accum=1, val_fraction=0.02)
     _, meta = read_plan(inputs.plan)
     target = load_target(inputs.target, "float32", "cpu")
     torch.manual_seed(0)
