@@ -111,6 +111,8 @@ def test_stability_check_sets_validation_records_aside_knowingly(tmp_path):
     report = run_check(str(path), str(tmp_path / "report"), CheckConfig(spike_window=20, loss_window=20))
     assert report["verdict"] == "pass" and report["steps"] == 30
     assert any("6 validation records" in note for note in report["notes"])
+    png = tmp_path / "report" / "validation.png"
+    assert report["files"]["validation"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_progress_follower_skips_validation_records(tmp_path):
