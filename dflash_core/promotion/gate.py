@@ -17,6 +17,8 @@ from dflash_core.promotion.store import DRAFTER_FILES, promote, promoted_drafter
 
 log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
+# promoted.json: these keys of the decision, plus the time
+RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict")
 
 
 def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
@@ -66,9 +68,7 @@ def promote_if_better(
     log.info("promotion: %s (%s)", "yes" if ok else "no", reason)
     if not ok:
         return decision
-    record = {"run": run_dir, "drafter": drafter_dir, "tau": scores["tau"], "incumbent_tau": scores["incumbent_tau"],
-              "incumbent_run": scores.get("incumbent_run"), "eval_set": scores["eval_set"], "verdict": verdict,
-              "time": datetime.now(UTC).isoformat(timespec="seconds")}
+    record = {k: decision[k] for k in RECORD_KEYS} | {"time": datetime.now(UTC).isoformat(timespec="seconds")}
     decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record)
     if wandb_mode(cfg.wandb) != "disabled":
         decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record, run_dir)
