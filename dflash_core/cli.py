@@ -102,10 +102,12 @@ def _edges(text: str) -> list[int]:
 def cmd_train(args: argparse.Namespace) -> int:
     from dflash_core.config import dump_config, resolve_config_path
     from dflash_core.runtime.launch import launch_train
+    from dflash_core.runtime.warm_start import resolve_init_from
 
-    cfg = _config(args)
+    given = _config(args)
+    cfg = resolve_init_from(given)  # train.init_from: promoted -> the promoted drafter's path, before any worker
     config_path = resolve_config_path(args.config)
-    if args.set:  # the workers read a file: write the overridden config beside the run
+    if args.set or cfg is not given:  # the workers read a file: write the overridden config beside the run
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(args.out)
@@ -170,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     state = retrain_drafter(config=cfg, run_name=args.run_name, return_state=True)
     result = state.result(raise_on_failure=False)
     summary = result if isinstance(result, dict) else {"error": str(result)}
-    _print_summary({"state": state.type.value, "message": state.message, **summary})
+    _print_summary({"state": state.type.value, "message": state.message, "promoted": False, "tau": None, **summary})
     return 0 if state.is_completed() else EXIT_FAILED
 
 

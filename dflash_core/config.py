@@ -1,4 +1,4 @@
-"""The pipeline config: one YAML file -> typed sections (data, plan, model, train, check, wandb, storage)."""
+"""The pipeline config: one YAML file -> typed sections (data, plan, model, train, check, wandb, storage, eval)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dflash_core.data.config import DataConfig
 from dflash_core.model.config import ModelConfig
 from dflash_core.monitor.config import CheckConfig, WandbConfig
 from dflash_core.plan.config import PlanConfig
+from dflash_core.promotion.config import EvalConfig
 from dflash_core.runtime.config import TrainConfig
 from dflash_core.schema import StrictModel
 
@@ -40,6 +41,7 @@ class PipelineConfig(StrictModel):
     check: CheckConfig = Field(default_factory=CheckConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
 
 def _describe(err: dict[str, Any]) -> str:

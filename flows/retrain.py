@@ -1,4 +1,4 @@
-"""The parent flow: tokenize -> plan -> train -> check, every output under the storage root."""
+"""The parent flow: tokenize -> plan -> train -> check -> evaluate -> promote, outputs under the storage root."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _run_name(explicit: str | None) -> str:
 def retrain_drafter(
     config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
 ) -> dict[str, Any]:
-    """Retrain a DFlash drafter: tokenize, plan, train, check. A failed check fails the flow run.
+    """Retrain a DFlash drafter: tokenize, plan, train, check, evaluate, promote. A failed check fails the flow
+    run; a drafter that is not promoted (not better, or a 'warn' verdict) does not.
 
     `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).
     """
@@ -46,8 +47,12 @@ def retrain_drafter(
     report_dir = storage.join(run_dir, "report")
     report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
     result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
-              "report": report_dir, "run": run_dir, "steps": train_summary.get("steps")}
+              "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
+              "best_step": train_summary.get("best_step"), "drafter_best": train_summary.get("drafter_best")}
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
     if report["verdict"] == "fail":
         return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")
-    return result
+    scores = tasks.evaluate(config, drafter)
+    decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
+    return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
+            "incumbent_tau": decision["incumbent_tau"], "promotion": decision["reason"]}

@@ -13,8 +13,10 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, dump_config
+from dflash_core.monitor.sources import record_kind
 from flows import storage
 from flows.artifacts import TrainingProgress, publish_plan, publish_report
+from flows.promotion_artifacts import publish_promotion
 
 
 @task(name="resolve-assets", retries=1)
@@ -100,7 +102,7 @@ class _Throttle:
 
 
 def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | None:
-    """The newest complete record of metrics.jsonl, reading only the file's tail (runs log ~1 KB a step)."""
+    """The newest complete training record of metrics.jsonl, reading only the file's tail (~1 KB a step)."""
     fs, path = fsspec.core.url_to_fs(metrics_uri)
     if not fs.exists(path):
         return None
@@ -110,9 +112,11 @@ def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | 
         lines = fh.read().decode("utf-8", errors="replace").splitlines()
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by the tail window or still being written
             continue
+        if record_kind(record) == "train":  # validation records share a step but carry no training loss
+            return record
     return None
 
 
@@ -130,12 +134,13 @@ def _follow_metrics(metrics_uri: str, progress: TrainingProgress, stop: threadin
 def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_steps: int) -> dict[str, Any]:
     """torchrun in its own process group: logs streamed, progress artifact, killed on timeout/cancel."""
     from dflash_core.runtime.launch import launch_train
+    from dflash_core.runtime.warm_start import resolve_init_from
 
     logger = get_run_logger()
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     config_path = storage.join(out, "config.yaml")
-    dump_config(config, config_path)
+    dump_config(resolve_init_from(config), config_path)  # train.init_from: promoted -> a path, before the workers
     progress = TrainingProgress(num_steps)
     stop = threading.Event()
     follower = threading.Thread(target=_follow_metrics, daemon=True,
@@ -160,3 +165,25 @@ def check(config: PipelineConfig, metrics: str, out: str, drafter_dir: str) -> d
     report = run_check(metrics, out, config.check, baseline=config.check.baseline)
     publish_report(report, out, drafter_dir)
     return report
+
+
+@task(name="evaluate")
+def evaluate(config: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
+    """tau of the new drafter and of the promoted one on the same fixed prompts (the eval: section)."""
+    from dflash_core.promotion.gate import measure
+
+    scores = measure(config, drafter_dir)
+    get_run_logger().info("tau: new %s, promoted %s", scores["tau"], scores["incumbent_tau"])
+    return scores
+
+
+@task(name="promote")
+def promote(config: PipelineConfig, run_dir: str, drafter_dir: str, verdict: str,
+            scores: dict[str, Any]) -> dict[str, Any]:
+    """The promotion gate; publishes the decision artifact (not promoting is a normal outcome)."""
+    from dflash_core.promotion.gate import promote_if_better
+
+    decision = promote_if_better(config, run_dir, drafter_dir, verdict, scores)
+    publish_promotion(decision)
+    get_run_logger().info("promoted: %s (%s)", decision["promoted"], decision["reason"])
+    return decision

@@ -24,6 +24,7 @@ EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "batch-plan-file", "tr
 def fast_config(root: Path, **overrides) -> PipelineConfig:
     """The tiny CPU preset, a few optimizer steps, outputs under `root`."""
     base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled",
+            "train.eval_every": 2, "eval.limit": 2, "eval.max_new_tokens": 16,
             "check.fail_unjudged": False}  # 4 steps are too few to judge; the flow tests test the flow
     return load_config("tiny-cpu", {**base, **overrides})
 

@@ -67,16 +67,18 @@ def write_shards(out: Path, n_samples: int, seed: int = 0, max_len: int = 96, ro
 
 
 def build_inputs(
-    root: Path, world_size: int = 2, grad_accum: int = 2, n_samples: int = 96, max_tokens: int = 256, seed: int = 0
+    root: Path, world_size: int = 2, grad_accum: int = 2, n_samples: int = 96, max_tokens: int = 256, seed: int = 0,
+    val_fraction: float = 0.0,
 ) -> RunInputs:
-    """Shards + plan + target under root (reused when already there)."""
+    """Shards + plan + target under root (reused when already there); no validation slice unless asked."""
     root.mkdir(parents=True, exist_ok=True)
     tokenized = root / "tokenized"
     if not (tokenized / "manifest.json").exists():
         write_shards(tokenized, n_samples, seed)
-    plan = root / f"plan-w{world_size}"
+    plan = root / (f"plan-w{world_size}" + (f"-val{val_fraction}" if val_fraction else ""))
     if not (plan / "plan.json").exists():
-        cfg = PlanConfig(max_tokens=max_tokens, num_buckets=3, world_size=world_size, grad_accum=grad_accum, seed=seed)
+        cfg = PlanConfig(max_tokens=max_tokens, num_buckets=3, world_size=world_size, grad_accum=grad_accum, seed=seed,
+                         val_fraction=val_fraction)
         run_plan(str(tokenized), str(plan), cfg)
     target = root / "target"
     if not (target / "config.json").exists():

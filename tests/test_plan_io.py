@@ -11,6 +11,7 @@ import pytest
 from dflash_core.data.shards import ShardError
 from dflash_core.plan import PlanError, format_summary_table, read_plan, run_plan
 from dflash_core.plan.config import PlanConfig
+from dflash_core.plan.io import read_val
 
 
 def write_tokenized(folder: str, lengths: list[int], fingerprint: str = "fp-123") -> None:
@@ -50,7 +51,10 @@ def test_run_plan_writes_the_contract_files(tmp_path, root):
     assert table.height == summary["num_micro_batches"]
     assert table["n_loss_tokens"].sum() > 0
     ids = table.filter(pl.col("epoch") == 0)["sample_ids"].explode()
-    assert ids.n_unique() == ids.len() == len(LENGTHS)
+    val = read_val(f"{base}/plan", summary)["sample_ids"].explode()
+    assert summary["val"]["samples"] == val.len() == 12  # 2% of 600
+    assert ids.n_unique() == ids.len() == len(LENGTHS) - val.len()
+    assert set(ids.to_list()).isdisjoint(val.to_list())
     assert "longest same-bucket run" in format_summary_table(result["plan"])
 
 

@@ -10,11 +10,13 @@ from dflash_core.monitor.plots import render_stability_png
 from dflash_core.monitor.report import build_report, write_report
 from dflash_core.monitor.sources import metrics_frame, read_metrics
 from dflash_core.monitor.stability import analyze
+from dflash_core.monitor.validation_plot import write_validation_png
 
 
 def run_check(metrics: str, out: str, cfg: CheckConfig, wandb_run: str | None = None,
               baseline: str | None = None) -> dict[str, Any]:
-    """Check a run's metrics (metrics.jsonl URI, or the W&B run path) and write report.json/.md/.png to `out`."""
+    """Check a run's metrics (metrics.jsonl URI, or the W&B run path) and write report.json/.md/.png to `out`
+    (plus validation.png when the run logged validation records)."""
     baseline = baseline or cfg.baseline
     earlier = load_baseline(baseline) if baseline else None  # a bad baseline path fails before the analysis
     log = read_metrics(metrics, wandb_run)
@@ -26,4 +28,8 @@ def run_check(metrics: str, out: str, cfg: CheckConfig, wandb_run: str | None = 
     report = build_report(analysis, log.source, cfg)
     title = (f"Stability check: {report['verdict'].upper()}   {log.source}   "
              f"({report['steps']} steps; failed: {', '.join(report['failed']) or 'none'})")
-    return write_report(report, out, render_stability_png(analysis, title))
+    report = write_report(report, out, render_stability_png(analysis, title))
+    if log.validation:  # validation records are not optimizer steps: their own picture
+        report["files"]["validation"] = write_validation_png(log.records, log.validation, out,
+                                                             f"Validation   {log.source}")
+    return report

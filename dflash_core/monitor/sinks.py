@@ -17,6 +17,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from dflash_core.monitor.config import WandbConfig
+from dflash_core.monitor.sources import record_kind
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
 
@@ -50,7 +51,8 @@ class JsonlSink(MetricSink):
     """metrics.jsonl: one line per step, flushed every step, appended on resume, never truncated.
 
     On open it reads the steps already in the file: a resumed run re-executes the steps after its checkpoint,
-    and those records are skipped instead of written twice. An incomplete last line (a crash in the middle of
+    and those records are skipped instead of written twice (per kind: a validation record shares its step
+    with the training record of that step). An incomplete last line (a crash in the middle of
     a write) holds no record; it is cut off so that the file stays valid JSONL.
     """
 
@@ -58,10 +60,10 @@ class JsonlSink(MetricSink):
         self.uri = uri
         self._fs, self._path = fsspec.core.url_to_fs(uri)
         self._fs.makedirs(posixpath.dirname(self._path) or ".", exist_ok=True)
-        self._written = self._existing_steps()
+        self._written = self._existing_keys()
         self._fh = self._fs.open(self._path, "ab")
 
-    def _existing_steps(self) -> set[int]:
+    def _existing_keys(self) -> set[tuple[str, int]]:
         if not self._fs.exists(self._path):
             return set()
         with self._fs.open(self._path, "rb") as fh:
@@ -69,11 +71,12 @@ class JsonlSink(MetricSink):
         complete = data[: data.rfind(b"\n") + 1]
         if len(complete) != len(data):
             self._cut_partial_line(complete)
-        steps = set()
+        keys = set()
         for line in complete.splitlines():
             if line.strip():
-                steps.add(int(json.loads(line)["step"]))
-        return steps
+                record = json.loads(line)
+                keys.add((record_kind(record), int(record["step"])))
+        return keys
 
     def _cut_partial_line(self, complete: bytes) -> None:
         if isinstance(self._fs, LocalFileSystem):
@@ -85,13 +88,20 @@ class JsonlSink(MetricSink):
 
     @property
     def steps_written(self) -> set[int]:
-        """Steps already in the file (including those from before a resume)."""
-        return set(self._written)
+        """Training steps already in the file (including those from before a resume)."""
+        return {step for kind, step in self._written if kind == "train"}
+
+    def last_steps(self) -> dict[str, int]:
+        """The newest step of each record kind in the file."""
+        last: dict[str, int] = {}
+        for kind, step in self._written:
+            last[kind] = max(step, last.get(kind, -1))
+        return last
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append the record unless its step is already in the file; flush (and fsync locally)."""
-        step = int(record["step"])
-        if step in self._written:
+        """Append the record unless its (kind, step) is already in the file; flush (and fsync locally)."""
+        key = (record_kind(record), int(record["step"]))
+        if key in self._written:
             return
         line = json.dumps(_json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
         self._fh.write(line.encode())
@@ -101,7 +111,7 @@ class JsonlSink(MetricSink):
                 os.fsync(self._fh.fileno())
             except (OSError, ValueError):
                 pass  # not a real file descriptor (in-memory filesystem)
-        self._written.add(step)
+        self._written.add(key)
 
     def close(self) -> None:
         """Close the file."""
@@ -134,11 +144,12 @@ class WandbSink(MetricSink):
 
     The run id is kept in `<out_dir>/wandb_run_id` so that a resumed training run continues the same W&B run.
     Records of steps W&B already has (a resume re-executes a few steps) are not logged again: those up to
-    `logged_through` (the last step metrics.jsonl holds) or up to the resumed run's summary step.
+    `logged_through` (the last step metrics.jsonl holds, per record kind, or an int for training records) or
+    up to the resumed run's summary step.
     """
 
     def __init__(
-        self, cfg: WandbConfig, run_config: dict[str, Any], out_dir: str, logged_through: int = -1
+        self, cfg: WandbConfig, run_config: dict[str, Any], out_dir: str, logged_through: int | dict[str, int] = -1
     ) -> None:
         import wandb  # imported here: only rank 0 with W&B enabled pays for it
 
@@ -158,15 +169,18 @@ class WandbSink(MetricSink):
         self.run.define_metric("*", step_metric="step")
         self.run.define_metric("grad_norm", step_metric="step", summary="max")
         self.run.define_metric("loss", step_metric="step", summary="min")
+        self.run.define_metric("val_accept_len", step_metric="step", summary="max")
         resumed = int(self.run.summary.get("step", -1)) if self.run.resumed else -1
-        self._last_step = max(resumed, logged_through)
+        through = logged_through if isinstance(logged_through, dict) else {"train": logged_through}
+        self._last_step = {**through, "train": max(resumed, through.get("train", -1))}
 
     def log(self, record: dict[str, Any]) -> None:
         """Log the scalar fields of a record (nested dicts flattened as key/sub)."""
-        if int(record["step"]) <= self._last_step:
+        kind, step = record_kind(record), int(record["step"])
+        if step <= self._last_step.get(kind, -1):
             return
         self.run.log(_flatten(record))
-        self._last_step = int(record["step"])
+        self._last_step[kind] = step
 
     def close(self) -> None:
         """Finish the run (writes the offline run folder)."""

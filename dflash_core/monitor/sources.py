@@ -18,6 +18,12 @@ REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
 FLOATS = ("loss", "grad_norm", "clip", "lr")
 FLAGS = ("clipped", "nonfinite", "skipped")
 WANDB_SCHEME = "wandb://"
+VAL_KIND = "val"  # validation records (runtime/validate.py): {"kind": "val", "step", "val_loss", ...}
+
+
+def record_kind(record: dict[str, Any]) -> str:
+    """'val' for a validation record, else 'train' (W&B drops the string 'kind': its val_* keys tell)."""
+    return VAL_KIND if record.get("kind") == VAL_KIND or "val_loss" in record else "train"
 
 
 class MetricsError(ValueError):
@@ -32,6 +38,21 @@ class MetricsLog:
     records: list[dict[str, Any]]
     lines: list[int]
     notes: list[str] = field(default_factory=list)
+    validation: list[dict[str, Any]] = field(default_factory=list)  # set aside: not optimizer steps
+
+    def keep(self, record: dict[str, Any], line: int) -> None:
+        """Add a checked record: a training step to `records`, a validation record to `validation`."""
+        if record_kind(record) == VAL_KIND:
+            self.validation.append(record)
+        else:
+            self.records.append(record)
+            self.lines.append(line)
+
+    def note_validation(self) -> None:
+        """Say in the notes that validation records were read and left out of the stability analysis."""
+        if self.validation:
+            self.notes.append(f"{len(self.validation)} validation records (kind 'val') set aside: the stability "
+                              "check reads optimizer steps only")
 
 
 def read_metrics(metrics: str, wandb_run: str | None = None) -> MetricsLog:
@@ -60,14 +81,14 @@ def read_jsonl(uri: str) -> MetricsLog:
                 except json.JSONDecodeError as exc:
                     pending = (lineno, exc)
                     continue
-                log.records.append(_check_record(record, uri, lineno))
-                log.lines.append(lineno)
+                log.keep(_check_record(record, uri, lineno), lineno)
     except FileNotFoundError:
         raise MetricsError(f"{uri}: no such metrics file; pass the metrics.jsonl a training run wrote") from None
     if pending and not log.records:  # a lone bad line is not "a crash mid-write": nothing was readable at all
         _raise_bad_json(uri, *pending)
     if pending:
         log.notes.append(f"line {pending[0]}: incomplete last record skipped (the run crashed or was writing)")
+    log.note_validation()
     if not log.records:
         raise MetricsError(f"{uri}: no metrics records in the file (empty); did the run log any optimizer step?")
     return log
@@ -124,8 +145,8 @@ def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
         record = unflatten_wandb_row(row)
         if "step" not in record:
             continue  # rows W&B keeps for other metrics (system stats, summaries) are not steps
-        log.records.append(_check_record(record, log.source, row_no))
-        log.lines.append(row_no)
+        log.keep(_check_record(record, log.source, row_no), row_no)
+    log.note_validation()
     if not log.records:
         raise MetricsError(f"W&B run {path!r}: no history rows with a 'step'; was it logged by `dflash train`?")
     return log

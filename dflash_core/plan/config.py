@@ -25,6 +25,11 @@ class PlanConfig(StrictModel):
     edge_granularity: PositiveInt = Field(
         8, description="auto edges are multiples of this many tokens (coarsened to at most 2048 candidates)"
     )
+    val_fraction: float = Field(
+        0.02, ge=0.0, lt=1.0, description="share of samples held out for validation (val.parquet); 0 disables"
+    )
+    val_min_samples: NonNegativeInt = Field(8, description="hold out at least this many (data permitting)")
+    val_max_samples: PositiveInt = Field(1000, description="hold out at most this many (validation cost)")
 
     @field_validator("buckets")
     @classmethod

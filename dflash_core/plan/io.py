@@ -13,6 +13,7 @@ from dflash_core.data.shards import read_index, read_manifest
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.errors import PlanError
 from dflash_core.plan.planner import make_plan
+from dflash_core.plan.validation import VAL_FILE, val_batches, val_mask
 from dflash_core.publish import check_output, staged_output
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
@@ -48,10 +49,12 @@ def _join(folder: str, name: str) -> str:
 
 
 def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False) -> dict[str, Any]:
-    """Plan a tokenized folder into `out` (published whole); CLI summary + "plan": plan.json."""
+    """Plan a tokenized folder into `out` (val.parquet, plan.parquet, plan.json; published whole); CLI summary."""
     check_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite)
     index = _load_index(tokenized)
     fingerprint = read_manifest(tokenized).get("fingerprint")
+    held_out = val_mask(index["sample_id"].to_numpy(), cfg)
+    val, index = index.filter(held_out), index.filter(~held_out)
     loss = index["n_loss_tokens"].to_numpy() if "n_loss_tokens" in index.columns else None
     try:
         plan = make_plan(index["length"].to_numpy(), index["sample_id"].to_numpy(), cfg, loss)
@@ -59,6 +62,12 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False)
         raise PlanError(f"{_join(tokenized, 'index.parquet')}: {exc}") from None
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
     with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite) as staging:
+        if val.height:
+            batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens)
+            with fsspec.open(_join(staging, VAL_FILE), "wb") as fh:
+                batches.write_parquet(fh, statistics=True)
+            summary["val"] = {"file": VAL_FILE, "samples": val.height, "batches": batches.height,
+                              "tokens": int(val["length"].sum())}
         with fsspec.open(_join(staging, PLAN_FILE), "wb") as fh:
             plan.batches.write_parquet(fh, statistics=True)
         with fsspec.open(_join(staging, SUMMARY_FILE), "w", encoding="utf-8") as fh:
@@ -73,6 +82,7 @@ def cli_summary(summary: dict[str, Any], out: str) -> dict[str, Any]:
     return {
         "out": out,
         "samples": summary["num_samples"],
+        "val_samples": (summary.get("val") or {}).get("samples", 0),
         "steps": summary["num_steps"],
         "micro_batches": summary["num_micro_batches"],
         "edges": summary["edges"],
@@ -117,6 +127,21 @@ def read_plan(plan_dir: str) -> tuple[pl.DataFrame, dict[str, Any]]:
         raise PlanError(f"{path}: unreadable ({exc}); re-run `dflash plan`") from exc
     _check_plan(plan, summary, path)
     return plan, summary
+
+
+def read_val(plan_dir: str, summary: dict[str, Any]) -> pl.DataFrame | None:
+    """val.parquet's batches (batch, sample_ids, n_samples, max_len, n_tokens), or None without a val slice."""
+    if not summary.get("val"):
+        return None
+    path = _join(plan_dir, summary["val"]["file"])
+    try:
+        with fsspec.open(path, "rb") as fh:
+            val = pl.read_parquet(fh)
+    except FileNotFoundError:
+        raise PlanError(f"{path}: missing but plan.json lists it; re-run `dflash plan --out {plan_dir}`") from None
+    if val["n_samples"].sum() != summary["val"]["samples"]:
+        raise PlanError(f"{path}: {val['n_samples'].sum()} samples, plan.json says {summary['val']['samples']}")
+    return val
 
 
 def _read_summary(path: str) -> dict[str, Any]:

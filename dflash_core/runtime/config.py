@@ -27,6 +27,12 @@ class TrainConfig(StrictModel):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: PositiveInt = 100
+    eval_every: PositiveInt = Field(100, description="validation on the plan's val slice every N steps and at the end")
+    init_from: str | None = Field(
+        None,
+        description="warm start: an exported drafter folder/URI, or 'promoted' (<storage root>/promoted/drafter, "
+        "from scratch while none is promoted); optimizer state starts fresh; a resumed checkpoint wins",
+    )
     keep_checkpoints: PositiveInt = 3
     max_nonfinite: NonNegativeInt = 10
     nproc_per_node: PositiveInt = 1

@@ -18,6 +18,7 @@ import polars as pl
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from dflash_core.atomic_dir import replace_dir
 from dflash_core.config import PipelineConfig
 from dflash_core.model.drafter import DFlashDrafter, build_drafter
 from dflash_core.model.export import save_dflash
@@ -40,6 +41,8 @@ from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.schedule import make_scheduler
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
+from dflash_core.runtime.validate import BestTracker, Validator
+from dflash_core.runtime.warm_start import load_warm_start
 
 
 class PlanMismatchError(ValueError):
@@ -126,8 +129,11 @@ class Trainer:
         env: DistEnv,
         mask_token_id: int,
         faults: FaultPlan = NO_FAULTS,
+        val: pl.DataFrame | None = None,
     ) -> None:
         self.cfg, self.plan, self.reader, self.env, self.faults = cfg, plan, reader, env, faults
+        self.val = val  # the plan's validation batches (val.parquet), None without a val slice
+        self.best = BestTracker()
         self.out = Path(out)
         self.mask_token_id = mask_token_id
         self.device = resolve_device(cfg.train.device, env)
@@ -145,6 +151,8 @@ class Trainer:
         torch.manual_seed(t.seed)  # every rank builds the same initial drafter
         self.drafter: DFlashDrafter = build_drafter(self.targets[0], self.cfg.model, self.mask_token_id)
         self.drafter.to(self.device)
+        if t.init_from:  # a resumed checkpoint below overrides these weights
+            load_warm_start(self.drafter, t.init_from)
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
@@ -172,6 +180,7 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self.loop_state = ckpt.state["loop"]
+        self.best.load_state_dict(ckpt.state.get("best"))
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
 
@@ -200,6 +209,8 @@ class Trainer:
         loop = DrafterTrainLoop(self.model, self.optimizer, self.scheduler, features, settings, self.faults, health)
         if self.loop_state is not None:
             loop.load_state_dict(self.loop_state)
+        self.validator = None if self.val is None else Validator(
+            self.drafter, self.targets[0], self.reader, self.val, settings)
         return prefetch, target, loop, [batches, features]
 
     def _sink(self) -> MetricSink:
@@ -208,7 +219,7 @@ class Trainer:
         jsonl = JsonlSink(str(self.out / "metrics.jsonl"))
         sinks: list[MetricSink] = [jsonl]
         if wandb_mode(self.cfg.wandb) != "disabled":
-            logged = max(jsonl.steps_written, default=-1)  # a resume re-runs these; W&B has them already
+            logged = jsonl.last_steps()  # a resume re-runs these; W&B has them already
             sinks.append(WandbSink(self.cfg.wandb, self.cfg.model_dump(mode="json"), str(self.out), logged))
         return MultiSink(sinks)
 
@@ -220,6 +231,7 @@ class Trainer:
         sink = self._sink()
         started = time.perf_counter()
         last: dict[str, Any] = {}
+        self.last_val: dict[str, Any] = {}
         tokens = 0
         try:
             prefetch.start()
@@ -230,6 +242,8 @@ class Trainer:
                 tokens += last["n_tokens"]
                 sink.log(last)
                 self._check_nonfinite(loop, step)
+                if self.validator and self._eval_due(step):
+                    self._validate(step, sink)
                 if (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps:
                     self._save(step + 1, loop)
         except BaseException as exc:
@@ -251,6 +265,16 @@ class Trainer:
                 "train.lr or check the data of the skipped steps"
             )
 
+    def _eval_due(self, step: int) -> bool:
+        return (step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.plan.num_steps
+
+    def _validate(self, step: int, sink: MetricSink) -> None:
+        """Score the val slice; a new best validation acceptance length is exported as drafter-best/."""
+        self.last_val = self.validator.run(step)
+        sink.log(self.last_val)
+        if self.best.offer(self.last_val) and self.env.is_main:
+            replace_dir(str(self.out / "drafter-best"), lambda staged: save_dflash(self.drafter, staged))
+
     def _save(self, step: int, loop: DrafterTrainLoop) -> None:
         rngs = gather_objects(rng_state(), self.env)
         if not self.env.is_main:
@@ -261,6 +285,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "loop": loop.state_dict(),
             "rng": rngs,
+            "best": self.best.state_dict(),
         }
         self.ckpts.save(step, self.drafter.state_dict(), state)
 
@@ -293,7 +318,17 @@ class Trainer:
             "metrics": str(self.out / "metrics.jsonl"),
             "checkpoints": str(self.ckpts.root),
             "drafter": str(self.out / "drafter"),
+            "init_from": self.cfg.train.init_from,
+            "val_loss": _finite(self.last_val.get("val_loss")),
+            "val_accept_len": _finite(self.last_val.get("val_accept_len")),
+            "best_step": self.best.step,
+            "best_val_accept_len": self.best.val_accept_len,
+            "drafter_best": str(self.out / "drafter-best") if self.best.step is not None else None,
         }
+
+
+def _finite(value: Any) -> float | None:
+    return value if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def summary_line(summary: dict[str, Any]) -> str:

@@ -64,15 +64,17 @@ def mask_token_id(cfg: PipelineConfig) -> int:
 def run(args: argparse.Namespace, env: DistEnv) -> dict:
     """Check the inputs, then train this rank; returns the summary."""
     from dflash_core.data.shards import ShardReader
-    from dflash_core.plan.io import read_plan
+    from dflash_core.plan.io import read_plan, read_val
+    from dflash_core.runtime.warm_start import resolve_init_from
 
-    cfg = load_config(args.config)
+    cfg = resolve_init_from(load_config(args.config))  # launchers resolve it already; direct torchrun too
     table, meta = read_plan(args.plan)
     reader = ShardReader(args.tokenized)
     check_plan(meta, args.plan, env.world_size, reader.fingerprint, args.tokenized)
     plan = load_run_plan(table, meta, cfg.train.max_steps)
     cfg.model.target = resolve_uri(cfg.model.target)
-    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), FaultPlan.from_env(env.rank))
+    faults = FaultPlan.from_env(env.rank)
+    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), faults, read_val(args.plan, meta))
     return trainer.setup().train()
 
 

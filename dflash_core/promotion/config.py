@@ -1,0 +1,16 @@
+"""Config of the evaluation that gates promotion (the `eval:` section)."""
+
+from pydantic import Field, NonNegativeFloat, PositiveInt
+
+from dflash_core.schema import StrictModel
+
+
+class EvalConfig(StrictModel):
+    """Fixed evaluation prompts on which the new and the promoted drafter are both decoded, and the margin."""
+
+    data: str | None = Field(None, description="chat prompts (any fsspec URI); None = data.source")
+    limit: PositiveInt = Field(16, description="the first N prompts of `data`: the same set for both drafters")
+    max_new_tokens: PositiveInt = 64
+    min_gain: NonNegativeFloat = Field(
+        0.0, description="promote only when tau > the promoted drafter's tau + min_gain"
+    )

@@ -1,0 +1,96 @@
+"""Measure tau of the new drafter and of the promoted one on the same prompts; promote when stable and better."""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+
+from dflash_core.config import PipelineConfig
+from dflash_core.monitor.config import WandbConfig
+from dflash_core.monitor.sinks import wandb_mode
+from dflash_core.promotion.store import DRAFTER_FILES, promote, promoted_drafter, read_promoted
+
+log = logging.getLogger(__name__)
+MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
+# promoted.json: these keys of the decision, plus the time
+RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict")
+
+
+def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
+    """The fixed evaluation prompts both drafters are decoded on."""
+    return {"data": cfg.eval.data or cfg.data.source, "limit": cfg.eval.limit,
+            "max_new_tokens": cfg.eval.max_new_tokens}
+
+
+def _tau(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
+    from dflash_core.model.evaluate import evaluate  # loads torch and transformers: only when measuring
+
+    prompts = eval_set(cfg)
+    return evaluate(target=cfg.model.target, drafter_dir=drafter_dir, tokenizer=cfg.data.tokenizer,
+                    data=prompts["data"], limit=prompts["limit"], max_new_tokens=prompts["max_new_tokens"])
+
+
+def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
+    """tau of `drafter_dir` and of the promoted drafter (None while none is promoted) on eval_set(cfg)."""
+    new = _tau(cfg, drafter_dir)
+    incumbent = read_promoted(cfg.storage.root)
+    old = _tau(cfg, promoted_drafter(cfg.storage.root)) if incumbent is not None else None
+    return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
+            "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None}
+
+
+def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float) -> tuple[bool, str]:
+    """(promote?, why): only a 'pass' verdict, and tau above the incumbent's by more than min_gain."""
+    if verdict != "pass":
+        return False, f"stability verdict is {verdict}, promotion needs pass"
+    if tau is None or not math.isfinite(tau):
+        return False, "the new drafter has no tau (no decoding steps on the evaluation prompts)"
+    if incumbent_tau is None:
+        return True, "nothing was promoted yet"
+    if tau > incumbent_tau + min_gain:
+        return True, f"tau {tau:.4f} beats the promoted drafter's {incumbent_tau:.4f} by more than {min_gain}"
+    return False, f"tau {tau:.4f} does not beat the promoted drafter's {incumbent_tau:.4f} by more than {min_gain}"
+
+
+def promote_if_better(
+    cfg: PipelineConfig, run_dir: str, drafter_dir: str, verdict: str, scores: dict[str, Any]
+) -> dict[str, Any]:
+    """Apply the gate; when it passes, copy the drafter to the promoted folder (and log the W&B model)."""
+    ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain)
+    decision = {"promoted": ok, "reason": reason, "tau": scores["tau"], "incumbent_tau": scores["incumbent_tau"],
+                "incumbent_run": scores.get("incumbent_run"), "eval_set": scores["eval_set"], "verdict": verdict,
+                "run": run_dir, "drafter": drafter_dir, "promoted_drafter": None, "wandb_artifact": None}
+    log.info("promotion: %s (%s)", "yes" if ok else "no", reason)
+    if not ok:
+        return decision
+    record = {k: decision[k] for k in RECORD_KEYS} | {"time": datetime.now(UTC).isoformat(timespec="seconds")}
+    decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record)
+    if wandb_mode(cfg.wandb) != "disabled":
+        decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record, run_dir)
+    return decision
+
+
+def log_model_artifact(cfg: WandbConfig, drafter_dir: str, metadata: dict[str, Any], run_dir: str) -> str:
+    """Log the promoted drafter as a W&B model artifact aliased `production` (offline too); returns its name."""
+    import wandb
+
+    with tempfile.TemporaryDirectory(prefix="dflash-promote-") as tmp:
+        fs, root = fsspec.core.url_to_fs(drafter_dir)
+        for name in DRAFTER_FILES:  # a local copy: W&B adds local files, wherever the storage root is
+            fs.get(f"{root}/{name}", f"{tmp}/{name}")
+        wandb_dir = run_dir if "://" not in run_dir else tmp
+        run = wandb.init(project=cfg.project, entity=cfg.entity, job_type="promote", mode=wandb_mode(cfg),
+                         dir=wandb_dir, config={"promotion": metadata},
+                         settings=wandb.Settings(silent=True, console="off"))
+        try:
+            artifact = wandb.Artifact(MODEL_ARTIFACT, type="model", metadata=metadata)
+            artifact.add_dir(tmp)
+            run.log_artifact(artifact, aliases=[PRODUCTION])
+        finally:
+            run.finish()
+    return f"{MODEL_ARTIFACT}:{PRODUCTION}"

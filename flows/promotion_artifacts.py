@@ -1,0 +1,39 @@
+"""The promotion gate's artifact: the new drafter vs the promoted one, and the decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact
+
+from flows.storage import as_link
+
+
+def promotion_markdown(decision: dict[str, Any]) -> str:
+    """The decision as a markdown table: tau of both drafters on the same prompts, and why."""
+    outcome = "PROMOTED" if decision["promoted"] else "NOT PROMOTED"
+    prompts = decision["eval_set"]
+    incumbent = decision.get("incumbent_run") or "none (nothing promoted yet)"
+    lines = [
+        f"# Promotion: **{outcome}**", "", decision["reason"], "",
+        "| drafter | run | tau |", "|---|---|---|",
+        f"| new | {decision['run']} | {_fmt(decision['tau'])} |",
+        f"| promoted (incumbent) | {incumbent} | {_fmt(decision['incumbent_tau'])} |", "",
+        f"Stability verdict: {decision['verdict']}. Evaluation prompts: the first {prompts['limit']} of "
+        f"`{prompts['data']}`, {prompts['max_new_tokens']} new tokens each.",
+    ]
+    if decision.get("promoted_drafter"):
+        lines.append(f"\n[promoted drafter]({as_link(decision['promoted_drafter'])})")
+    if decision.get("wandb_artifact"):
+        lines.append(f"W&B model artifact: `{decision['wandb_artifact']}`")
+    return "\n".join(lines)
+
+
+def publish_promotion(decision: dict[str, Any]) -> None:
+    """Publish the promotion decision on the flow-run page."""
+    create_markdown_artifact(promotion_markdown(decision), key="promotion",
+                             description="New drafter vs the promoted one, and the decision")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)

@@ -1,0 +1,141 @@
+"""The promotion gate: first drafter promoted, a worse one not, atomic swap under injected failures, W&B model."""
+
+import json
+import uuid
+
+import fsspec
+import pytest
+
+from dflash_core import atomic_dir
+from dflash_core.config import load_config
+from dflash_core.promotion import gate, store
+from dflash_core.promotion.gate import decide, promote_if_better
+from dflash_core.promotion.store import promoted_drafter, read_promoted
+
+
+def _drafter(folder, marker: str) -> str:
+    """A folder in the serving format (contents are opaque bytes to the store)."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    fs.makedirs(root, exist_ok=True)
+    for name, text in (("config.json", json.dumps({"marker": marker})), ("model.safetensors", marker * 100)):
+        with fs.open(f"{root}/{name}", "w") as fh:
+            fh.write(text)
+    return folder
+
+
+def _read(uri: str) -> str:
+    with fsspec.open(uri, "r") as fh:
+        return fh.read()
+
+
+def _scores(tau, incumbent_tau=None) -> dict:
+    return {"tau": tau, "incumbent_tau": incumbent_tau, "incumbent_run": None,
+            "eval_set": {"data": "prompts.jsonl", "limit": 4, "max_new_tokens": 16}}
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    return str(tmp_path / "store") if request.param == "local" else f"memory://promo-{uuid.uuid4().hex}"
+
+
+def _cfg(root: str, **overrides):
+    return load_config("tiny-cpu", {"storage.root": root, "wandb.mode": "disabled", **overrides})
+
+
+def test_first_drafter_is_promoted_a_worse_one_is_not(root, tmp_path):
+    cfg = _cfg(root, **{"eval.min_gain": 0.05})
+    first = promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    assert first["promoted"] and first["reason"] == "nothing was promoted yet"
+    record = read_promoted(root)
+    assert record["run"] == "runs/a" and record["tau"] == 1.4 and record["incumbent_tau"] is None
+    assert record["eval_set"]["limit"] == 4 and "time" in record
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+    before = _read(f"{root}/promoted/promoted.json")
+
+    worse = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.42, 1.4))
+    assert not worse["promoted"] and "does not beat" in worse["reason"]  # better, but by less than min_gain
+    assert _read(f"{root}/promoted/promoted.json") == before
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+
+    better = promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", _scores(1.6, 1.4))
+    assert better["promoted"] and read_promoted(root)["incumbent_tau"] == 1.4
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "C"}
+    fs, path = fsspec.core.url_to_fs(f"{root}/promoted")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path.rsplit("/", 1)[0], detail=False)) == ["promoted", "runs"]
+
+
+@pytest.mark.parametrize(("verdict", "tau", "incumbent", "expected"), [
+    ("pass", 1.5, None, True),
+    ("warn", 1.9, None, False),  # only a clean stability verdict promotes
+    ("fail", 1.9, 1.0, False),
+    ("pass", None, None, False),  # no decoding steps: nothing to compare
+    ("pass", 1.5, 1.5, False),  # a tie is not a gain
+    ("pass", 1.51, 1.5, True),
+])
+def test_decide(verdict, tau, incumbent, expected):
+    assert decide(verdict, tau, incumbent, 0.0)[0] is expected
+
+
+def test_a_crash_while_copying_leaves_the_promoted_drafter_intact(root, monkeypatch):
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    before = _read(f"{root}/promoted/promoted.json")
+    real_copy, copied = store.copy_file, []
+
+    def dies_on_the_second_file(*args):
+        if copied:
+            raise OSError("injected: node lost in the middle of the copy")
+        copied.append(args)
+        real_copy(*args)
+
+    monkeypatch.setattr(store, "copy_file", dies_on_the_second_file)
+    with pytest.raises(OSError, match="injected"):
+        promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(2.0, 1.4))
+    monkeypatch.undo()
+    assert _read(f"{root}/promoted/promoted.json") == before
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+    fs, path = fsspec.core.url_to_fs(f"{root}/promoted")
+    assert fs.glob(f"{path}.staged-*")  # the debris of the failed copy ...
+    assert read_promoted(root)["run"] == "runs/a"
+    assert not fs.glob(f"{path}.staged-*")  # ... is cleaned up by the next reader
+
+
+def test_a_crash_between_the_two_moves_is_recovered(root, monkeypatch):
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    fs, _ = fsspec.core.url_to_fs(root)
+    real_mv, moves = type(fs).mv, []
+
+    def second_move_dies(self, path1, path2, **kw):
+        moves.append(path2)
+        if len(moves) == 2:
+            raise OSError("injected: killed between moving the old one aside and the new one in")
+        return real_mv(self, path1, path2, **kw)
+
+    monkeypatch.setattr(type(fs), "mv", second_move_dies)
+    with pytest.raises(OSError, match="injected"):
+        atomic_dir.replace_dir(f"{root}/promoted", lambda staged: _drafter(f"{staged}/drafter", "B"))
+    monkeypatch.undo()
+    assert len(moves) == 2 and not fs.exists(f"{root}/promoted")  # the state a kill there would leave
+    assert read_promoted(root)["run"] == "runs/a"  # the old folder was moved back
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+
+
+@pytest.mark.slow
+def test_promoted_drafter_is_logged_as_a_wandb_model_with_alias_production(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    root, run = str(tmp_path / "store"), tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("tiny-cpu", {"storage.root": root, "wandb.mode": "offline"})
+    logged = {}
+    real_init = gate.log_model_artifact
+
+    def spy(*args):
+        logged["name"] = real_init(*args)
+        return logged["name"]
+
+    monkeypatch.setattr(gate, "log_model_artifact", spy)
+    decision = promote_if_better(cfg, str(run), _drafter(str(run / "drafter"), "A"), "pass", _scores(1.4))
+    assert decision["wandb_artifact"] == logged["name"] == "dflash-drafter:production"
+    offline = [p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run")]
+    assert offline and any(p.suffix == ".wandb" for p in offline[0].iterdir())

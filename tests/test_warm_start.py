@@ -1,0 +1,64 @@
+"""Warm start (train.init_from): weights from an exported drafter, shape-checked; `promoted` resolved to a path."""
+
+import pytest
+import torch
+from model_support import tiny_drafter, tiny_target
+from safetensors.torch import load_file, save_file
+
+from dflash_core.config import load_config
+from dflash_core.model.export import save_dflash
+from dflash_core.promotion.store import promote, promoted_drafter
+from dflash_core.runtime.warm_start import WarmStartError, load_warm_start, resolve_init_from
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_warm_start_copies_every_weight(tmp_path, target):
+    trained = tiny_drafter(target, seed=5)
+    save_dflash(trained, str(tmp_path / "drafter"), dtype=torch.float32)
+    fresh = tiny_drafter(target, seed=9)
+    assert not torch.equal(fresh.fc.weight, trained.fc.weight)
+    load_warm_start(fresh, str(tmp_path / "drafter"))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_a_drafter_of_another_shape_is_a_one_line_error_naming_the_tensor(tmp_path, target):
+    save_dflash(tiny_drafter(target, layers=2, target_layer_ids=[1, 2]), str(tmp_path / "two"))
+    with pytest.raises(WarmStartError, match=r"tensor layers\.1\.\S+ is not in the configured drafter"):
+        load_warm_start(tiny_drafter(target, layers=1, target_layer_ids=[1, 2]), str(tmp_path / "two"))
+    with pytest.raises(WarmStartError, match=r"no tensor layers\.2\.\S+ \(the configured drafter has 36 tensors, the file 25\)"):
+        load_warm_start(tiny_drafter(target, layers=3, target_layer_ids=[1, 2]), str(tmp_path / "two"))
+    weights = tmp_path / "two" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :96].contiguous()  # a drafter made for another target width
+    save_file(tensors, str(weights))
+    with pytest.raises(WarmStartError) as err:
+        load_warm_start(tiny_drafter(target, layers=2, target_layer_ids=[1, 2]), str(tmp_path / "two"))
+    message = str(err.value)
+    assert "\n" not in message and "tensor fc.weight has shape (64, 96)" in message and "needs (64, 128)" in message
+
+
+def test_another_block_size_or_target_layers_is_refused(tmp_path, target):
+    save_dflash(tiny_drafter(target, block_size=4), str(tmp_path / "b4"))
+    with pytest.raises(WarmStartError, match="block_size 4, the configured drafter 8"):
+        load_warm_start(tiny_drafter(target, block_size=8), str(tmp_path / "b4"))
+
+
+def test_a_missing_folder_says_what_to_give(tmp_path, target):
+    with pytest.raises(WarmStartError, match="model.safetensors is missing"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "nothing"))
+
+
+def test_promoted_resolves_to_the_promoted_drafter_or_to_scratch(tmp_path, target):
+    root = str(tmp_path / "store")
+    cfg = load_config("tiny-cpu", {"storage.root": root, "train.init_from": "promoted"})
+    assert resolve_init_from(cfg).train.init_from is None  # nothing promoted yet: from scratch
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    promote(str(tmp_path / "drafter"), root, {"run": "r1", "tau": 1.5})
+    assert resolve_init_from(cfg).train.init_from == promoted_drafter(root)
+    plain = load_config("tiny-cpu", {"train.init_from": str(tmp_path / "drafter")})
+    assert resolve_init_from(plain) is plain
