@@ -39,8 +39,8 @@ def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -
     return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
 
 
-def _cached(model: PreTrainedModel, cache: DynamicCache) -> dict[str, Any]:
-    """The forward keywords that use `cache`: transformers 5.24 renamed past_key_values to cache."""
+def _cache_kwargs(model: PreTrainedModel, cache: DynamicCache) -> dict[str, Any]:
+    """The forward keywords that decode on `cache` (transformers 5.24 renamed past_key_values to cache)."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache, "use_cache": True}
 
@@ -76,13 +76,14 @@ class _CachedVerifier:
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache = DynamicCache(config=model.config)
+        self._kwargs = _cache_kwargs(model, self.cache)
         self._feats: torch.Tensor | None = None
         self._new, self._start = torch.empty(0), 0
 
     def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are in the cache."""
         out = self.model(
-            input_ids=ids[:, start:], output_hidden_states=True, logits_to_keep=keep, **_cached(self.model, self.cache)
+            input_ids=ids[:, start:], output_hidden_states=True, logits_to_keep=keep, **self._kwargs
         )
         self._new, self._start = _features(out.hidden_states, self.layer_ids), start
         return out.logits[0].argmax(-1)
@@ -141,12 +142,12 @@ def greedy_generate(
     model, stops = _hf(target), set(stop_token_ids)
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt_len, fresh = ids.shape[1], ids
-    cache = DynamicCache(config=model.config) if kv_cache else None
+    cached = _cache_kwargs(model, DynamicCache(config=model.config)) if kv_cache else None
     while ids.shape[1] - prompt_len < max_new_tokens and (ids.shape[1] == prompt_len or int(fresh) not in stops):
-        if cache is None:
+        if cached is None:
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         else:
-            logits = model(input_ids=fresh, logits_to_keep=1, **_cached(model, cache)).logits
+            logits = model(input_ids=fresh, logits_to_keep=1, **cached).logits
         fresh = logits[0, -1].argmax(-1).view(1, 1)
         ids = torch.cat([ids, fresh], dim=1)
     return ids
