@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -250,6 +250,6 @@ class _Run:
             ref, base_seconds = _timed(
                 lambda: greedy_generate(self.target, ids, self.max_new_tokens, self.stops, kv_cache=True), device
             )
-            response = Response(suite, index, lengths, int(new.shape[0]), seconds, ref.shape[1] - ids.shape[0],
-                                base_seconds, torch.equal(ref, out))
+            response = replace(response, baseline_tokens=ref.shape[1] - ids.shape[0], baseline_seconds=base_seconds,
+                               matches_baseline=torch.equal(ref, out))
         return response, self.tokenizer.decode(new.tolist(), skip_special_tokens=True)
