@@ -1,9 +1,10 @@
 """Acceptance length of a trained drafter vs an untrained one of the same shape, on held-out example prompts.
 
-    python -m bench.acceptance --drafter runs/runs/<run>/drafter [--limit 32] [--max-new-tokens 64]
+    python -m bench.acceptance --drafter runs/runs/<run>/drafter [--limit 32] [--max-new-tokens 2048]
 
 Held-out prompts are fresh conversations from the example corpus generator (a seed the assets never use),
-so none of them was seen in training. Prints one JSON object: both taus and their ratio.
+so none of them was seen in training; every user turn is answered in order (`dflash eval`'s protocol). Prints
+one JSON object: both taus (mean of per-response means, and pooled over steps) and their ratio.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, help="trained drafter folder (config.json + model.safetensors)")
     parser.add_argument("--limit", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=2048)
     args = parser.parse_args()
     torch.set_num_threads(1)
     assets = build_example()
@@ -53,8 +54,10 @@ def main() -> None:
                   "limit": args.limit, "max_new_tokens": args.max_new_tokens, "device": "cpu"}
         trained = evaluate(drafter_dir=args.drafter, **kwargs)
         baseline = evaluate(drafter_dir=untrained_like(args.drafter, assets.target, f"{tmp}/untrained"), **kwargs)
-    print(json.dumps({"prompts": trained["prompts"], "tau_trained": trained["tau"],
-                      "tau_untrained": baseline["tau"], "ratio": trained["tau"] / baseline["tau"],
+    print(json.dumps({"instances": trained["instances"], "responses": trained["responses"],
+                      "tau_trained": trained["tau"], "tau_untrained": baseline["tau"],
+                      "ratio": trained["tau"] / baseline["tau"], "tau_pooled_trained": trained["tau_pooled"],
+                      "tau_pooled_untrained": baseline["tau_pooled"],
                       "histogram_trained": trained["histogram"], "histogram_untrained": baseline["histogram"]}))
 
 

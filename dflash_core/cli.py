@@ -158,9 +158,12 @@ def _check_overrides(pairs: list[str]):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_core.model.evaluate import evaluate
+    from dflash_core.model.suites import parse_benches
 
     summary = evaluate(target=_resolve(args.target), drafter_dir=args.drafter, tokenizer=_resolve(args.tokenizer),
-                       data=_resolve(args.data), limit=args.limit, max_new_tokens=args.max_new_tokens)
+                       data=_resolve(args.data) if args.data else None, benches=parse_benches(args.bench),
+                       limit=args.limit, max_new_tokens=args.max_new_tokens, thinking=args.thinking == "on",
+                       kv_cache=not args.no_kv_cache, baseline=True)
     _print_summary(summary)
     return 0
 
@@ -192,6 +195,12 @@ def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") ->
     p.add_argument("--config", default=default,
                    help=f"YAML config file or preset name in infra/configs (default: {default})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. train.lr=1e-3")
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,9 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--tokenizer", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--limit", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--data", help="benchmark ({\"turns\": [...]}) or chat records; or use --bench")
+    p.add_argument("--bench", action="append", help="gsm8k|math500|humaneval|mbpp|mt-bench (repeatable, a,b)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="the first N instances of each suite")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=2048)
+    p.add_argument("--thinking", choices=["on", "off"], default="off", help="enable_thinking in the template")
+    p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow run")

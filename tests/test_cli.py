@@ -48,7 +48,7 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
 
     ev = dflash("eval", "--target", "example://target", "--drafter", str(run / "drafter"), "--tokenizer",
                 "example://tokenizer", "--data", str(data), "--limit", "2", "--max-new-tokens", "8")
-    assert ev["prompts"] == 2 and 1.0 <= ev["tau"] <= 8.0
+    assert ev["instances"] == 2 and 1.0 <= ev["tau"] <= 8.0 and ev["baseline_matches"] == ev["responses"]
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):

@@ -1,4 +1,5 @@
-"""Speculative decoding: lossless, oracle and random drafters, stop tokens, the eval entry point."""
+"""Speculative decoding: lossless, oracle and random drafters, KV-cached vs uncached verification, stop tokens,
+the tau figures, the eval entry point."""
 
 import json
 
@@ -13,8 +14,10 @@ from transformers import PreTrainedTokenizerFast
 from dflash_core.model.evaluate import (
     evaluate,
     greedy_generate,
+    histogram,
+    mean_of_means,
     prompt_turns,
-    read_prompts,
+    read_instances,
     speculative_generate,
     tau,
 )
@@ -81,6 +84,46 @@ def test_random_drafter_accepts_almost_nothing_and_output_is_greedy(target, prom
     out, lengths = speculative_generate(target, drafter, prompt, 25)
     assert torch.equal(out, greedy_generate(target, prompt, 25))
     assert 1.0 <= tau(lengths) < 1.5
+
+
+class NoisyOracleDrafter(OracleDrafter):
+    """The oracle with slot 1, 2, 3, 1, ... wrong in successive calls: verification rejects at every slot."""
+
+    calls = 0
+
+    def draft_block(self, context_features, anchor_token, position):
+        logits = super().draft_block(context_features, anchor_token, position)
+        wrong = self.calls % (B - 1) + 1
+        self.calls += 1
+        logits[wrong] = logits[wrong].roll(1)  # the argmax moves to the next token id: a wrong draft
+        return logits
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_kv_cached_verification_is_lossless_and_equal_in_tau_to_the_uncached_path(target, prompt):
+    reference = greedy_generate(target, prompt, 40 + B)[0]
+    random_drafter = tiny_drafter(target, block_size=B, seed=7).eval()
+    for make in (lambda: NoisyOracleDrafter(reference), lambda: random_drafter):
+        cached, cached_lengths = speculative_generate(target, make(), prompt, 40, kv_cache=True)
+        full, full_lengths = speculative_generate(target, make(), prompt, 40, kv_cache=False)
+        assert torch.equal(cached[0], reference[: len(prompt) + 40])
+        assert torch.equal(full, cached)
+        assert cached_lengths == full_lengths
+    noisy = speculative_generate(target, NoisyOracleDrafter(reference), prompt, 40)[1]
+    assert set(noisy) == {1, 2, 3}  # rejections at every slot: the cache is cropped back each time
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_with_kv_cache_equals_the_uncached_reference(target, prompt):
+    assert torch.equal(greedy_generate(target, prompt, 30, kv_cache=True), greedy_generate(target, prompt, 30))
+
+
+def test_tau_is_the_mean_of_per_response_means():
+    responses = [[4, 4, 2], [1, 1], [3], []]  # the empty one: a response whose first token was a stop token
+    assert mean_of_means(responses) == pytest.approx((10 / 3 + 1 + 3) / 3)  # 2.444, not the pooled 15 / 6
+    assert tau([n for r in responses for n in r]) == pytest.approx(2.5)
+    assert mean_of_means([[]]) is None
+    assert histogram([4, 4, 2, 1, 1, 3], 4) == {"1": 2, "2": 1, "3": 1, "4": 2}
 
 
 def test_stop_token_ends_generation_like_greedy(target):
@@ -160,6 +203,7 @@ def test_evaluate_end_to_end(tmp_path, target):
             "conversations": [
                 {"from": "human", "value": "what is two plus three ?"},
                 {"from": "gpt", "value": "x"},
+                {"from": "human", "value": "count to ten"},
             ]
         },
         {"messages": [{"role": "system", "content": "hello"}, {"role": "user", "content": "count to ten"}]},
@@ -167,20 +211,27 @@ def test_evaluate_end_to_end(tmp_path, target):
         {"conversations": [{"from": "human", "value": "hello there"}]},
     ]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert len(read_prompts(str(tmp_path / "data.jsonl"))) == 3
+    assert len(read_instances(str(tmp_path / "data.jsonl"))) == 3
     summary = evaluate(  # the keywords `dflash eval` uses
         target=str(tmp_path / "target"),
         drafter_dir=str(tmp_path / "drafter"),
         tokenizer=str(tmp_path / "tok"),
         data=str(tmp_path / "data.jsonl"),
+        instances=[{"turns": ["hello there", "what is two plus three ?"]}],
         limit=2,
         max_new_tokens=10,
+        baseline=True,
         device="cpu",
     )
-    assert set(summary) == {"tau", "prompts", "tokens_generated", "histogram"}
-    assert summary["prompts"] == 2
-    assert 1.0 <= summary["tau"] <= B
+    assert summary["instances"] == 3 and summary["responses"] == 5  # 2 + 1 turns from the file, 2 from the list
+    assert 1.0 <= summary["tau"] <= B and 1.0 <= summary["tau_pooled"] <= B
     assert list(summary["histogram"]) == ["1", "2", "3", "4"]
-    assert 0 < summary["tokens_generated"] <= 20
+    assert 0 < summary["tokens_generated"] <= 50
+    assert summary["baseline_matches"] == 5  # lossless: every response equals target-only greedy decoding
+    assert summary["tokens_per_s"] > 0 and summary["baseline_tokens_per_s"] > 0 and summary["speedup"] > 0
+    per_suite = summary["benchmarks"]
+    assert list(per_suite) == [str(tmp_path / "data.jsonl"), "instances"]
+    assert [s["responses"] for s in per_suite.values()] == [3, 2]
+    assert sum(s["tokens_generated"] for s in per_suite.values()) == summary["tokens_generated"]
     assert MASK_ID == 99  # the drafter's mask id comes from its config, not the tokenizer
     json.dumps(summary)

@@ -1,109 +1,54 @@
-"""Greedy speculative decoding with a target and a DFlash drafter: acceptance lengths and tau.
+"""`dflash eval`: acceptance length (tau) of a drafter by the public DFlash benchmark's protocol.
 
-The target is re-run on the whole sequence at every step (no KV cache): simple, independent of the
-transformers cache API, and plenty fast for evaluation-sized runs. Each verify pass also yields the hidden
-states of every committed position, which become the next draft's context.
+Every turn of an instance is one response: the chat so far is rendered with the chat template (thinking off
+unless asked), tokenized with `tokenizer.encode` as z-lab/dflash `benchmark.py` does, decoded greedily with
+speculative decoding until an eos/end-of-turn token or `max_new_tokens`, and the answer (decoded with
+`skip_special_tokens=True`) is fed back as the assistant turn before the next user turn. tau is the mean over
+responses of each response's mean acceptance length (DFLASH_SPEC.md "Evaluation"); `tau_pooled` is the mean
+over all decoding steps.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
-import fsspec
 import torch
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_core.data.formats import DEFAULT_ROLES, MESSAGE_KEYS
+from dflash_core.model.decoding import Drafter, greedy_generate, speculative_generate
 from dflash_core.model.export import load_dflash
+from dflash_core.model.instances import (
+    EvalDataError,
+    Instance,
+    as_instances,
+    messages,
+    prompt_turns,
+    read_instances,
+)
+from dflash_core.model.suites import load_suite
 from dflash_core.model.target import TargetModel, load_target
 
+__all__ = [
+    "EvalDataError",
+    "Instance",
+    "Response",
+    "evaluate",
+    "greedy_generate",
+    "histogram",
+    "mean_of_means",
+    "prompt_turns",
+    "render_prompt",
+    "speculative_generate",
+    "summarize",
+    "tau",
+]
 
-class EvalDataError(ValueError):
-    """Evaluation prompts that cannot be read; the message names the file and the record."""
-
-
-class Drafter(Protocol):
-    """What decoding needs from a drafter (DFlashDrafter, or a test double)."""
-
-    block_size: int
-    target_layer_ids: list[int]
-
-    def draft_block(
-        self, context_features: torch.Tensor, anchor_token: int, position: int
-    ) -> torch.Tensor: ...
-
-
-def _hf(target: TargetModel | PreTrainedModel) -> PreTrainedModel:
-    return target.model if isinstance(target, TargetModel) else target
-
-
-def _verify_pass(model: PreTrainedModel, ids: torch.Tensor, layer_ids: Sequence[int]):
-    """(greedy next token per position [T], context features [T, K*H]) of one full target forward."""
-    out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-    return out.logits[0].argmax(-1), feats
-
-
-def _stop_index(new_tokens: list[int], stop_token_ids: Iterable[int]) -> int | None:
-    stops = set(stop_token_ids)
-    return next((i for i, t in enumerate(new_tokens) if t in stops), None)
-
-
-@torch.inference_mode()
-def speculative_generate(
-    target: TargetModel | PreTrainedModel,
-    drafter: Drafter,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    stop_token_ids: Iterable[int] = (),
-) -> tuple[torch.Tensor, list[int]]:
-    """Greedy decoding of one prompt ([T] or [1, T]) -> (prompt + new ids [1, T'], acceptance lengths)."""
-    model, stops = _hf(target), list(stop_token_ids)
-    device = next(model.parameters()).device
-    ids = input_ids.reshape(1, -1).to(device)
-    prompt_len = ids.shape[1]
-    nxt, feats = _verify_pass(model, ids, drafter.target_layer_ids)
-    ids = torch.cat([ids, nxt[-1:][None]], dim=1)
-    lengths: list[int] = []
-    while (
-        ids.shape[1] - prompt_len < max_new_tokens
-        and _stop_index(ids[0, prompt_len:].tolist(), stops) is None
-    ):
-        anchor = ids.shape[1] - 1
-        draft = (
-            drafter.draft_block(feats[:anchor][None], int(ids[0, anchor]), anchor)[1:].argmax(-1).to(device)
-        )
-        nxt, feats = _verify_pass(model, torch.cat([ids, draft[None]], dim=1), drafter.target_layer_ids)
-        verdict = nxt[anchor:]  # the target's token for positions anchor+1 .. anchor+B
-        accepted = int((draft == verdict[:-1]).long().cumprod(0).sum())
-        ids = torch.cat([ids, draft[None, :accepted], verdict[None, accepted : accepted + 1]], dim=1)
-        lengths.append(accepted + 1)
-    return _truncate(ids, prompt_len, max_new_tokens, stops), lengths
-
-
-@torch.inference_mode()
-def greedy_generate(
-    target: TargetModel | PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=()
-) -> torch.Tensor:
-    """The target's own greedy output ([1, T']), one full forward per token: the lossless reference."""
-    model, stops = _hf(target), list(stop_token_ids)
-    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
-    prompt_len = ids.shape[1]
-    while (
-        ids.shape[1] - prompt_len < max_new_tokens
-        and _stop_index(ids[0, prompt_len:].tolist(), stops) is None
-    ):
-        nxt = model(input_ids=ids, use_cache=False).logits[0, -1].argmax(-1)
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids
-
-
-def _truncate(ids: torch.Tensor, prompt_len: int, max_new_tokens: int, stops: list[int]) -> torch.Tensor:
-    ids = ids[:, : prompt_len + max(0, max_new_tokens)]
-    stop = _stop_index(ids[0, prompt_len:].tolist(), stops)
-    return ids if stop is None else ids[:, : prompt_len + stop + 1]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def tau(acceptance_lengths: Sequence[int]) -> float:
@@ -111,74 +56,68 @@ def tau(acceptance_lengths: Sequence[int]) -> float:
     return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else float("nan")
 
 
+def mean_of_means(per_response: Sequence[Sequence[int]]) -> float | None:
+    """The benchmark's tau: the mean over responses of each one's mean acceptance length.
+
+    A response with no decoding step (its first token was a stop token) has no mean and is left out.
+    """
+    means = [tau(lengths) for lengths in per_response if lengths]
+    return sum(means) / len(means) if means else None
+
+
 def histogram(acceptance_lengths: Sequence[int], block_size: int) -> dict[str, int]:
     """Counts of acceptance lengths 1..B (JSON keys)."""
     return {str(n): sum(1 for x in acceptance_lengths if x == n) for n in range(1, block_size + 1)}
 
 
-# ---- prompts ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Response:
+    """One decoded turn: its acceptance lengths, and timings of both decoders when the baseline ran."""
+
+    suite: str
+    instance: int
+    lengths: list[int]
+    tokens: int
+    seconds: float
+    baseline_tokens: int | None = None
+    baseline_seconds: float | None = None
+    matches_baseline: bool | None = None
 
 
-def _records(uri: str) -> Iterator[tuple[str, int, Any]]:
-    """(file, record number, record) from JSONL, JSON (a list) or parquet; a glob or folder reads them all."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    paths = (
-        sorted(p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet")))
-        if fs.isdir(root)
-        else sorted(fs.glob(root)) or [root]
-    )
-    for path in paths:
-        with fs.open(path, "rb") as fh:
-            if path.endswith(".parquet"):
-                import polars as pl
-
-                yield from ((path, i, r) for i, r in enumerate(pl.read_parquet(fh).iter_rows(named=True)))
-            elif path.endswith(".json"):
-                data = json.load(fh)
-                yield from ((path, i, r) for i, r in enumerate(data if isinstance(data, list) else [data]))
-            else:
-                yield from _jsonl(path, fh)
-
-
-def _jsonl(path: str, fh) -> Iterator[tuple[str, int, Any]]:
-    for number, line in enumerate(fh, start=1):
-        if line.strip():
-            try:
-                yield path, number, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalDataError(f"{path}, line {number}: invalid JSON: {exc.msg}") from None
+def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
+    """The figures of a list of responses: tau (mean of means), tau_pooled, histogram, throughput."""
+    pooled = [n for r in responses for n in r.lengths]
+    tokens, seconds = sum(r.tokens for r in responses), sum(r.seconds for r in responses)
+    out: dict[str, Any] = {
+        "tau": mean_of_means([r.lengths for r in responses]),
+        "tau_pooled": tau(pooled) if pooled else None,
+        "instances": len({(r.suite, r.instance) for r in responses}),
+        "responses": len(responses),
+        "tokens_generated": tokens,
+        "histogram": histogram(pooled, block_size),
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+    }
+    timed = [r for r in responses if r.baseline_seconds is not None]
+    if timed:
+        base_tokens = sum(r.baseline_tokens or 0 for r in timed)
+        base_seconds = sum(r.baseline_seconds or 0.0 for r in timed)
+        out["baseline_tokens_per_s"] = base_tokens / base_seconds if base_seconds > 0 else None
+        # per-token time of target-only greedy over that of speculative decoding, as the benchmark reports
+        out["speedup"] = (base_seconds / base_tokens) / (seconds / tokens) if tokens and base_tokens else None
+        out["baseline_matches"] = sum(bool(r.matches_baseline) for r in timed)
+    return out
 
 
-def prompt_turns(record: Any) -> list[dict[str, str]] | None:
-    """The turns before the first assistant turn (ShareGPT or OpenAI messages); None without a user turn."""
-    keys = [k for k in MESSAGE_KEYS if isinstance(record, dict) and k in record]
-    turns = record[keys[0]] if keys else None
-    if not isinstance(turns, list):
-        return None
-    prompt = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            return None
-        role = DEFAULT_ROLES.get(str(turn.get("role", turn.get("from", ""))).lower())
-        if role == "assistant":
-            break
-        prompt.append({"role": role or "user", "content": str(turn.get("content", turn.get("value", "")))})
-    return prompt if any(t["role"] == "user" for t in prompt) else None
+def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], thinking: bool) -> list[int]:
+    """Chat template with the generation prompt, then `tokenizer.encode` (special tokens added, as the
+    reference does: Qwen3 adds none; a tokenizer that adds a BOS gets a second one, in the reference too).
+    Templates that do not know `enable_thinking` ignore it."""
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    return tokenizer.encode(text)
 
 
-def read_prompts(uri: str, limit: int | None = None) -> list[list[dict[str, str]]]:
-    """Up to `limit` prompts (lists of turns) from chat data; records without a user turn are skipped."""
-    prompts = []
-    for _path, _number, record in _records(uri):
-        turns = prompt_turns(record)
-        if turns is not None:
-            prompts.append(turns)
-        if limit is not None and len(prompts) >= limit:
-            break
-    return prompts
-
-
-def _stop_ids(tokenizer, model: PreTrainedModel) -> set[int]:
+def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:
+    """The tokenizer's eos, the generation config's eos ids, and the end-of-turn token when there is one."""
     ids = set()
     for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         ids.update(value if isinstance(value, list) else [] if value is None else [value])
@@ -188,35 +127,129 @@ def _stop_ids(tokenizer, model: PreTrainedModel) -> set[int]:
     return ids
 
 
+def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """(result, wall seconds), the device drained before and after so GPU work is inside the window."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _suites(
+    data: str | None, instances: Sequence[Any] | None, benches: Mapping[str, str | None] | Sequence[str],
+    limit: int | None,
+) -> dict[str, list[Instance]]:
+    """{suite name: its first `limit` instances} from a data URI, an in-memory list and named benchmarks."""
+    suites: dict[str, list[Instance]] = {}
+    if data is not None:
+        suites[data] = read_instances(data, limit)
+    if instances is not None:
+        suites["instances"] = as_instances(instances, limit)
+    named = benches if isinstance(benches, Mapping) else dict.fromkeys(benches)
+    for name, source in named.items():
+        suites[name] = load_suite(name, limit, source)
+    if not suites or not any(suites.values()):
+        raise EvalDataError("nothing to evaluate: give data (a file), instances, or benches (named suites)")
+    return suites
+
+
 def evaluate(
-    target: str,
-    drafter_dir: str,
-    tokenizer: str,
-    data: str,
+    target: str | TargetModel,
+    drafter_dir: str | Drafter,
+    tokenizer: str | PreTrainedTokenizerBase,
+    data: str | None = None,
+    instances: Sequence[Any] | None = None,
+    benches: Mapping[str, str | None] | Sequence[str] = (),
     limit: int | None = None,
-    max_new_tokens: int = 256,
+    max_new_tokens: int = 2048,
+    thinking: bool = False,
+    kv_cache: bool = True,
+    baseline: bool = False,
     device: str | None = None,
     dtype: str = "auto",
     trust_remote_code: bool = False,
-) -> dict:
-    """`dflash eval`: speculative decoding of chat prompts -> {tau, prompts, tokens_generated, histogram}."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    drafter = load_dflash(drafter_dir, model).eval()
-    tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
-    prompts = read_prompts(data, limit)
-    if not prompts:
-        raise EvalDataError(f"{data}: no prompts (records need a user turn before the first assistant turn)")
-    stops, lengths, generated = _stop_ids(tok, model.model), [], 0
-    for turns in prompts:
-        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        out, steps = speculative_generate(model, drafter, ids, max_new_tokens, stops)
-        generated += out.shape[1] - ids.shape[0]
-        lengths.extend(steps)
-    return {
-        "tau": tau(lengths) if lengths else None,
-        "prompts": len(prompts),
-        "tokens_generated": generated,
-        "histogram": histogram(lengths, drafter.block_size),
+) -> dict[str, Any]:
+    """Speculative decoding of every turn of every instance -> {tau, tau_pooled, instances, responses,
+    tokens_generated, histogram, tokens_per_s, ...}.
+
+    Paths or loaded objects for target, drafter and tokenizer. Instances come from `data` (a file, glob or
+    folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
+    `benches` (suite names, or {name: local copy or None}); `limit` takes the first N of each. With
+    `baseline`, target-only greedy decoding (KV cache) is timed on the same prompts: baseline_tokens_per_s,
+    speedup, baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
+    figures per suite.
+    """
+    suites = _suites(data, instances, benches, limit)
+    if isinstance(target, str):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        target = load_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if isinstance(drafter_dir, str):
+        drafter_dir = load_dflash(drafter_dir, target, dtype=target.dtype).eval()
+    if isinstance(tokenizer, str):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    run = _Run(target, drafter_dir, tokenizer, max_new_tokens, thinking, kv_cache, baseline)
+    responses = [r for name, items in suites.items() for r in run.suite(name, items)]
+    summary = {
+        **summarize(responses, drafter_dir.block_size),
+        "block_size": drafter_dir.block_size,
+        "max_new_tokens": max_new_tokens,
+        "thinking": thinking,
+        "kv_cache": kv_cache,
     }
+    if len(suites) > 1:
+        summary["benchmarks"] = {
+            name: summarize([r for r in responses if r.suite == name], drafter_dir.block_size) for name in suites
+        }
+    return summary
+
+
+class _Run:
+    """One evaluation's fixed settings, decoding instances turn by turn."""
+
+    def __init__(
+        self, target: TargetModel, drafter: Drafter, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+        thinking: bool, kv_cache: bool, baseline: bool,
+    ):
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.max_new_tokens, self.thinking, self.kv_cache, self.baseline = max_new_tokens, thinking, kv_cache, baseline
+        self.stops = _stop_ids(tokenizer, target.model)
+        self._warm = not baseline  # timings matter only with a baseline to compare against
+
+    def suite(self, name: str, instances: list[Instance]) -> list[Response]:
+        """Every turn of every instance of one suite, answers fed back."""
+        responses = []
+        for index, instance in enumerate(instances):
+            answers: list[str] = []
+            for _turn in instance.turns:
+                ids = torch.tensor(render_prompt(self.tokenizer, messages(instance, answers), self.thinking))
+                response, answer = self._decode(name, index, ids)
+                answers.append(answer)
+                responses.append(response)
+            log.info("eval %s %d/%d: %d turns, tau %.2f", name, index + 1, len(instances), len(instance.turns),
+                     mean_of_means([r.lengths for r in responses[-len(instance.turns):]]) or float("nan"))
+        return responses
+
+    def _decode(self, suite: str, index: int, ids: torch.Tensor) -> tuple[Response, str]:
+        """One response: speculative decoding, and target-only greedy decoding when timing a baseline."""
+        device = self.target.device
+        if not self._warm:  # first-call costs (kernel selection, allocator growth) stay out of the timings
+            speculative_generate(self.target, self.drafter, ids, 8, self.stops, self.kv_cache)
+            greedy_generate(self.target, ids, 8, self.stops, kv_cache=True)
+            self._warm = True
+        (out, lengths), seconds = _timed(
+            lambda: speculative_generate(self.target, self.drafter, ids, self.max_new_tokens, self.stops,
+                                         self.kv_cache),
+            device,
+        )
+        new = out[0, ids.shape[0]:]
+        response = Response(suite, index, lengths, int(new.shape[0]), seconds)
+        if self.baseline:
+            ref, base_seconds = _timed(
+                lambda: greedy_generate(self.target, ids, self.max_new_tokens, self.stops, kv_cache=True), device
+            )
+            response = replace(response, baseline_tokens=ref.shape[1] - ids.shape[0], baseline_seconds=base_seconds,
+                               matches_baseline=torch.equal(ref, out))
+        return response, self.tokenizer.decode(new.tolist(), skip_special_tokens=True)

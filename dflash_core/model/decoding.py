@@ -1,0 +1,163 @@
+"""Greedy speculative decoding with a target and a DFlash drafter, and the target's own greedy decoding.
+
+By default verification runs on the target's KV cache: a step feeds only the anchor and the drafted tokens,
+and the cache is cropped back to the committed tokens on rejection (DynamicCache.crop). The same verify pass
+yields the block's hidden states; those of the committed positions are appended to the drafter's context,
+so no position goes through the target twice. `kv_cache=False` re-runs the whole sequence at every step:
+the simple reference the cached path is tested against.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from dflash_core.model.target import TargetModel
+
+
+class Drafter(Protocol):
+    """What decoding needs from a drafter (DFlashDrafter, or a test double)."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def draft_block(
+        self, context_features: torch.Tensor, anchor_token: int, position: int
+    ) -> torch.Tensor: ...
+
+
+def _hf(target: TargetModel | PreTrainedModel) -> PreTrainedModel:
+    return target.model if isinstance(target, TargetModel) else target
+
+
+def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """The drafter's context features [T, K*H]: the outputs of `layer_ids` (entry 0 is the embeddings)."""
+    return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+def _cache_kwargs(model: PreTrainedModel, cache: DynamicCache) -> dict[str, Any]:
+    """The forward keywords that decode on `cache` (transformers 5.24 renamed past_key_values to cache)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions; a negative count is "remove that many" in every transformers 5."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class _FullVerifier:
+    """No cache: the whole sequence through the target at every step (the reference path)."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self._feats = torch.empty(0)
+
+    def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are committed."""
+        out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=keep)
+        self._feats = _features(out.hidden_states, self.layer_ids)
+        return out.logits[0].argmax(-1)
+
+    def commit(self, length: int) -> torch.Tensor:
+        """The context features of the committed positions 0..length-1."""
+        return self._feats[:length]
+
+
+class _CachedVerifier:
+    """Only the new positions through the target; its KV cache holds the committed ones."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.cache = DynamicCache(config=model.config)
+        self._kwargs = _cache_kwargs(model, self.cache)
+        self._feats: torch.Tensor | None = None
+        self._new, self._start = torch.empty(0), 0
+
+    def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are in the cache."""
+        out = self.model(
+            input_ids=ids[:, start:], output_hidden_states=True, logits_to_keep=keep, **self._kwargs
+        )
+        self._new, self._start = _features(out.hidden_states, self.layer_ids), start
+        return out.logits[0].argmax(-1)
+
+    def commit(self, length: int) -> torch.Tensor:
+        """Drop the rejected positions from the cache; the features of positions 0..length-1."""
+        _crop(self.cache, length)
+        kept = self._new[: length - self._start]
+        self._feats = kept if self._feats is None else torch.cat([self._feats, kept])
+        return self._feats
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetModel | PreTrainedModel,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    kv_cache: bool = True,
+) -> tuple[torch.Tensor, list[int]]:
+    """Greedy decoding of one prompt ([T] or [1, T]) -> (prompt + new ids [1, T'], acceptance lengths)."""
+    model, stops = _hf(target), set(stop_token_ids)
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
+    prompt_len, block = ids.shape[1], drafter.block_size
+    verify = (_CachedVerifier if kv_cache else _FullVerifier)(model, drafter.target_layer_ids)
+    first = verify(ids, 0, 1)
+    feats = verify.commit(prompt_len)
+    ids = torch.cat([ids, first.view(1, 1)], dim=1)
+    lengths: list[int] = []
+    stopped = int(first) in stops
+    while ids.shape[1] - prompt_len < max_new_tokens and not stopped:
+        anchor = ids.shape[1] - 1  # the last committed token: its features are not known yet
+        logits = drafter.draft_block(feats[None], int(ids[0, anchor]), anchor)
+        draft = logits[1:].argmax(-1).to(ids.device)
+        verdict = verify(torch.cat([ids, draft[None]], dim=1), anchor, block)  # target tokens anchor+1..+B
+        accepted = int((draft == verdict[:-1]).long().cumprod(0).sum())
+        step = torch.cat([draft[:accepted], verdict[accepted : accepted + 1]])
+        feats = verify.commit(anchor + accepted + 1)
+        ids = torch.cat([ids, step[None]], dim=1)
+        lengths.append(accepted + 1)
+        stopped = any(int(t) in stops for t in step)
+    return _truncate(ids, prompt_len, max_new_tokens, stops), lengths
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target: TargetModel | PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    kv_cache: bool = False,
+) -> torch.Tensor:
+    """The target's own greedy output ([1, T']), one token a step: the lossless reference (no cache by
+    default) and, with `kv_cache`, the baseline speculative decoding is timed against."""
+    model, stops = _hf(target), set(stop_token_ids)
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
+    prompt_len, fresh = ids.shape[1], ids
+    cached = _cache_kwargs(model, DynamicCache(config=model.config)) if kv_cache else None
+    while ids.shape[1] - prompt_len < max_new_tokens and (ids.shape[1] == prompt_len or int(fresh) not in stops):
+        if cached is None:
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        else:
+            logits = model(input_ids=fresh, logits_to_keep=1, **cached).logits
+        fresh = logits[0, -1].argmax(-1).view(1, 1)
+        ids = torch.cat([ids, fresh], dim=1)
+    return ids
+
+
+def _stop_index(new_tokens: list[int], stops: set[int]) -> int | None:
+    return next((i for i, t in enumerate(new_tokens) if t in stops), None)
+
+
+def _truncate(ids: torch.Tensor, prompt_len: int, max_new_tokens: int, stops: set[int]) -> torch.Tensor:
+    ids = ids[:, : prompt_len + max(0, max_new_tokens)]
+    stop = _stop_index(ids[0, prompt_len:].tolist(), stops)
+    return ids if stop is None else ids[:, : prompt_len + stop + 1]

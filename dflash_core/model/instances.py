@@ -1,0 +1,163 @@
+"""Evaluation instances: the user turns of one conversation, from benchmark files, chat data or a list.
+
+Two record shapes are read: the benchmark format `{"turns": ["...", "..."]}` (one JSON object a line, as
+z-lab/dflash's dataset cache and FastChat's MT-Bench question.jsonl are), and chat records (ShareGPT or
+OpenAI messages), whose user turns are taken in order and whose assistant turns are dropped: the answers
+come from the target during evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from dflash_core.data.formats import DEFAULT_ROLES, MESSAGE_KEYS
+
+
+class EvalDataError(ValueError):
+    """Evaluation prompts that cannot be read; the message names the file and the record."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One conversation to evaluate: user turns answered in order, after an optional system prompt."""
+
+    turns: tuple[str, ...]
+    system: str | None = None
+
+
+def _chat_turns(record: Any) -> list[tuple[str, str]] | None:
+    """[(canonical role, content)] of a ShareGPT/OpenAI record; None when it has no list of turn objects."""
+    keys = [k for k in MESSAGE_KEYS if isinstance(record, dict) and k in record]
+    turns = record[keys[0]] if keys else None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return None
+    return [
+        (
+            DEFAULT_ROLES.get(str(t.get("role", t.get("from", ""))).lower()) or "user",
+            str(t.get("content", t.get("value", ""))),
+        )
+        for t in turns
+    ]
+
+
+def prompt_turns(record: Any) -> list[dict[str, str]] | None:
+    """The turns before the first assistant turn (ShareGPT or OpenAI messages); None without a user turn."""
+    prompt = []
+    for role, content in _chat_turns(record) or []:
+        if role == "assistant":
+            break
+        prompt.append({"role": role, "content": content})
+    return prompt if any(t["role"] == "user" for t in prompt) else None
+
+
+def to_instance(record: Any, where: str = "instance") -> Instance | None:
+    """A benchmark or chat record -> Instance; None for a chat record without a user turn.
+
+    `where` names the record in errors (file and line).
+    """
+    if isinstance(record, Instance):
+        return record
+    if isinstance(record, Mapping) and "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise EvalDataError(
+                f"{where}: 'turns' must be a non-empty list of non-empty strings (the user turns), "
+                f"got {json.dumps(turns)[:80]}"
+            )
+        system = record.get("system")
+        return Instance(tuple(turns), system if isinstance(system, str) and system else None)
+    chat = _chat_turns(record) or []
+    users = tuple(content for role, content in chat if role == "user")
+    if not users:
+        return None
+    system = chat[0][1] if chat[0][0] == "system" else None
+    return Instance(users, system)
+
+
+def as_instances(records: Iterable[Any], limit: int | None = None, source: str = "instances") -> list[Instance]:
+    """The first `limit` instances of records (Instance, benchmark or chat records), in order."""
+    check_limit(limit)
+    out: list[Instance] = []
+    for i, record in enumerate(records):
+        if limit is not None and len(out) >= limit:
+            break
+        instance = to_instance(record, f"{source}[{i}]")
+        if instance is not None:
+            out.append(instance)
+    return out
+
+
+def check_limit(limit: int | None) -> None:
+    """A limit is None (everything) or at least 1."""
+    if limit is not None and limit < 1:
+        raise EvalDataError(f"limit {limit}: must be at least 1 (omit it to evaluate every instance)")
+
+
+def read_instances(uri: str, limit: int | None = None) -> list[Instance]:
+    """The first `limit` instances of a file, glob or folder, in order; chat records without a user turn are
+    skipped."""
+    check_limit(limit)
+    out: list[Instance] = []
+    for path, number, record in _records(uri):
+        if limit is not None and len(out) >= limit:
+            break
+        instance = to_instance(record, f"{path}, record {number}")
+        if instance is not None:
+            out.append(instance)
+    if not out:
+        raise EvalDataError(
+            f"{uri}: no instances (records need 'turns' or a chat with a user turn: ShareGPT or OpenAI)"
+        )
+    return out
+
+
+def messages(instance: Instance, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The chat up to the next user turn: system, then each user turn followed by its answer so far."""
+    chat = [{"role": "system", "content": instance.system}] if instance.system else []
+    for i, turn in enumerate(instance.turns[: len(answers) + 1]):
+        chat.append({"role": "user", "content": turn})
+        if i < len(answers):
+            chat.append({"role": "assistant", "content": answers[i]})
+    return chat
+
+
+# ---- files -----------------------------------------------------------------------------------------------
+
+
+def _records(uri: str) -> Iterator[tuple[str, int, Any]]:
+    """(file, record number, record) from JSONL, JSON (a list) or parquet; a glob or folder reads them all."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    paths = (
+        sorted(p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet")))
+        if fs.isdir(root)
+        else sorted(fs.glob(root)) or [root]
+    )
+    for path in paths:
+        try:
+            fh = fs.open(path, "rb")
+        except FileNotFoundError:
+            raise EvalDataError(f"{path}: no such file (give a JSONL/JSON/parquet file, a glob or a folder)") from None
+        with fh:
+            if path.endswith(".parquet"):
+                import polars as pl
+
+                yield from ((path, i, r) for i, r in enumerate(pl.read_parquet(fh).iter_rows(named=True)))
+            elif path.endswith(".json"):
+                data = json.load(fh)
+                yield from ((path, i, r) for i, r in enumerate(data if isinstance(data, list) else [data]))
+            else:
+                yield from _jsonl(path, fh)
+
+
+def _jsonl(path: str, fh) -> Iterator[tuple[str, int, Any]]:
+    for number, line in enumerate(fh, start=1):
+        if line.strip():
+            try:
+                yield path, number, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EvalDataError(f"{path}, line {number}: invalid JSON: {exc.msg}") from None

@@ -1,0 +1,181 @@
+"""The evaluation protocol: benchmark-format and chat readers, answers fed back, thinking off in the template,
+named suites from local copies laid out like the hub, `--limit`."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from dflash_core.cli import build_parser
+from dflash_core.model import evaluate as evaluate_module
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.decoding import greedy_generate
+from dflash_core.model.drafter import build_drafter
+from dflash_core.model.evaluate import evaluate, render_prompt
+from dflash_core.model.instances import EvalDataError, Instance, messages, read_instances
+from dflash_core.model.suites import load_suite, parse_benches
+from dflash_core.model.target import load_target
+
+
+def write_jsonl(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_benchmark_format_and_chat_records_read_in_order_with_limit(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "a"},
+                           {"from": "gpt", "value": "x"}, {"from": "human", "value": "b"}]},
+        {"messages": [{"role": "assistant", "content": "no user turn: skipped"}]},
+        {"turns": ["third"]},
+    ])
+    assert read_instances(str(path)) == [
+        Instance(("Write a poem.", "Now shorter.")), Instance(("a", "b"), system="be brief"), Instance(("third",))
+    ]
+    assert read_instances(str(path), limit=2) == read_instances(str(path))[:2]
+    with pytest.raises(EvalDataError, match="limit 0"):
+        read_instances(str(path), limit=0)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"turns": ["ok"]}, {"turns": []}])
+    with pytest.raises(EvalDataError, match=r"bad.jsonl, record 2: 'turns' must be a non-empty list"):
+        read_instances(str(bad))
+
+
+def test_messages_feed_each_answer_back_before_the_next_user_turn():
+    instance = Instance(("q1", "q2", "q3"), system="s")
+    assert messages(instance, []) == [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]
+    assert messages(instance, ["a1", "a2"])[1:] == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "q3"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def example_models(example_assets):
+    """The example target and tokenizer, and an untrained drafter on them."""
+    target = load_target(example_assets.target)
+    tokenizer = AutoTokenizer.from_pretrained(example_assets.tokenizer)
+    torch.manual_seed(0)
+    cfg = ModelConfig(target=example_assets.target, num_draft_layers=1, block_size=4)
+    drafter = build_drafter(target, cfg, tokenizer.mask_token_id).eval()
+    return target, tokenizer, drafter
+
+
+def test_second_turn_prompt_contains_the_first_answer(example_models, monkeypatch):
+    target, tokenizer, drafter = example_models
+    rendered = []
+
+    def spy(tok, chat, thinking):
+        rendered.append(chat)
+        return render_prompt(tok, chat, thinking)
+
+    monkeypatch.setattr(evaluate_module, "render_prompt", spy)
+    instance = {"turns": ["Please work out 58 minus 34.", "Count from 1 to 20 in steps of 5."]}
+    summary = evaluate(target, drafter, tokenizer, instances=[instance], max_new_tokens=64)
+    assert summary["responses"] == 2 and summary["instances"] == 1
+    first_ids = torch.tensor(render_prompt(tokenizer, rendered[0], False))
+    first = greedy_generate(target, first_ids, 64, stop_token_ids=[tokenizer.eos_token_id])[0, len(first_ids):]
+    answer = tokenizer.decode(first, skip_special_tokens=True)
+    assert answer.strip() and "<|im_end|>" not in answer  # a real answer, special tokens skipped
+    assert rendered[1] == [{"role": "user", "content": instance["turns"][0]},
+                           {"role": "assistant", "content": answer},
+                           {"role": "user", "content": instance["turns"][1]}]
+    assert answer in tokenizer.decode(render_prompt(tokenizer, rendered[1], False))
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- 'no thinking\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_thinking_off_reaches_the_template_and_unknown_templates_ignore_it(example_assets, example_models, tmp_path):
+    target, plain, drafter = example_models
+    shutil.copytree(example_assets.tokenizer, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    chat = [{"role": "user", "content": "Count from 1 to 5."}]
+    off, on = render_prompt(tokenizer, chat, False), render_prompt(tokenizer, chat, True)
+    assert tokenizer.decode(off).endswith("assistant\nno thinking\n") and off[: len(on)] == on and off != on
+    assert render_prompt(plain, chat, False) == render_prompt(plain, chat, True) == on  # the example's template
+    texts = []
+    apply = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *a, **kw: texts.append(apply(*a, **kw)) or texts[-1]
+    evaluate(target, drafter, tokenizer, instances=[{"turns": ["Count from 1 to 5."]}], max_new_tokens=4)
+    evaluate(target, drafter, tokenizer, instances=[{"turns": ["Count from 1 to 5."]}], max_new_tokens=4,
+             thinking=True)
+    assert [t.endswith("no thinking\n") for t in texts] == [True, False]  # off by default
+
+
+def hub_copy(root, repo, config, split, rows):
+    """A local dataset folder laid out like the hub repo: configs and splits declared in README.md."""
+    folder = root / repo
+    data = f"{config or 'data'}/{split}.jsonl"
+    write_jsonl(folder / data, rows)
+    (folder / "README.md").write_text(
+        f"---\nconfigs:\n- config_name: {config or 'default'}\n  data_files:\n  - split: {split}\n"
+        f"    path: {data}\n---\n"
+    )
+    return str(folder)
+
+
+def test_suites_load_local_copies_in_the_public_benchmark_prompt_format(tmp_path):
+    pytest.importorskip("datasets")
+    cache = str(tmp_path / "cache")
+    gsm8k = hub_copy(tmp_path, "openai/gsm8k", "main", "test",
+                     [{"question": f"What is {i} + 1?", "answer": "#### x"} for i in range(3)])
+    assert load_suite("gsm8k", limit=2, source=gsm8k, cache_dir=cache) == [
+        Instance((f"What is {i} + 1?\nPlease reason step by step, and put your final answer within \\boxed{{}}.",))
+        for i in range(2)
+    ]
+    humaneval = hub_copy(tmp_path, "openai/openai_humaneval", None, "test", [{"task_id": "t", "prompt": "def f():"}])
+    assert load_suite("humaneval", source=humaneval, cache_dir=cache)[0].turns == (
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\ndef f():\n```",
+    )
+    mt_bench = hub_copy(tmp_path, "HuggingFaceH4/mt_bench_prompts", None, "train",
+                        [{"prompt": ["first", "second"], "category": "writing"}])
+    assert load_suite("mt-bench", source=mt_bench, cache_dir=cache) == [Instance(("first", "second"))]
+    with pytest.raises(EvalDataError, match=r"--bench mbpp: .* has no column \['prompt'\]"):
+        load_suite("mbpp", source=hub_copy(tmp_path, "mbpp", "sanitized", "test", [{"text": "x"}]), cache_dir=cache)
+    assert parse_benches(["gsm8k,mt-bench", "math500=/mirror/m", "gsm8k"]) == {
+        "gsm8k": None, "mt-bench": None, "math500": "/mirror/m"}
+    with pytest.raises(EvalDataError, match="unknown suite"):
+        parse_benches(["gsm8k,squad"])
+
+
+def test_evaluate_reports_each_suite(example_models, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    target, tokenizer, drafter = example_models
+    benches = {
+        "gsm8k": hub_copy(tmp_path, "openai/gsm8k", "main", "test", [{"question": "What is 2 plus 3?"}] * 3),
+        "mt-bench": hub_copy(tmp_path, "mt", None, "train", [{"prompt": ["Count to 3.", "Now to 4."]}]),
+    }
+    summary = evaluate(target, drafter, tokenizer, benches=benches, limit=2, max_new_tokens=8)
+    assert summary["instances"] == 3 and summary["responses"] == 4
+    assert {k: v["responses"] for k, v in summary["benchmarks"].items()} == {"gsm8k": 2, "mt-bench": 2}
+
+
+def test_suites_without_the_datasets_package_say_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` sees when it is not installed
+    with pytest.raises(EvalDataError, match=r"pip install 'dflash-pipeline\[eval\]'"):
+        load_suite("gsm8k")
+
+
+def test_cli_limit_zero_is_an_error(capsys):
+    base = ["eval", "--target", "t", "--drafter", "d", "--tokenizer", "k", "--data", "x.jsonl"]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*base, "--limit", "0"])
+    assert exit_info.value.code == 2 and "--limit" in capsys.readouterr().err
+    args = build_parser().parse_args([*base, "--bench", "gsm8k,math500", "--bench", "mt-bench", "--thinking", "on"])
+    assert args.max_new_tokens == 2048 and args.limit is None and args.thinking == "on" and not args.no_kv_cache
+    assert args.bench == ["gsm8k,math500", "mt-bench"]
