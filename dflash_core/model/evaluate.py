@@ -190,6 +190,9 @@ def evaluate(
         drafter_dir = load_dflash(drafter_dir, target, dtype=target.dtype).eval()
     if isinstance(tokenizer, str):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    if len(tokenizer) > target.vocab_size:  # ids past the embedding would index out of range mid-decoding
+        raise EvalDataError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary has "
+                            f"{target.vocab_size}: pass the target's own tokenizer (--tokenizer)")
     run = _Run(target, drafter_dir, tokenizer, max_new_tokens, thinking, kv_cache, baseline)
     responses = [r for name, items in suites.items() for r in run.suite(name, items)]
     summary = {
