@@ -35,7 +35,7 @@ def retrain_drafter(
     root = config.storage.root
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
-    tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
+    data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
     plan_fp = tasks.plan_fingerprint(data_fp, config)
     plan_dir = storage.join(root, "plans", plan_fp[:16])
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)
@@ -47,6 +47,7 @@ def retrain_drafter(
     report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
     result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
               "report": report_dir, "run": run_dir, "steps": train_summary.get("steps")}
+    tasks.summarize(data_summary, plan_summary, train_summary, report, run_dir)
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
     if report["verdict"] == "fail":
         return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")

@@ -14,7 +14,7 @@ from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, dump_config
 from flows import storage
-from flows.artifacts import TrainingProgress, publish_plan, publish_report
+from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_summary
 
 
 @task(name="resolve-assets", retries=1)
@@ -99,31 +99,10 @@ class _Throttle:
         self.emit(line)
 
 
-def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | None:
-    """The newest complete record of metrics.jsonl, reading only the file's tail (runs log ~1 KB a step)."""
-    fs, path = fsspec.core.url_to_fs(metrics_uri)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as fh:
-        size = fh.seek(0, 2)
-        fh.seek(max(0, size - tail_bytes))
-        lines = fh.read().decode("utf-8", errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the tail window or still being written
-            continue
-    return None
-
-
-def _follow_metrics(metrics_uri: str, progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
-    """Update the progress artifact from the newest record of metrics.jsonl until `stop` is set."""
-    last_step = -1
+def _follow_metrics(progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
+    """Update the progress artifacts from the records appended to metrics.jsonl until `stop` is set."""
     while not stop.wait(every_s):
-        record = _last_record(metrics_uri)
-        if record is not None and record.get("step", -1) != last_step:
-            last_step = record["step"]
-            progress.update(record)
+        progress.poll()
 
 
 @task(name="train")
@@ -136,10 +115,9 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     fs.makedirs(root, exist_ok=True)
     config_path = storage.join(out, "config.yaml")
     dump_config(config, config_path)
-    progress = TrainingProgress(num_steps)
+    progress = TrainingProgress(num_steps, storage.join(out, "metrics.jsonl"))
     stop = threading.Event()
-    follower = threading.Thread(target=_follow_metrics, daemon=True,
-                                args=(storage.join(out, "metrics.jsonl"), progress, stop, 2.0))
+    follower = threading.Thread(target=_follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out, config_path=config_path,
@@ -148,7 +126,7 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     finally:
         stop.set()
         follower.join(timeout=10)
-    progress.update({"step": num_steps - 1, "loss": summary.get("final_loss"), "grad_norm": "-"})
+    progress.poll(final=True)
     return summary
 
 
@@ -160,3 +138,10 @@ def check(config: PipelineConfig, metrics: str, out: str, drafter_dir: str) -> d
     report = run_check(metrics, out, config.check, baseline=config.check.baseline)
     publish_report(report, out, drafter_dir)
     return report
+
+
+@task(name="publish-summary")
+def summarize(data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any], report: dict[str, Any],
+              run_dir: str, promotion: dict[str, Any] | None = None) -> None:
+    """The run-summary artifact: the run in five lines with its pictures (also when the check failed)."""
+    publish_summary(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion)
