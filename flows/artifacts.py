@@ -36,7 +36,8 @@ from flows.metrics_tail import MetricsTail, is_val, read_records
 # so an artifact stays well under 300 KB and the run page opens quickly; the full-resolution files stay linked.
 IMAGE_BUDGET = 64 * 1024
 MIN_WIDTH = 320  # narrower than this a plot is unreadable: over budget there is an error, not a smaller picture
-STATUS_MARK = {"fail": "❌ **FAIL**", "warn": "⚠️ warn", "pass": "✅ pass", "info": "info"}
+# Plain words, no emoji: a headless or minimal browser without an emoji font draws empty boxes.
+STATUS_MARK = {"fail": "**FAIL**", "warn": "*warn*", "pass": "pass", "info": "info"}
 
 
 class ImageBudgetError(ValueError):
@@ -181,7 +182,7 @@ class TrainingProgress:
         self.tail = MetricsTail(metrics_uri)
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
-        self.picture, self.plotted_at = "", -math.inf
+        self.picture, self.plotted_at, self.finished = "", -math.inf, False
         self.bar_id = create_progress_artifact(0.0, key="training-progress",
                                                description=f"0 / {self.num_steps} optimizer steps")
         self.page_id = create_markdown_artifact(self.page(), key="training-live",
@@ -194,6 +195,7 @@ class TrainingProgress:
             return
         for record in new:
             (self.val if is_val(record) else self.train).append(record)
+        self.finished = final
         if final or time.monotonic() - self.plotted_at >= self.plot_every_s:
             # Rendering costs ~0.3 s of CPU that training wants: the figures update every poll, the curves less.
             self.picture = inline_png(curves_figure(self.train, self.val), "training curves") if self.train else ""
@@ -208,7 +210,8 @@ class TrainingProgress:
         done = int(last["step"]) + 1 if last else 0
         return {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
                 "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
-                "tokens/s": _rate(last.get("tokens_per_s")), "ETA": _duration(self._eta_s(done))}
+                "tokens/s": _rate(last.get("tokens_per_s")),
+                "ETA": "finished" if self.finished else _duration(self._eta_s(done))}
 
     def line(self) -> str:
         """The figures in one line, for the progress bar."""
@@ -322,8 +325,8 @@ def _plan_line(plan: dict[str, Any]) -> str:
     last = str(len(plan["buckets"]) - 1)
     order = plan["order"]
     return (f"{plan['num_steps']} steps, {plan['num_micro_batches']} micro-batches in {len(plan['buckets'])} "
-            f"buckets; longest run of the longest bucket {order['longest_run'].get(last, 0)} "
-            f"(random shuffle {order['random_shuffle_longest_run'].get(last, 0)}); "
+            f"buckets; longest run of bucket {last} (the longest sequences): {order['longest_run'].get(last, 0)} "
+            f"micro-batches (random shuffle: {order['random_shuffle_longest_run'].get(last, 0)}); "
             f"padding efficiency {plan['padding_efficiency']:.1%}")
 
 

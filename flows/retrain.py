@@ -11,6 +11,7 @@ from prefect.states import Failed
 
 from dflash_core.config import PipelineConfig
 from flows import storage, tasks
+from flows.artifacts import publish_summary
 
 
 def _run_name(explicit: str | None) -> str:
@@ -47,7 +48,8 @@ def retrain_drafter(
     report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
     result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
               "report": report_dir, "run": run_dir, "steps": train_summary.get("steps")}
-    tasks.summarize(data_summary, plan_summary, train_summary, report, run_dir)
+    # Published by the flow itself, not a task, so that it is the flow run's own artifact (listed first).
+    publish_summary(data=data_summary, plan=plan_summary, train=train_summary, report=report, run_dir=run_dir)
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
     if report["verdict"] == "fail":
         return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")

@@ -14,7 +14,7 @@ from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, dump_config
 from flows import storage
-from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_summary
+from flows.artifacts import TrainingProgress, publish_plan, publish_report
 
 
 @task(name="resolve-assets", retries=1)
@@ -115,7 +115,9 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     fs.makedirs(root, exist_ok=True)
     config_path = storage.join(out, "config.yaml")
     dump_config(config, config_path)
-    progress = TrainingProgress(num_steps, storage.join(out, "metrics.jsonl"))
+    # The trainer stops at train.max_steps when set (runtime/trainer.py load_run_plan): the bar counts to that.
+    total = min(num_steps, config.train.max_steps or num_steps)
+    progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"))
     stop = threading.Event()
     follower = threading.Thread(target=_follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
@@ -139,9 +141,3 @@ def check(config: PipelineConfig, metrics: str, out: str, drafter_dir: str) -> d
     publish_report(report, out, drafter_dir)
     return report
 
-
-@task(name="publish-summary")
-def summarize(data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any], report: dict[str, Any],
-              run_dir: str, promotion: dict[str, Any] | None = None) -> None:
-    """The run-summary artifact: the run in five lines with its pictures (also when the check failed)."""
-    publish_summary(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion)

@@ -34,8 +34,10 @@ class BrowserError(RuntimeError):
 class Browser:
     """One headless Chromium page; `close()` kills the browser's whole process group."""
 
-    def __init__(self, profile: Path, width: int = 1400, height: int = 1000, timeout: float = 60) -> None:
+    # Tall: the Prefect UI scrolls inside its own panel, so a screenshot holds what the window shows.
+    def __init__(self, profile: Path, width: int = 1400, height: int = 3000, timeout: float = 60) -> None:
         profile.mkdir(parents=True, exist_ok=True)
+        (profile / "DevToolsActivePort").unlink(missing_ok=True)  # a stale port from an earlier browser
         self.log = open(profile.parent / "chromium.log", "w")
         self.proc = subprocess.Popen([str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}",
                                       f"--window-size={width},{height}", "about:blank"],
@@ -93,11 +95,8 @@ class Browser:
             time.sleep(every)
 
     def screenshot(self, path: Path) -> Path:
-        """A PNG of the whole page (not only the window) at `path`."""
-        size = self.evaluate("[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
-        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": size[0], "height": min(size[1], 6000), "scale": 1})
-        path.write_bytes(base64.b64decode(shot["data"]))
+        """A PNG of the window at `path`."""
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
         return path
 
     def close(self) -> None:

@@ -80,7 +80,7 @@ def test_report_page_puts_failures_first_with_the_plot_inline(failed_run):
     page = artifacts.report_markdown(report, str(run / "report"), str(run / "drafter"))
     assert page.startswith("# Stability check: **FAIL**")
     table = [line for line in page.splitlines() if line.startswith("| ")][1:]
-    failing = [line for line in table if "❌ **FAIL**" in line]
+    failing = [line for line in table if "| **FAIL** |" in line]
     assert len(failing) == len(report["failed"]) and table[:len(failing)] == failing
     assert all(f"**{name}**" in page for name in report["failed"])
     [(_, img, size)] = images(page)
@@ -133,7 +133,7 @@ def test_summary_is_the_run_in_five_lines(failed_run, tmp_path):
     lines = [line for line in page.splitlines() if re.match(r"\d\. \*\*", line)]
     assert [line.split("**")[1] for line in lines] == ["Data", "Plan", "Training", "Stability", "Drafter"]
     assert "990 of 1000 records kept (10 dropped), 512,000 tokens" in lines[0]
-    assert "longest run of the longest bucket 1 (random shuffle 7)" in lines[1]
+    assert "longest run of bucket 3 (the longest sequences): 1 micro-batches (random shuffle: 7)" in lines[1]
     assert "1200 steps in 1 h 02 min, final loss 0.61, 5,322 tokens/s" in lines[2]
     assert lines[3].startswith("4. **Stability**: **FAIL**; failed: " + ", ".join(report["failed"]))
     assert "no promotion decision" in lines[4] and "Promotion decision" not in page

@@ -30,9 +30,13 @@ print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "state": 
 # Every picture on the page, with whether it decoded: a broken data: URI loads with naturalWidth 0.
 PICTURES = """(() => {
   const imgs = [...document.querySelectorAll('img')].filter(i => i.src.startsWith('data:image/png;base64,'));
+  if (!document.body) return {text: '', images: []};
   return {text: document.body.innerText, images: imgs.map(i => ({alt: i.alt, complete: i.complete,
           width: i.naturalWidth, height: i.naturalHeight, shown: Math.round(i.getBoundingClientRect().width)}))};
 })()"""
+
+CLICK_TAB = """const tab = [...document.querySelectorAll('button, a, li, [role=tab]')]
+  .find(e => e.textContent.trim() === 'Artifacts'); if (tab) tab.click(); return !!tab;"""
 
 
 @pytest.fixture
@@ -76,17 +80,23 @@ def test_artifact_pages_render_pictures_and_verdict(served_run, browser, tmp_pat
     }
     for key, (text, count) in expected.items():
         browser.goto(f"{ui}/artifacts/artifact/{keys[key]}")
-        page = browser.wait_for(f"(() => {{ const p = {PICTURES}; return p.images.length >= {count} && "
-                                "p.images.every(i => i.complete) && p.text.includes("
-                                f"{json.dumps(text)}) ? p : null; }})()", timeout=90)
-        shot = browser.screenshot(tmp_path / f"{key}.png")
+        try:
+            page = browser.wait_for(f"(() => {{ const p = {PICTURES}; return p.images.length >= {count} && "
+                                    "p.images.every(i => i.complete) && p.text.includes("
+                                    f"{json.dumps(text)}) ? p : null; }})()", timeout=90)
+        finally:
+            shot = browser.screenshot(tmp_path / f"{key}.png")
         assert page, f"{key}: no {count} decoded picture(s) and {text!r} on the page; see {shot}"
         for image in page["images"]:
             assert image["width"] > 0 and image["height"] > 0 and image["shown"] > 0, f"{key}: {image}; see {shot}"
         assert "file://" not in page["text"], f"{key}: a link that only works on the worker; see {shot}"
 
-    browser.goto(f"{ui}/runs/flow-run/{run['flow_run_id']}?tab=Artifacts")
-    listed = browser.wait_for("document.body.innerText.includes('run-summary') && "
-                              "document.body.innerText.includes('stability-report')", timeout=90)
-    shot = browser.screenshot(tmp_path / "flow-run.png")
-    assert listed, f"the flow run page does not list the artifacts; see {shot}"
+    # The run's page, Artifacts tab: every artifact listed with its key.
+    browser.goto(f"{ui}/runs/flow-run/{run['flow_run_id']}")
+    try:
+        browser.wait_for(f"!!document.body && (() => {{ {CLICK_TAB} }})()", timeout=90)
+        listed = browser.wait_for(f"!!document.body && {json.dumps(sorted(expected))}"
+                                  ".every(k => document.body.innerText.includes(k))", timeout=90)
+    finally:
+        shot = browser.screenshot(tmp_path / "flow-run.png")
+    assert listed, f"the flow run's Artifacts tab does not list {sorted(expected)}; see {shot}"

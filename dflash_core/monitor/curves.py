@@ -12,6 +12,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 MAX_POINTS = 2000  # a curve of 58,000 steps drawn at ~1000 px wide gains nothing from every point
 
@@ -25,14 +26,17 @@ def curves_figure(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> Fig
     axes = fig.subplots(1, panels)
     steps, loss, grad, clip = _series(train, "step", "loss", "grad_norm", "clip")
     val_steps, val_loss, val_accept = _series(val, "step", "val_loss", "val_accept_len")
-    axes[0].plot(steps, loss, lw=0.8, color="tab:blue", label="train loss")
+    dots = "." if len(steps) <= 100 else None  # a handful of steps: show each point
+    axes[0].plot(steps, loss, lw=0.8, color="tab:blue", label="train loss", marker=dots)
     if np.isfinite(val_loss).any():
         axes[0].plot(val_steps, val_loss, "o-", ms=3, color="tab:purple", label="validation loss")
     _finish(axes[0], "loss")
-    axes[1].plot(steps, grad, lw=0.8, color="tab:green", label="grad norm (pre-clip)")
+    axes[1].plot(steps, grad, lw=0.8, color="tab:green", label="grad norm (pre-clip)", marker=dots)
     if np.isfinite(clip).any():
         axes[1].plot(steps, clip, "k--", lw=1, label="clip threshold")
-    _finish(axes[1], "grad norm")
+    if (np.concatenate([grad, clip]) > 0).any():  # early norms can be 50x the clip: a linear axis hides the rest
+        axes[1].set_yscale("log")
+    _finish(axes[1], "grad norm (log)")
     if has_accept:
         axes[2].plot(val_steps, val_accept, "o-", ms=3, color="tab:orange", label="validation accept length")
         _finish(axes[2], "accept length (tokens)")
@@ -58,6 +62,7 @@ def _nan(value: float | None) -> float:
 
 def _finish(ax: Axes, ylabel: str) -> None:
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
