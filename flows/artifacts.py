@@ -30,13 +30,14 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from dflash_core.monitor.curves import curves_figure
 from dflash_core.plan.plots import plan_figure
 from flows import storage
-from flows.metrics_tail import MetricsTail, is_val, read_records
+from flows.metrics_tail import MetricsTail, is_step, is_val, read_records
 
 # Size budget of one inline picture: 64 KB of PNG (~87 KB as base64). A page holds at most three pictures,
 # so an artifact stays well under 300 KB and the run page opens quickly; the full-resolution files stay linked.
 IMAGE_BUDGET = 64 * 1024
 MIN_WIDTH = 320  # narrower than this a plot is unreadable: over budget there is an error, not a smaller picture
 # Plain words, no emoji: a headless or minimal browser without an emoji font draws empty boxes.
+LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "time")
 STATUS_MARK = {"fail": "**FAIL**", "warn": "*warn*", "pass": "pass", "info": "info"}
 
 
@@ -193,11 +194,12 @@ class TrainingProgress:
         new = self.tail.read_new()
         if not new and not final:
             return
-        for record in new:
-            (self.val if is_val(record) else self.train).append(record)
+        self.val += [r for r in new if is_val(r)]
+        # Only what the page shows: a full record has ~30 keys, and a long run logs tens of thousands of them.
+        self.train += [{k: r.get(k) for k in LIVE_KEYS} for r in new if is_step(r)]
         self.finished = final
         if final or time.monotonic() - self.plotted_at >= self.plot_every_s:
-            # Rendering costs ~0.3 s of CPU that training wants: the figures update every poll, the curves less.
+            # Rendering costs ~1 s of CPU that training wants: the figures update every poll, the curves less.
             self.picture = inline_png(curves_figure(self.train, self.val), "training curves") if self.train else ""
             self.plotted_at = time.monotonic()
         done = int(self.train[-1]["step"]) + 1 if self.train else 0

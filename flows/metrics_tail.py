@@ -46,7 +46,13 @@ def is_val(record: dict[str, Any]) -> bool:
     return record.get("kind") == "val"
 
 
+def is_step(record: dict[str, Any]) -> bool:
+    """Whether a record is an optimizer step's (no kind, or kind "train", and an integer step)."""
+    step = record.get("step")
+    return record.get("kind", "train") == "train" and isinstance(step, int) and not isinstance(step, bool)
+
+
 def read_records(uri: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training step records, validation records) of a whole metrics.jsonl; ([], []) when it is missing."""
     records = MetricsTail(uri).read_new()
-    return [r for r in records if not is_val(r)], [r for r in records if is_val(r)]
+    return [r for r in records if is_step(r)], [r for r in records if is_val(r)]

@@ -172,8 +172,9 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     progress = artifacts.TrainingProgress(len(records), str(path), plot_every_s=0.0)
     write_jsonl(timed[:400], path)
     progress.poll()
-    with path.open("a") as fh:
+    with path.open("a") as fh:  # a validation record, and a record of a kind the page does not know
         fh.write(json.dumps({"kind": "val", "step": 399, "val_loss": 1.4, "val_accept_len": 1.7}) + "\n")
+        fh.write(json.dumps({"kind": "eval-suite", "tau": 1.8}) + "\n")
     progress.poll()
     assert progress.figures() == {"step": f"400 / {len(records)}", "loss": timed[399]["loss"],
                                   "grad norm (pre-clip)": timed[399]["grad_norm"], "clip": 1.0,
