@@ -1,22 +1,133 @@
-"""What the flow-run page shows: plan table, interleaving, training progress, stability report."""
+"""What the flow-run page shows: plan, live training figures, stability report and the run's summary.
+
+Pictures are inline (data: URIs in markdown), so the page stays whole in any browser after the worker is gone;
+files are named by storage URIs a user can open (cloud console pages for s3:// and gs://, plain paths otherwise).
+"""
 
 from __future__ import annotations
 
+import base64
+import io
+import math
+import time
 from typing import Any
+from uuid import UUID
 
+import fsspec
+import numpy as np
+import polars as pl
+from matplotlib.figure import Figure
+from PIL import Image
 from prefect.artifacts import (
-    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
-from flows.storage import as_link
+from dflash_core.monitor.curves import curves_figure
+from dflash_core.plan.plots import plan_figure
+from flows import storage
+from flows.metrics_tail import MetricsTail, is_step, is_val, read_records
+
+# Size budget of one inline picture: 64 KB of PNG (~87 KB as base64). A page holds at most three pictures,
+# so an artifact stays well under 300 KB and the run page opens quickly; the full-resolution files stay linked.
+IMAGE_BUDGET = 64 * 1024
+MIN_WIDTH = 320  # narrower than this a plot is unreadable: over budget there is an error, not a smaller picture
+# Plain words, no emoji: a headless or minimal browser without an emoji font draws empty boxes.
+LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "time")
+STATUS_MARK = {"fail": "**FAIL**", "warn": "*warn*", "pass": "pass", "info": "info"}
 
 
-def publish_plan(summary: dict[str, Any], plan_dir: str) -> None:
-    """The bucket table, what the interleaving bought, and a link to plan.parquet."""
+class ImageBudgetError(ValueError):
+    """A picture that does not fit its inline size budget even at the narrowest readable width."""
+
+
+# --- helpers shared by every artifact (other stages' artifacts use them too) -----------------------------------
+
+def inline_png(image: Figure | bytes | str, alt: str, max_bytes: int = IMAGE_BUDGET) -> str:
+    """A markdown image holding the picture inline (data: URI); a figure, PNG bytes or a PNG's URI, fit to budget."""
+    png = compact_png(_png_bytes(image), max_bytes, alt)
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})"
+
+
+def compact_png(png: bytes, max_bytes: int = IMAGE_BUDGET, name: str = "picture") -> bytes:
+    """The PNG as is when it fits; else as a palette PNG (plots have few colours), narrower until it fits."""
+    if len(png) <= max_bytes:
+        return png
+    with Image.open(io.BytesIO(png)) as img:
+        rgb = img.convert("RGB")
+    width = rgb.width
+    while True:
+        scaled = rgb.resize((width, round(rgb.height * width / rgb.width)), Image.Resampling.LANCZOS)
+        buf = io.BytesIO()
+        scaled.quantize(64, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(
+            buf, format="PNG", optimize=True)
+        if buf.tell() <= max_bytes:
+            return buf.getvalue()
+        if width == MIN_WIDTH:
+            raise ImageBudgetError(f"{name}: {buf.tell()} bytes at {MIN_WIDTH} px wide, over the budget of "
+                                   f"{max_bytes} bytes; raise max_bytes or draw a simpler figure")
+        width = max(MIN_WIDTH, int(width * 0.8))
+
+
+def _png_bytes(image: Figure | bytes | str) -> bytes:
+    if isinstance(image, Figure):
+        buf = io.BytesIO()
+        image.savefig(buf, format="png")
+        return buf.getvalue()
+    if isinstance(image, bytes):
+        return image
+    with fsspec.open(image, "rb") as fh:
+        return fh.read()
+
+
+def storage_link(uri: str, text: str | None = None, folder: bool = False) -> str:
+    """Markdown naming a stored file: a console link for s3:// / gs://, else the plain path (never file://)."""
+    console = storage.console_url(uri, folder)
+    if console:
+        return f"[{text or uri}]({console})"
+    path = f"`{storage.display_path(uri)}`"
+    return f"{text}: {path}" if text else path
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table with the first row's keys as columns; floats to 4 significant digits."""
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def decision_table(decision: dict[str, Any]) -> str:
+    """A promotion (or any) decision as a two-column table of its scalar fields, in the dict's order."""
+    rows = [{"": key, "value": value} for key, value in decision.items()
+            if value is None or isinstance(value, str | int | float | bool)]
+    return markdown_table(rows)
+
+
+def update_markdown_artifact(artifact_id: UUID, markdown: str) -> None:
+    """Replace a markdown artifact's content in place (one artifact per page, not one version per update)."""
+    with get_client(sync_client=True) as client:
+        client.update_artifact(artifact_id, ArtifactUpdate(data=markdown))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# --- plan ------------------------------------------------------------------------------------------------------
+
+def publish_plan(summary: dict[str, Any], plan_dir: str) -> str:
+    """The bucket table, and a page with the plan's picture, what the interleaving bought and the files."""
     rows = [
         {
             "bucket": b["bucket"],
@@ -29,50 +140,217 @@ def publish_plan(summary: dict[str, Any], plan_dir: str) -> None:
         for b in summary["buckets"]
     ]
     create_table_artifact(rows, key="batch-plan", description="Length buckets of the batch plan")
-    order = summary["order"]
-    lines = ["| bucket | longest same-bucket run (plan) | longest run (random shuffle) |", "|---|---|---|"]
-    for bucket, run in order["longest_run"].items():
-        lines.append(f"| {bucket} | {run} | {order['random_shuffle_longest_run'].get(bucket, '-')} |")
-    text = (
-        f"## Interleaving\n{summary['num_micro_batches']} micro-batches in {summary['num_steps']} optimizer steps "
-        f"(world size {summary['world_size']}, grad accum {summary['grad_accum']}).\n\n" + "\n".join(lines)
-        + f"\n\nPer-step token CV: {summary['step_tokens_cv']:.4f}; "
-        f"rank imbalance (slowest rank / mean - 1, mean over steps): {summary['rank_imbalance']:.2%} "
-        f"(round-robin assignment: {summary['round_robin_rank_imbalance']['mean']:.2%})\n"
-    )
-    create_markdown_artifact(text, key="batch-interleaving", description="Longest same-bucket runs vs a shuffle")
-    create_link_artifact(as_link(f"{plan_dir.rstrip('/')}/plan.parquet"), link_text="plan.parquet",
-                         key="batch-plan-file", description="One row per micro-batch, in training order")
+    text = plan_markdown(summary, plan_dir)
+    create_markdown_artifact(text, key="batch-interleaving", description="Bucket shares and same-bucket runs")
+    return text
 
+
+def plan_markdown(summary: dict[str, Any], plan_dir: str) -> str:
+    """The plan page: the picture, longest runs against a shuffle, step and rank balance, links to the files."""
+    order = summary["order"]
+    runs = [{"bucket": b, "longest same-bucket run (plan)": run,
+             "longest run (random shuffle)": order["random_shuffle_longest_run"].get(b, "-")}
+            for b, run in order["longest_run"].items()]
+    picture = plan_figure(summary, _plan_buckets(plan_dir), summary.get("seed") or 0)
+    return "\n".join([
+        "## Batch plan",
+        f"{summary['num_micro_batches']} micro-batches in {summary['num_steps']} optimizer steps "
+        f"(world size {summary['world_size']}, grad accum {summary['grad_accum']}).", "",
+        inline_png(picture, "batch plan: bucket shares and same-bucket runs"), "",
+        markdown_table(runs), "",
+        f"Per-step token CV: {summary['step_tokens_cv']:.4f}; "
+        f"rank imbalance (slowest rank / mean - 1, mean over steps): {summary['rank_imbalance']:.2%} "
+        f"(round-robin assignment: {summary['round_robin_rank_imbalance']['mean']:.2%})", "",
+        f"Files: {storage_link(storage.join(plan_dir, 'plan.parquet'), 'plan.parquet')} · "
+        f"{storage_link(storage.join(plan_dir, 'plan.json'), 'plan.json')}",
+    ])
+
+
+def _plan_buckets(plan_dir: str) -> np.ndarray:
+    """The bucket of every planned micro-batch in training order (step, then micro-batch, then rank)."""
+    with fsspec.open(storage.join(plan_dir, "plan.parquet"), "rb") as fh:
+        plan = pl.read_parquet(fh, columns=["step", "micro", "rank", "bucket"])
+    return plan.sort(["step", "micro", "rank"])["bucket"].to_numpy()
+
+
+# --- training --------------------------------------------------------------------------------------------------
 
 class TrainingProgress:
-    """A progress artifact that follows metrics.jsonl while training runs."""
+    """The progress bar and a live page (figures, curves, validation) that follow a growing metrics.jsonl."""
 
-    def __init__(self, num_steps: int) -> None:
-        self.num_steps = max(1, num_steps)
-        self.artifact_id = create_progress_artifact(0.0, key="training-progress",
-                                                    description=f"0 / {self.num_steps} optimizer steps")
+    def __init__(self, num_steps: int, metrics_uri: str, plot_every_s: float = 60.0) -> None:
+        self.num_steps, self.plot_every_s = max(1, num_steps), plot_every_s
+        self.tail = MetricsTail(metrics_uri)
+        self.train: list[dict[str, Any]] = []
+        self.val: list[dict[str, Any]] = []
+        self.picture, self.plotted_at, self.finished = "", -math.inf, False
+        self.bar_id = create_progress_artifact(0.0, key="training-progress",
+                                               description=f"0 / {self.num_steps} optimizer steps")
+        self.page_id = create_markdown_artifact(self.page(), key="training-live",
+                                                description="Live training figures and curves")
 
-    def update(self, record: dict[str, Any]) -> None:
-        """Move the bar to the step of a metrics record."""
-        done = int(record["step"]) + 1
-        loss = record.get("loss")
-        text = f"{done} / {self.num_steps} optimizer steps; loss {loss}, grad norm {record.get('grad_norm')}"
-        update_progress_artifact(self.artifact_id, min(100.0, 100.0 * done / self.num_steps), description=text)
+    def poll(self, final: bool = False) -> None:
+        """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves."""
+        new = self.tail.read_new()
+        if not new and not final:
+            return
+        self.val += [r for r in new if is_val(r)]
+        # Only what the page shows: a full record has ~30 keys, and a long run logs tens of thousands of them.
+        self.train += [{k: r.get(k) for k in LIVE_KEYS} for r in new if is_step(r)]
+        self.finished = final
+        if final or time.monotonic() - self.plotted_at >= self.plot_every_s:
+            # Rendering costs ~1 s of CPU that training wants: the figures update every poll, the curves less.
+            self.picture = inline_png(curves_figure(self.train, self.val), "training curves") if self.train else ""
+            self.plotted_at = time.monotonic()
+        done = int(self.train[-1]["step"]) + 1 if self.train else 0
+        update_progress_artifact(self.bar_id, min(100.0, 100.0 * done / self.num_steps), description=self.line())
+        update_markdown_artifact(self.page_id, self.page())
+
+    def figures(self) -> dict[str, Any]:
+        """The live figures: step, loss, pre-clip grad norm and clip, tokens/s, ETA (from the records' times)."""
+        last = self.train[-1] if self.train else {}
+        done = int(last["step"]) + 1 if last else 0
+        return {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
+                "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
+                "tokens/s": _rate(last.get("tokens_per_s")),
+                "ETA": "finished" if self.finished else _duration(self._eta_s(done))}
+
+    def line(self) -> str:
+        """The figures in one line, for the progress bar."""
+        f = self.figures()
+        return (f"step {f['step']} · loss {_fmt(f['loss'])} · grad norm {_fmt(f['grad norm (pre-clip)'])} "
+                f"(clip {_fmt(f['clip'])}) · {f['tokens/s']} tokens/s · ETA {f['ETA']}")
+
+    def page(self) -> str:
+        """The live page: the figures table, the latest validation, the curves."""
+        lines = ["## Training", markdown_table([self.figures()]), ""]
+        if self.val:
+            lines += ["### Validation", markdown_table([_val_row(r) for r in self.val[-5:]]), ""]
+        if self.picture:
+            lines += [self.picture, ""]
+        return "\n".join(lines)
+
+    def _eta_s(self, done: int) -> float | None:
+        """Remaining steps at the pace of the last (up to) 50 logged steps, by the records' wall-clock times."""
+        timed = [r for r in self.train[-50:] if isinstance(r.get("time"), int | float)]
+        if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
+            return None
+        pace = (timed[-1]["step"] - timed[0]["step"]) / (timed[-1]["time"] - timed[0]["time"])
+        return (self.num_steps - done) / pace if pace > 0 else None
 
 
-def publish_report(report: dict[str, Any], report_dir: str, drafter_dir: str) -> None:
-    """The stability verdict, every figure against its threshold, links to the picture and the drafter."""
+def _val_row(record: dict[str, Any]) -> dict[str, Any]:
+    return {"step": record.get("step"), "validation loss": record.get("val_loss"),
+            "accept length": record.get("val_accept_len")}
+
+
+def _rate(value: Any) -> str:
+    return f"{value:,.0f}" if isinstance(value, int | float) else "-"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
+
+
+# --- stability report ------------------------------------------------------------------------------------------
+
+def publish_report(report: dict[str, Any], report_dir: str, drafter_dir: str) -> str:
+    """The stability verdict, failing figures first and marked, the plot inline, links to the files."""
+    text = report_markdown(report, report_dir, drafter_dir)
+    create_markdown_artifact(text, key="stability-report", description="Post-run stability check")
+    return text
+
+
+def report_markdown(report: dict[str, Any], report_dir: str, drafter_dir: str) -> str:
+    """The report page (see publish_report)."""
+    figures = report.get("figures", {})
+    rank = {"fail": 0, "warn": 1}
+    names = sorted(figures, key=lambda n: rank.get(figures[n].get("status"), 2))
+    rows = [{"figure": f"**{n}**" if figures[n].get("status") == "fail" else n,
+             "value": figures[n].get("value"),
+             "threshold": f"{figures[n].get('op', '')} {_fmt(figures[n].get('threshold'))}".strip(),
+             "status": STATUS_MARK.get(figures[n].get("status"), str(figures[n].get("status"))),
+             "what it means": figures[n].get("summary", "")} for n in names]
+    failed = report.get("failed") or []
     lines = [f"# Stability check: **{report['verdict'].upper()}**", ""]
-    lines += ["| figure | value | threshold | pass |", "|---|---|---|---|"]
-    for name, fig in report.get("figures", {}).items():
-        mark = {True: "yes", False: "**NO**"}.get(fig.get("pass"), "n/a")
-        lines.append(f"| {name} | {_fmt(fig.get('value'))} | {_fmt(fig.get('threshold'))} | {mark} |")
-    png = as_link(f"{report_dir.rstrip('/')}/stability.png")
-    lines += ["", f"[stability.png]({png}) · [drafter]({as_link(drafter_dir)})"]
-    create_markdown_artifact("\n".join(lines), key="stability-report", description="Post-run stability check")
-    create_link_artifact(png, link_text="stability.png", key="stability-plot")
+    if failed:
+        lines += ["Failed: " + ", ".join(f"**{n}**" for n in failed), ""]
+    png = storage.join(report_dir, "stability.png")
+    lines += [markdown_table(rows), "", inline_png(png, "stability plot: loss, grad norm, bucket mix"), "",
+              "Full resolution: " + " · ".join([
+                  storage_link(png, "stability.png"),
+                  storage_link(storage.join(report_dir, "report.md"), "report.md"),
+                  storage_link(drafter_dir, "drafter", folder=True)])]
+    return "\n".join(lines)
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+# --- the run in five lines -------------------------------------------------------------------------------------
+
+def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any],
+                    report: dict[str, Any], run_dir: str, promotion: dict[str, Any] | None = None) -> str:
+    """The flow run's summary artifact: data, plan, training, stability, drafter/promotion, and the pictures."""
+    text = summary_markdown(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion)
+    create_markdown_artifact(text, key="run-summary", description="The run in five lines")
+    return text
+
+
+def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any],
+                     report: dict[str, Any], run_dir: str, promotion: dict[str, Any] | None = None) -> str:
+    """The summary page (see publish_summary); validation curves appear when metrics.jsonl has val records."""
+    steps, val = read_records(storage.join(run_dir, "metrics.jsonl"))
+    lines = ["# Run summary", "",
+             f"1. **Data**: {_data_line(data)}",
+             f"2. **Plan**: {_plan_line(plan)}",
+             f"3. **Training**: {_train_line(train, val)}",
+             f"4. **Stability**: {_verdict_line(report)}",
+             f"5. **Drafter**: {storage_link(storage.join(run_dir, 'drafter'), folder=True)}; "
+             f"{_promotion_line(promotion)}", ""]
+    if promotion:
+        lines += ["## Promotion decision", decision_table(promotion), ""]
+    lines += [inline_png(storage.join(run_dir, "report", "stability.png"), "stability plot"), ""]
+    if val:
+        lines += [inline_png(curves_figure(steps, val), "training and validation curves"), ""]
+    return "\n".join(lines)
+
+
+def _data_line(data: dict[str, Any]) -> str:
+    dropped = sum((data.get("dropped") or {}).values())
+    return (f"{data.get('kept')} of {data.get('read')} records kept ({dropped} dropped), "
+            f"{_rate(data.get('tokens'))} tokens, {_rate(data.get('supervised_tokens'))} supervised")
+
+
+def _plan_line(plan: dict[str, Any]) -> str:
+    last = str(len(plan["buckets"]) - 1)
+    order = plan["order"]
+    return (f"{plan['num_steps']} steps, {plan['num_micro_batches']} micro-batches in {len(plan['buckets'])} "
+            f"buckets; longest run of bucket {last} (the longest sequences): {order['longest_run'].get(last, 0)} "
+            f"micro-batches (random shuffle: {order['random_shuffle_longest_run'].get(last, 0)}); "
+            f"padding efficiency {plan['padding_efficiency']:.1%}")
+
+
+def _train_line(train: dict[str, Any], val: list[dict[str, Any]]) -> str:
+    line = (f"{train.get('steps')} steps in {_duration(train.get('elapsed_s'))}, final loss "
+            f"{_fmt(train.get('final_loss'))}, {_rate(train.get('tokens_per_s'))} tokens/s")
+    if val:
+        line += (f"; validation at step {val[-1].get('step')}: loss {_fmt(val[-1].get('val_loss'))}, "
+                 f"accept length {_fmt(val[-1].get('val_accept_len'))}")
+    return line
+
+
+def _verdict_line(report: dict[str, Any]) -> str:
+    failed = report.get("failed") or []
+    warned = report.get("warned") or []
+    return (f"**{report['verdict'].upper()}**" + (f"; failed: {', '.join(failed)}" if failed else "")
+            + (f"; warnings: {', '.join(warned)}" if warned else ""))
+
+
+def _promotion_line(promotion: dict[str, Any] | None) -> str:
+    if not promotion:
+        return "no promotion decision in this run"
+    verb = "**promoted**" if promotion.get("promoted") else "**not promoted**"
+    reason = promotion.get("reason")
+    return verb + (f" ({reason})" if reason else "")

@@ -11,6 +11,7 @@ from prefect.states import Failed
 
 from dflash_core.config import PipelineConfig
 from flows import storage, tasks
+from flows.artifacts import publish_summary
 
 
 def _run_name(explicit: str | None) -> str:
@@ -36,7 +37,7 @@ def retrain_drafter(
     root = config.storage.root
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
-    tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
+    data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
     plan_fp = tasks.plan_fingerprint(data_fp, config)
     plan_dir = storage.join(root, "plans", plan_fp[:16])
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)
@@ -50,9 +51,13 @@ def retrain_drafter(
               "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
               "best_step": train_summary.get("best_step"), "drafter_best": train_summary.get("drafter_best")}
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
+    # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact.
+    summary = {"data": data_summary, "plan": plan_summary, "train": train_summary, "report": report, "run_dir": run_dir}
     if report["verdict"] == "fail":
+        publish_summary(**summary)
         return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")
     scores = tasks.evaluate(config, drafter)
     decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
+    publish_summary(**summary, promotion=decision)
     return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
             "incumbent_tau": decision["incumbent_tau"], "promotion": decision["reason"]}

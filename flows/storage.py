@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import fsspec
 
 
@@ -16,9 +18,26 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
-def as_link(uri: str) -> str:
-    """A clickable link for the Prefect UI: local paths become file:// URIs."""
-    if "://" in uri:
+def console_url(uri: str, folder: bool = False) -> str | None:
+    """The cloud console page of an s3:// or gs:// object (or folder); None for other storage.
+
+    Artifact links must open from any browser: a file:// link only works on the machine that ran the flow.
+    """
+    scheme, _, rest = uri.partition("://")
+    bucket, _, key = rest.partition("/")
+    key = key.rstrip("/")
+    if scheme in ("s3", "s3a"):
+        if folder:
+            return f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={quote(key)}/"
+        return f"https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={quote(key)}"
+    if scheme in ("gs", "gcs"):
+        page = "browser" if folder else "browser/_details"
+        return f"https://console.cloud.google.com/storage/{page}/{bucket}/{quote(key)}"
+    return None
+
+
+def display_path(uri: str) -> str:
+    """A local path as a plain absolute path (never file://); any other URI as given."""
+    if "://" in uri and not uri.startswith("file://"):
         return uri
-    fs, path = fsspec.core.url_to_fs(uri)
-    return f"file://{path}"
+    return fsspec.core.url_to_fs(uri)[1]

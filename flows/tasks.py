@@ -13,7 +13,6 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, dump_config
-from dflash_core.monitor.sources import record_kind
 from flows import storage
 from flows.artifacts import TrainingProgress, publish_plan, publish_report
 from flows.promotion_artifacts import publish_promotion
@@ -101,33 +100,10 @@ class _Throttle:
         self.emit(line)
 
 
-def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | None:
-    """The newest complete training record of metrics.jsonl, reading only the file's tail (~1 KB a step)."""
-    fs, path = fsspec.core.url_to_fs(metrics_uri)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as fh:
-        size = fh.seek(0, 2)
-        fh.seek(max(0, size - tail_bytes))
-        lines = fh.read().decode("utf-8", errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the tail window or still being written
-            continue
-        if record_kind(record) == "train":  # validation records share a step but carry no training loss
-            return record
-    return None
-
-
-def _follow_metrics(metrics_uri: str, progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
-    """Update the progress artifact from the newest record of metrics.jsonl until `stop` is set."""
-    last_step = -1
+def _follow_metrics(progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
+    """Update the progress artifacts from the records appended to metrics.jsonl until `stop` is set."""
     while not stop.wait(every_s):
-        record = _last_record(metrics_uri)
-        if record is not None and record.get("step", -1) != last_step:
-            last_step = record["step"]
-            progress.update(record)
+        progress.poll()
 
 
 @task(name="train")
@@ -141,10 +117,11 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     fs.makedirs(root, exist_ok=True)
     config_path = storage.join(out, "config.yaml")
     dump_config(resolve_init_from(config), config_path)  # train.init_from: promoted -> a path, before the workers
-    progress = TrainingProgress(num_steps)
+    # The trainer stops at train.max_steps when set (runtime/trainer.py load_run_plan): the bar counts to that.
+    total = min(num_steps, config.train.max_steps or num_steps)
+    progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"))
     stop = threading.Event()
-    follower = threading.Thread(target=_follow_metrics, daemon=True,
-                                args=(storage.join(out, "metrics.jsonl"), progress, stop, 2.0))
+    follower = threading.Thread(target=_follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out, config_path=config_path,
@@ -153,7 +130,7 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     finally:
         stop.set()
         follower.join(timeout=10)
-    progress.update({"step": num_steps - 1, "loss": summary.get("final_loss"), "grad_norm": "-"})
+    progress.poll(final=True)
     return summary
 
 

@@ -17,8 +17,8 @@ from prefect.client.schemas.filters import (
 
 from dflash_core.config import PipelineConfig, load_config
 
-EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "batch-plan-file", "training-progress",
-                      "stability-report", "stability-plot"}
+EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "training-progress", "training-live",
+                      "stability-report", "run-summary"}
 
 
 def fast_config(root: Path, **overrides) -> PipelineConfig:

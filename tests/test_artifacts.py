@@ -1,0 +1,190 @@
+"""The flow-run page's artifacts from synthetic inputs: inline pictures within budget, storage links, the plan,
+the stability report, the live training page (with validation records) and the run summary (with promotion)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+from PIL import Image
+from synthetic_logs import incident_log, write_jsonl
+from test_plan_io import write_tokenized
+
+from dflash_core.monitor.check import run_check
+from dflash_core.monitor.config import CheckConfig
+from dflash_core.plan import run_plan
+from dflash_core.plan.config import PlanConfig
+from flows import artifacts
+from flows.metrics_tail import MetricsTail
+
+IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)")
+
+
+def images(markdown: str) -> list[tuple[str, Image.Image, int]]:
+    """(alt text, decoded picture, PNG bytes) of every inline image of a markdown page."""
+    out = []
+    for alt, b64 in IMAGE.findall(markdown):
+        png = base64.b64decode(b64)
+        out.append((alt, Image.open(io.BytesIO(png)), len(png)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """A run folder of the incident (long-bucket runs -> grad spikes -> loss cliffs), checked: verdict fail."""
+    run = tmp_path_factory.mktemp("run")
+    records, _ = incident_log(1200)
+    metrics = write_jsonl(records, run / "metrics.jsonl")
+    report = run_check(metrics, str(run / "report"), CheckConfig())
+    assert report["verdict"] == "fail"
+    return run, records, report
+
+
+def test_inline_png_fits_the_budget_and_keeps_the_picture(failed_run):
+    run, _, _ = failed_run
+    full = (run / "report" / "stability.png").read_bytes()
+    assert len(full) > artifacts.IMAGE_BUDGET  # the point of compacting: the file itself is too heavy
+    [(alt, img, size)] = images(artifacts.inline_png(str(run / "report" / "stability.png"), "stability"))
+    original = Image.open(io.BytesIO(full))
+    assert alt == "stability" and size <= artifacts.IMAGE_BUDGET
+    # A 64-colour palette (fewer colours lose the pale highlight bands) and at most a few 20% narrowing steps.
+    assert img.width >= 0.6 * original.width
+    assert img.width / img.height == pytest.approx(original.width / original.height, rel=0.01)
+
+    fig = Figure(figsize=(10, 6), dpi=100)
+    fig.subplots().plot(np.random.default_rng(0).normal(size=5000))
+    [(_, small, size)] = images(artifacts.inline_png(fig, "noise", max_bytes=8000))
+    assert size <= 8000 and artifacts.MIN_WIDTH <= small.width < 1000
+
+    with pytest.raises(artifacts.ImageBudgetError, match=r"stability: .* over the budget of 2000 bytes"):
+        artifacts.inline_png(full, "stability", max_bytes=2000)
+
+
+def test_storage_links_open_from_any_browser(tmp_path):
+    assert artifacts.storage_link("s3://bkt/runs/a/stability.png", "plot") == \
+        "[plot](https://s3.console.aws.amazon.com/s3/object/bkt?prefix=runs/a/stability.png)"
+    assert artifacts.storage_link("gs://bkt/runs/a/drafter", folder=True) == \
+        "[gs://bkt/runs/a/drafter](https://console.cloud.google.com/storage/browser/bkt/runs/a/drafter)"
+    assert artifacts.storage_link(f"file://{tmp_path}/x.png", "plot") == f"plot: `{tmp_path}/x.png`"
+    assert artifacts.storage_link(str(tmp_path / "x.png")) == f"`{tmp_path}/x.png`"
+    assert artifacts.storage_link("memory://store/x") == "`memory://store/x`"
+
+
+def test_report_page_puts_failures_first_with_the_plot_inline(failed_run):
+    run, _, report = failed_run
+    page = artifacts.report_markdown(report, str(run / "report"), str(run / "drafter"))
+    assert page.startswith("# Stability check: **FAIL**")
+    table = [line for line in page.splitlines() if line.startswith("| ")][1:]
+    failing = [line for line in table if "| **FAIL** |" in line]
+    assert len(failing) == len(report["failed"]) and table[:len(failing)] == failing
+    assert all(f"**{name}**" in page for name in report["failed"])
+    [(_, img, size)] = images(page)
+    assert size <= artifacts.IMAGE_BUDGET and img.width >= 1000
+    assert "file://" not in page and f"`{run}/report/stability.png`" in page
+
+
+def test_plan_page_shows_shares_and_runs(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in np.concatenate([rng.integers(20, 400, 1500), rng.integers(2000, 8000, 400)])]
+    write_tokenized(str(tmp_path / "tok"), lengths)
+    summary = run_plan(str(tmp_path / "tok"), str(tmp_path / "plan"),
+                       PlanConfig(max_tokens=16384, num_buckets=4, epochs=2))["plan"]
+    page = artifacts.plan_markdown(summary, str(tmp_path / "plan"))
+    [(alt, img, size)] = images(page)
+    assert "bucket shares" in alt and size <= artifacts.IMAGE_BUDGET and img.width >= 800
+    order = summary["order"]
+    for bucket, run in order["longest_run"].items():
+        assert f"| {bucket} | {run} | {order['random_shuffle_longest_run'][bucket]} |" in page
+    assert f"plan.parquet: `{tmp_path}/plan/plan.parquet`" in page
+
+
+def test_metrics_tail_reads_only_complete_new_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(str(path))
+    assert tail.read_new() == []
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "lo')
+    assert [r["step"] for r in tail.read_new()] == [0, 1]
+    with path.open("a") as fh:
+        fh.write('ss": 1.5}\nnot json\n{"kind": "val", "step": 2, "val_loss": 1.2}\n')
+    assert tail.read_new() == [{"step": 2, "loss": 1.5}, {"kind": "val", "step": 2, "val_loss": 1.2}]
+    assert tail.unreadable == 1 and tail.read_new() == []
+    path.write_text('{"step": 0}\n')  # a new run in the same folder: read from the start again
+    assert tail.read_new() == [{"step": 0}]
+
+
+def _synthetic_inputs(run, records, promotion=None):
+    data = {"read": 1000, "kept": 990, "dropped": {"too_long": 7, "no_assistant": 3}, "tokens": 512_000,
+            "supervised_tokens": 210_000}
+    plan = {"num_steps": 1200, "num_micro_batches": 4800, "padding_efficiency": 0.93,
+            "buckets": [{"bucket": b} for b in range(4)],
+            "order": {"longest_run": {"3": 1}, "random_shuffle_longest_run": {"3": 7}}}
+    train = {"steps": 1200, "elapsed_s": 3725.0, "final_loss": 0.61, "tokens_per_s": 5321.7}
+    return dict(data=data, plan=plan, train=train, run_dir=str(run), promotion=promotion)
+
+
+def test_summary_is_the_run_in_five_lines(failed_run, tmp_path):
+    run, records, report = failed_run
+    page = artifacts.summary_markdown(report=report, **_synthetic_inputs(run, records))
+    lines = [line for line in page.splitlines() if re.match(r"\d\. \*\*", line)]
+    assert [line.split("**")[1] for line in lines] == ["Data", "Plan", "Training", "Stability", "Drafter"]
+    assert "990 of 1000 records kept (10 dropped), 512,000 tokens" in lines[0]
+    assert "longest run of bucket 3 (the longest sequences): 1 micro-batches (random shuffle: 7)" in lines[1]
+    assert "1200 steps in 1 h 02 min, final loss 0.61, 5,322 tokens/s" in lines[2]
+    assert lines[3].startswith("4. **Stability**: **FAIL**; failed: " + ", ".join(report["failed"]))
+    assert "no promotion decision" in lines[4] and "Promotion decision" not in page
+    assert [alt for alt, _, _ in images(page)] == ["stability plot"]  # no val records: no validation curve
+
+
+def test_summary_shows_validation_and_promotion_when_they_exist(failed_run, tmp_path):
+    run, records, report = failed_run
+    val = [{"kind": "val", "step": s, "val_loss": 2.0 - s / 1000, "val_accept_len": 1 + s / 800}
+           for s in range(0, 1200, 200)]
+    write_jsonl(records[:600] + val + records[600:], tmp_path / "metrics.jsonl")
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "stability.png").write_bytes((run / "report" / "stability.png").read_bytes())
+    promotion = {"promoted": False, "reason": "tau 1.83 <= incumbent 1.91", "tau": 1.83, "incumbent_tau": 1.91,
+                 "eval_set": "example://data", "details": {"nested": "left out"}}
+    page = artifacts.summary_markdown(report=report, **_synthetic_inputs(tmp_path, records, promotion))
+    assert "5. **Drafter**: " in page and "**not promoted** (tau 1.83 <= incumbent 1.91)" in page
+    assert "validation at step 1000: loss 1, accept length 2.25" in page
+    assert "| promoted | no |" in page and "| incumbent_tau | 1.91 |" in page and "nested" not in page
+    pictures = images(page)
+    assert [alt for alt, _, _ in pictures] == ["stability plot", "training and validation curves"]
+    assert all(size <= artifacts.IMAGE_BUDGET for _, _, size in pictures)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.filterwarnings("ignore:Artifact creation outside of a flow or task run:FutureWarning")
+def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    _, records, _ = failed_run
+    start = 1_700_000_000.0
+    timed = [{**r, "time": start + 0.5 * r["step"], "tokens_per_s": 4200.0} for r in records]
+    path = tmp_path / "metrics.jsonl"
+    progress = artifacts.TrainingProgress(len(records), str(path), plot_every_s=0.0)
+    write_jsonl(timed[:400], path)
+    progress.poll()
+    with path.open("a") as fh:  # a validation record, and a record of a kind the page does not know
+        fh.write(json.dumps({"kind": "val", "step": 399, "val_loss": 1.4, "val_accept_len": 1.7}) + "\n")
+        fh.write(json.dumps({"kind": "eval-suite", "tau": 1.8}) + "\n")
+    progress.poll()
+    assert progress.figures() == {"step": f"400 / {len(records)}", "loss": timed[399]["loss"],
+                                  "grad norm (pre-clip)": timed[399]["grad_norm"], "clip": 1.0,
+                                  "tokens/s": "4,200", "ETA": "6 min 40 s"}  # 800 steps left at 2 steps/s
+    with get_client(sync_client=True) as client:
+        page = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(
+            any_=[progress.page_id, progress.bar_id])))
+    live = next(a for a in page if a.id == progress.page_id)
+    bar = next(a for a in page if a.id == progress.bar_id)
+    assert "| 399 | 1.4 | 1.7 |" in live.data and "ETA" in live.data
+    assert [alt for alt, _, _ in images(live.data)] == ["training curves"]
+    assert bar.data == pytest.approx(100 * 400 / len(records))
+    assert bar.description.startswith(f"step 400 / {len(records)} · loss ")
