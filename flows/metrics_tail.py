@@ -7,6 +7,8 @@ from typing import Any
 
 import fsspec
 
+from dflash_core.monitor.sources import record_kind
+
 
 class MetricsTail:
     """The records appended to a metrics.jsonl since the previous `read_new` (a half-written line waits)."""
@@ -43,13 +45,14 @@ class MetricsTail:
 
 def is_val(record: dict[str, Any]) -> bool:
     """Whether a metrics.jsonl record is a validation record ({"kind": "val", ...}) rather than a step."""
-    return record.get("kind") == "val"
+    return record_kind(record) == "val"
 
 
 def is_step(record: dict[str, Any]) -> bool:
     """Whether a record is an optimizer step's (no kind, or kind "train", and an integer step)."""
     step = record.get("step")
-    return record.get("kind", "train") == "train" and isinstance(step, int) and not isinstance(step, bool)
+    return record.get("kind", "train") == "train" and record_kind(record) == "train" and isinstance(step, int) \
+        and not isinstance(step, bool)
 
 
 def read_records(uri: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -18,7 +18,7 @@ from prefect.client.schemas.filters import (
 from dflash_core.config import PipelineConfig, load_config
 
 EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "training-progress", "training-live",
-                      "stability-report", "run-summary"}
+                      "stability-report", "run-summary", "promotion"}
 
 
 def fast_config(root: Path, **overrides) -> PipelineConfig:
