@@ -2,8 +2,8 @@
 
 `staged_output(out, stage)` locks `out` (a sibling `<out>.lock` file naming its owner), hands the stage a fresh
 temporary sibling folder to write into, and publishes it as `out` only when the stage returns: on a local disk
-by an atomic exchange of the two folders (renameat2 RENAME_EXCHANGE; two renames where the kernel lacks it),
-then the old folder is deleted. A failure or Ctrl-C deletes the temporary folder and leaves `out` exactly as it
+by an atomic exchange of the two folders (renameat2 RENAME_EXCHANGE; elsewhere `atomic_dir.swap_in`, whose
+debris `atomic_dir.recover` repairs), then the old folder is deleted. A failure or Ctrl-C deletes the temporary folder and leaves `out` exactly as it
 was. On object stores, which have no rename of folders, the staged files are copied into `out` and the stage's
 own completion marker (written last, e.g. manifest.json) is what makes the folder count as complete.
 
@@ -21,12 +21,12 @@ import os
 import shutil
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import fsspec
 
+from dflash_core.atomic_dir import recover, staging_path, swap_in
 from dflash_core.errors import DflashError
 
 STAGE_MARKER = ".dflash-stage.json"
@@ -156,8 +156,8 @@ def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwri
     with output_lock(out, stage):
         fs, root = fsspec.core.url_to_fs(out)
         root = root.rstrip("/")
-        tmp = f"{root}.tmp-{uuid.uuid4().hex[:8]}"
-        _clean_debris(fs, root)
+        recover(fs, root)  # debris of a killed run (we hold the lock, so none of it is live)
+        tmp = staging_path(root)
         fs.makedirs(tmp, exist_ok=True)
         try:
             yield fs.unstrip_protocol(tmp) if not _is_local(fs) else tmp
@@ -170,30 +170,12 @@ def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwri
             raise
 
 
-def _clean_debris(fs: fsspec.AbstractFileSystem, root: str) -> None:
-    """Temporary siblings left by a killed run (we hold the lock, so none of them is live)."""
-    for path in fs.glob(f"{root}.tmp-*") + fs.glob(f"{root}.old-*"):
-        with contextlib.suppress(OSError):
-            fs.rm(path, recursive=True)
-
-
 def _publish(fs: fsspec.AbstractFileSystem, tmp: str, root: str) -> None:
-    if not _is_local(fs):
-        if fs.exists(root):
-            fs.rm(root, recursive=True)
-        fs.copy(tmp + "/", root, recursive=True)
-        fs.rm(tmp, recursive=True)
+    """One atomic exchange where the kernel offers it; else atomic_dir's move-aside, move-in, delete-old."""
+    if _is_local(fs) and os.path.exists(root) and _exchange(tmp, root):
+        shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old folder
         return
-    if not os.path.exists(root):
-        os.rename(tmp, root)
-        return
-    if _exchange(tmp, root):  # one atomic step: `root` is the new folder, `tmp` the old one
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    old = f"{root}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(root, old)
-    os.rename(tmp, root)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(fs, tmp, root)
 
 
 def _exchange(a: str, b: str) -> bool:

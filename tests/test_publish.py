@@ -105,7 +105,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
 
 
 def test_debris_of_a_killed_run_is_removed(tmp_path: Path) -> None:
-    (tmp_path / "out.tmp-deadbeef").mkdir()
+    (tmp_path / "out.staged-deadbeef").mkdir()
     with staged_output(str(tmp_path / "out"), "plan"):
         pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
