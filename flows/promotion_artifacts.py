@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
 
-from flows.storage import as_link
+from flows.artifacts import storage_link
 
 
 def promotion_markdown(decision: dict[str, Any]) -> str:
@@ -23,7 +23,7 @@ def promotion_markdown(decision: dict[str, Any]) -> str:
         f"`{prompts['data']}`, {prompts['max_new_tokens']} new tokens each.",
     ]
     if decision.get("promoted_drafter"):
-        lines.append(f"\n[promoted drafter]({as_link(decision['promoted_drafter'])})")
+        lines.append("\n" + storage_link(decision["promoted_drafter"], "promoted drafter", folder=True))
     if decision.get("wandb_artifact"):
         lines.append(f"W&B model artifact: `{decision['wandb_artifact']}`")
     return "\n".join(lines)
