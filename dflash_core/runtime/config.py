@@ -32,3 +32,8 @@ class TrainConfig(StrictModel):
     nproc_per_node: PositiveInt = 1
     seed: NonNegativeInt = 0
     timeout_s: PositiveFloat | None = None
+    peak_tflops: PositiveFloat | None = Field(
+        None,
+        description="dense bf16 peak TFLOP/s of one device for the mfu metric; None = a table of known GPUs by "
+        "name (dflash_core/runtime/efficiency.py), null mfu on CPU or an unknown GPU",
+    )
