@@ -4,7 +4,7 @@ or FlexAttention with a block-sparse mask built from the anchors (`model.attenti
 Both compute the same visibility (DFLASH_SPEC.md "Training visibility"): the block anchored at `a` sees the real
 context positions strictly before `a` and its own slots. Dense SDPA computes every (query, key) pair of
 [nb*B] x [S + nb*B] and masks most of them away; FlexAttention skips the 128 x 128 tiles in which nothing is
-visible, so its work and memory follow the visible pairs (about a third of the dense ones for the Qwen3-8B
+visible, so its work and memory follow the visible pairs (about 14% of the dense ones for the Qwen3-8B
 recipe, see `visible_fraction`).
 """
 
@@ -69,11 +69,13 @@ def flex_mask(
     limit = _pad_to_tile(torch.where(valid, anchors, 0).repeat_interleave(block_size, dim=1), 0)
     real = torch.ones(n, seq_len, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     real = _pad_to_tile(torch.cat([real, torch.ones(n, q_len, dtype=torch.bool, device=device)], dim=1), 0)
+    # a tensor, not a Python int: the compiled builder would specialise (and recompile) on every length
+    context_len = torch.tensor(seq_len, device=device)
 
     def visible(b, h, q_idx, kv_idx):
         context = (kv_idx < limit[b, q_idx]) & real[b, kv_idx]  # limit <= S: only context keys pass
         # (kv - S) // B is negative for every context key, so only the query's own block matches
-        own = (kv_idx - seq_len) // block_size == q_idx // block_size
+        own = (kv_idx - context_len) // block_size == q_idx // block_size
         return context | own
 
     # compiled on CUDA: the eager builder materialises [N, Q, KV] index tensors (GiBs at 512 anchors)
