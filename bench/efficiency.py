@@ -166,6 +166,11 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def sig(x: float) -> float:
+    """Four significant digits (the tiny shape's TFLOP counts are ~1e-5)."""
+    return float(f"{x:.4g}")
+
+
 def measure_step(c: Contender, n: int, args: argparse.Namespace, peak: float | None) -> dict[str, Any]:
     """Step time, tokens/s, MFU and peak memory at n sequences per micro-batch."""
     reset_peak(c.device)
@@ -181,9 +186,9 @@ def measure_step(c: Contender, n: int, args: argparse.Namespace, peak: float | N
 
     return {
         "seqs": n, "tokens": tokens, "drafter_step_s": round(seconds, 4),
-        "drafter_tokens_per_s": round(tokens / seconds, 1), "drafter_tflop": round(drafter_tflop, 3),
-        "drafter_tflops": round(drafter_tflop / seconds, 2), "drafter_mfu": mfu(drafter_tflop, seconds),
-        "target_forward_s": round(target_s, 4), "target_tflop": round(target_tflop, 3),
+        "drafter_tokens_per_s": round(tokens / seconds, 1), "drafter_tflop": sig(drafter_tflop),
+        "drafter_tflops": sig(drafter_tflop / seconds), "drafter_mfu": mfu(drafter_tflop, seconds),
+        "target_forward_s": round(target_s, 4), "target_tflop": sig(target_tflop),
         "step_s": round(seconds + target_s, 4), "step_tokens_per_s": round(tokens / (seconds + target_s), 1),
         "step_mfu": mfu(drafter_tflop + target_tflop, seconds + target_s),
         "peak_mem_gb": peak_gb(c.device), "first_loss": warm[0]["loss"],
