@@ -13,7 +13,13 @@ from dflash_core.model.flops import (
     target_forward_flops,
 )
 from dflash_core.runtime.batch import PlanRow, collate
-from dflash_core.runtime.efficiency import FlopMeter, SteadyRate, device_peak_tflops, peak_for_name
+from dflash_core.runtime.efficiency import (
+    FlopMeter,
+    SteadyRate,
+    device_peak_tflops,
+    intra_op_threads,
+    peak_for_name,
+)
 
 # the tiny models of model_support: hidden 64, 4 heads, 2 kv heads, head_dim 16, MLP 128, vocab 100
 TINY = FlopShape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100, draft_layers=2,
@@ -120,3 +126,13 @@ def test_steady_rate_skips_warmup_steps():
     assert rate.summary() == {"steady_steps": 2, "steady_tokens_per_s": 100.0, "steady_tflops": 4.0,
                               "steady_mfu": 0.5}
     assert SteadyRate(warmup=2).summary()["steady_tokens_per_s"] is None
+
+
+def test_intra_op_threads_leave_room_for_the_pipeline_threads():
+    assert intra_op_threads(None, "cpu", 1, None, 2) == 1  # a 2-core machine: one core for loading and target
+    assert intra_op_threads(None, "cpu", 1, None, 16) == 15
+    assert intra_op_threads(None, "cpu", 4, None, 16) == 3
+    assert intra_op_threads(None, "cuda", 1, None, 32) == 4  # a GPU rank launches kernels: a few threads
+    assert intra_op_threads(None, "cuda", 8, None, 8) == 1
+    assert intra_op_threads(None, "cpu", 1, "3", 16) == 3  # OMP_NUM_THREADS wins over the default
+    assert intra_op_threads(6, "cpu", 1, "3", 16) == 6  # train.torch_threads wins over both
