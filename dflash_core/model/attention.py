@@ -79,9 +79,13 @@ def flex_mask(
         return context | own
 
     # compiled on CUDA: the eager builder materialises [N, Q, KV] index tensors (GiBs at 512 anchors)
-    return create_block_mask(
-        visible, n, None, q_len, seq_len + q_len, device=device, _compile=device.type == "cuda"
-    )
+    build = _compiled_block_mask() if device.type == "cuda" else create_block_mask
+    return build(visible, n, None, q_len, seq_len + q_len, device=device)
+
+
+@functools.cache
+def _compiled_block_mask():
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
