@@ -123,9 +123,22 @@ def test_steady_rate_skips_warmup_steps():
     for seconds in (9.0, 3.0, 1.0, 1.0):
         rate.add({"step_time_s": seconds, "n_tokens": 100, "step_tflop": {"target": 1.0, "drafter": 3.0},
                   "mfu": 0.5})
-    assert rate.summary() == {"steady_steps": 2, "steady_tokens_per_s": 100.0, "steady_tflops": 4.0,
-                              "steady_mfu": 0.5}
+    assert rate.summary() == {"steady_steps": 2, "steady_compile_steps_skipped": 0, "steady_tokens_per_s": 100.0,
+                              "steady_tflops": 4.0, "steady_mfu": 0.5}
     assert SteadyRate(warmup=2).summary()["steady_tokens_per_s"] is None
+
+
+def test_steady_rate_skips_steps_that_compiled():
+    """A step that compiled a new shape (flex attention on CUDA) is one-off: left out of the steady rate."""
+    double = torch.compile(lambda x: x * 2)
+    rate = SteadyRate(warmup=1)
+    record = {"step_time_s": 1.0, "n_tokens": 10}
+    for size in (3, 3, 3, 4, 4):  # size 4 is a new shape: that step compiles
+        double(torch.ones(size))
+        rate.add({**record, "step_time_s": 30.0} if size == 4 and rate.compile_steps == 0 else record)
+    summary = rate.summary()
+    assert summary["steady_compile_steps_skipped"] == 1 and summary["steady_steps"] == 3
+    assert summary["steady_tokens_per_s"] == 10.0
 
 
 def test_intra_op_threads_leave_room_for_the_pipeline_threads():

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters
 
 from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
 from dflash_core.model.loss import LossOutput
@@ -109,10 +110,16 @@ class FlopMeter:
         return {"tflops": tflops, "mfu": mfu, "step_tflop": split}
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled so far in this process (FlexAttention's kernels among them)."""
+    return int(counters["stats"]["unique_graphs"])
+
+
 @dataclass
 class SteadyRate:
     """Throughput of a run without its first `warmup` steps (CUDA context, kernel selection, allocator growth,
-    filling the pipeline) and without what happens after the last step (final checkpoint, export)."""
+    filling the pipeline), without later steps that compiled (a new micro-batch shape: one-off, amortised over
+    a real run) and without what happens after the last step (final checkpoint, export)."""
 
     warmup: int = 2
     tokens: int = 0
@@ -120,12 +127,20 @@ class SteadyRate:
     tflop: float = 0.0
     mfu_seconds: float = 0.0  # sum of mfu x step time (mfu averaged over time)
     steps: int = 0
+    compile_steps: int = 0  # steps after the warm-up that were left out because they compiled
     _seen: int = 0
+    _graphs: int = -1  # compiled_graphs() at the previous record; -1 before the first
 
     def add(self, record: dict) -> None:
-        """Count one step record (of DrafterTrainLoop.train_step) unless it is a warm-up step."""
+        """Count one step record (of DrafterTrainLoop.train_step) unless it is a warm-up or compiling step."""
         self._seen += 1
+        graphs = compiled_graphs()
+        compiled = self._graphs >= 0 and graphs != self._graphs  # it compiled since the previous record
+        self._graphs = graphs
         if self._seen <= self.warmup:
+            return
+        if compiled:
+            self.compile_steps += 1
             return
         seconds = float(record["step_time_s"])
         self.steps += 1
@@ -140,6 +155,7 @@ class SteadyRate:
         timed = self.seconds > 0
         return {
             "steady_steps": self.steps,
+            "steady_compile_steps_skipped": self.compile_steps,
             "steady_tokens_per_s": self.tokens / self.seconds if timed else None,
             "steady_tflops": self.tflop / self.seconds if timed else None,
             "steady_mfu": self.mfu_seconds / self.seconds if timed and self.mfu_seconds > 0 else None,
