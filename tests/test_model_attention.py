@@ -6,8 +6,10 @@ import torch.nn.attention.flex_attention as torch_flex
 from model_support import random_batch, tiny_drafter, tiny_target
 from torch.nn.attention.flex_attention import create_mask
 
+from dflash_core.model import attention as attention_module
 from dflash_core.model.attention import (
     AttentionError,
+    attend,
     dense_mask,
     flex_mask,
     resolve_attention,
@@ -123,6 +125,27 @@ def test_features_are_not_copied_to_float32_under_autocast(target):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses.append(d(given, **batch, generator=torch.Generator().manual_seed(2)).weighted_loss_sum)
     assert torch.equal(losses[0], losses[1])
+
+
+@pytest.mark.slow
+def test_compiled_block_mask_and_flex_match_sdpa_on_cpu(target, monkeypatch):
+    """The CUDA code path (compiled mask builder, compiled flex kernel) run on CPU, forward: exact.
+
+    Lengths are not whole 128-tiles here (48 queries, 88 keys); unpadded, torch 2.13's compiled CPU kernel got
+    such partial tiles wrong when the mask reads captured tensors -- flex_mask pads to whole tiles."""
+    monkeypatch.setattr(attention_module, "create_block_mask", torch.compile(attention_module.create_block_mask))
+    monkeypatch.setattr(attention_module, "flex_attention", torch.compile(attention_module.flex_attention))
+    d = tiny_drafter(target, num_anchors=12)
+    batch = random_batch(3, 40, seed=40)
+    batch["attention_mask"][-1, 31:] = 0
+    anchors, valid = d.sample_anchors(batch["loss_mask"], batch["attention_mask"], torch.Generator().manual_seed(0))
+    q_len = anchors.shape[1] * B
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, q_len, 16, generator=g)
+    k, v = torch.randn(2, 3, 2, 40 + q_len, 16, generator=g)
+    block_mask = flex_mask(anchors, valid, batch["attention_mask"], 40, B)
+    dense = dense_mask(anchors, valid, batch["attention_mask"], 40, B)
+    torch.testing.assert_close(attend(q, k, v, block_mask), attend(q, k, v, dense), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

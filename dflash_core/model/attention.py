@@ -62,25 +62,33 @@ def _pad_to_tile(x: torch.Tensor, value: int) -> torch.Tensor:
 def flex_mask(
     anchors: torch.Tensor, valid: torch.Tensor, attention_mask: torch.Tensor | None, seq_len: int, block_size: int
 ) -> BlockMask:
-    """The same visibility as `dense_mask`, as a FlexAttention BlockMask (tiles with nothing visible skipped)."""
+    """The same visibility as `dense_mask`, as a FlexAttention BlockMask (tiles with nothing visible skipped).
+
+    Built for lengths padded to whole tiles (`attend` pads q, k, v to match): compiled flex on CPU (torch
+    2.13) gets partial tiles wrong when the mask reads captured tensors, and at the recipe shape (8192
+    queries, 11264 keys) nothing is padded anyway. A padded query sees key 0 only (no empty softmax row; its
+    output is dropped, so it adds no gradient); no real query sees a padded key.
+    """
     n, nb = anchors.shape
     q_len, device = nb * block_size, anchors.device
     # per query: context positions below this limit are visible (0 for a dropped block)
     limit = _pad_to_tile(torch.where(valid, anchors, 0).repeat_interleave(block_size, dim=1), 0)
     real = torch.ones(n, seq_len, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
     real = _pad_to_tile(torch.cat([real, torch.ones(n, q_len, dtype=torch.bool, device=device)], dim=1), 0)
-    # a tensor, not a Python int: the compiled builder would specialise (and recompile) on every length
-    context_len = torch.tensor(seq_len, device=device)
+    # tensors, not Python ints: the compiled builder would specialise (and recompile) on every length
+    context_len, queries = torch.tensor(seq_len, device=device), torch.tensor(q_len, device=device)
 
     def visible(b, h, q_idx, kv_idx):
         context = (kv_idx < limit[b, q_idx]) & real[b, kv_idx]  # limit <= S: only context keys pass
-        # (kv - S) // B is negative for every context key, so only the query's own block matches
-        own = (kv_idx - context_len) // block_size == q_idx // block_size
-        return context | own
+        # (kv - S) // B is negative for every context key, so only the query's own block matches; padded
+        # keys lie past every real query's block
+        own = ((kv_idx - context_len) // block_size == q_idx // block_size) & (q_idx < queries)
+        padded_query = (q_idx >= queries) & (kv_idx == 0)
+        return context | own | padded_query
 
     # compiled on CUDA: the eager builder materialises [N, Q, KV] index tensors (GiBs at 512 anchors)
     build = _compiled_block_mask() if device.type == "cuda" else create_block_mask
-    return build(visible, n, None, q_len, seq_len + q_len, device=device)
+    return build(visible, n, None, limit.shape[1], real.shape[1], device=device)
 
 
 @functools.cache
@@ -112,9 +120,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sc
         # SDPA casts its inputs under autocast; flex_attention does not (the q/k norms return float32)
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q_len, (q_padded, kv_padded) = q.shape[2], mask.seq_lengths
+    if q_padded != q_len or kv_padded != k.shape[2]:  # the mask is built for whole tiles (flex_mask)
+        q = F.pad(q, (0, 0, 0, q_padded - q_len))
+        k, v = (F.pad(x, (0, 0, 0, kv_padded - x.shape[2])) for x in (k, v))
     run = _compiled_flex() if device == "cuda" else flex_attention
     try:
-        return run(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        out = run(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out[:, :, :q_len]
     except NotImplementedError as exc:  # torch's own check: no FlexAttention backward on CPU
         raise AttentionError(
             f"model.attention=flex cannot train on {device}: {exc} Train with model.attention auto or sdpa there "
