@@ -163,7 +163,12 @@ def test_compiled_flex_matches_sdpa_on_cuda(autocast):
             out = d(feats, **batch, generator=torch.Generator("cuda").manual_seed(2))
         out.weighted_loss_sum.backward()
         results.append((out.weighted_loss_sum.detach(), [p.grad for p in d.parameters()]))
-    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(results[1][0], results[0][0], **tol)
+    if not autocast:
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-4)
+        for flex_grad, sdpa_grad in zip(results[1][1], results[0][1], strict=True):
+            torch.testing.assert_close(flex_grad, sdpa_grad, rtol=1e-4, atol=1e-4)
+        return
+    # bf16: two kernels round differently element by element; compare whole tensors
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=0.0)
     for flex_grad, sdpa_grad in zip(results[1][1], results[0][1], strict=True):
-        torch.testing.assert_close(flex_grad, sdpa_grad, **tol)
+        assert (flex_grad - sdpa_grad).norm() <= 3e-2 * sdpa_grad.norm()
