@@ -1,38 +1,101 @@
 #!/usr/bin/env bash
-# One-GPU check of the training runtime: bf16 autocast, an nccl process group, a random-init Qwen3 target of
-# realistic width (hidden 4096, 32 heads / 8 KV heads, MLP 12288, 4 layers, vocab 32768) and a 1-layer DFlash
-# drafter (block 16, 512 anchors). Prints two JSON lines:
-#   1. bench.pipeline: steps/s of the async pipeline vs the sequential loop vs each stage alone, drafter wait
-#      fraction, tokens/s and peak GPU memory;
-#   2. the real torchrun worker (nproc 1, nccl) on the same inputs: its summary (tokens_per_s, peak_mem_gb).
-# About 3-5 minutes on one H100/H200 (most of it Python start-up and building the inputs).
-# Usage: bash bench/gpu_check.sh            (PYTHON=python3, WORK=<tmp dir>, STEPS=12 may be overridden)
+# One-GPU check of training efficiency, as ONE command (no network, no installs beyond the torch wheel's own
+# packages and this project's requirements). Prints JSON lines, each prefixed by its part's name:
+#   tests       the GPU tests of the attention paths (compiled FlexAttention == SDPA, fp32 and bf16), when
+#               pytest is installed;
+#   efficiency  bench.efficiency on the Qwen3-8B recipe shape: SDPA vs FlexAttention drafter step time,
+#               tokens/s, MFU, peak memory, largest micro-batch (3072-token sequences) that fits;
+#   pipeline    bench.pipeline: the in-process asynchronous pipeline (random-init Qwen3 target of hidden 4096,
+#               4 layers, vocab 32768, 1-layer drafter, block 16, 512 anchors, 3072 max length, 8192-token
+#               micro-batches, grad accum 2), STEPS steps, the first 2 untimed;
+#   worker      the real torchrun worker (nproc 1, nccl) on the same inputs and steps: its summary, with the
+#               steady-state figures (warm-up, final checkpoint and export excluded) next to the end-to-end ones;
+#   compare     worker vs in-process pipeline tokens/s, steady and end to end (goal: steady >= 0.9).
+# About 6-8 minutes on one H200; every part has a timeout (EFF_BUDGET_S bounds the memory search).
+# Usage: bash bench/gpu_check.sh
+#   overrides: PYTHON=python3 WORK=<tmp dir> STEPS=24 EFF_BUDGET_S=180 PARTS="tests efficiency pipeline worker"
+#   DEVICE=cpu runs the same script on tiny shapes on CPU (a test of the script; the figures mean nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 WORK="${WORK:-$(mktemp -d /tmp/dflash-gpu-check.XXXXXX)}"
-STEPS="${STEPS:-12}"
+DEVICE="${DEVICE:-cuda}"
+PARTS="${PARTS:-tests efficiency pipeline worker}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
+mkdir -p "$WORK"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 
-"$PY" - <<'EOF'
+"$PY" - "$DEVICE" <<'EOF'
 import importlib.util, sys
 need = ["torch", "transformers", "polars", "pyarrow", "pydantic", "fsspec", "safetensors", "yaml", "numpy"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu_check: missing Python packages {missing}; install them (or carry their wheels) first")
 import torch
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device")
-print(f"# torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
-      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB", file=sys.stderr)
+if sys.argv[1] == "cuda":
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device (DEVICE=cpu runs the tiny CPU mode)")
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
+          f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB", file=sys.stderr)
 EOF
 
-SHAPE=(--hidden 4096 --target-layers 4 --draft-layers 1 --vocab 32768 --num-anchors 512 --block-size 16
-       --samples 768 --max-len 3072 --max-tokens 8192 --grad-accum 2)
-"$PY" -m bench.pipeline --scenario custom --device cuda --dtype bfloat16 "${SHAPE[@]}" --steps "$STEPS" \
-    --warmup 2 --repeats 1 --threads 4 --torch-threads 4 --workdir "$WORK" --worker-config "$WORK/worker.yaml"
+if [[ "$DEVICE" == cuda ]]; then
+    STEPS="${STEPS:-24}"
+    EFF=(--device cuda --budget-s "${EFF_BUDGET_S:-180}")
+    PIPE=(--device cuda --dtype bfloat16 --hidden 4096 --target-layers 4 --draft-layers 1 --vocab 32768
+          --num-anchors 512 --block-size 16 --samples 768 --max-len 3072 --max-tokens 8192 --grad-accum 2
+          --threads 4 --torch-threads 4)
+else
+    STEPS="${STEPS:-8}"
+    EFF=(--device cpu --tiny --steps 1 --warmup 1 --max-seqs 2 --budget-s "${EFF_BUDGET_S:-120}")
+    PIPE=(--device cpu --dtype float32 --hidden 128 --target-layers 2 --draft-layers 1 --vocab 1024
+          --num-anchors 16 --block-size 8 --samples 96 --max-len 128 --max-tokens 512 --grad-accum 2
+          --threads 2 --torch-threads 1)
+fi
 
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 --monitor-interval 0.1 \
-    -m dflash_core.runtime.worker --tokenized "$WORK/custom/tokenized" --plan "$WORK/custom/plan" \
-    --out "$WORK/run" --config "$WORK/worker.yaml" 2>&1 | tail -n 1
+if has tests; then
+    if "$PY" -c "import pytest" 2>/dev/null && [[ "$DEVICE" == cuda ]]; then
+        result=$(timeout 150 "$PY" -m pytest tests/test_model_attention.py -m gpu -q -p no:cacheprovider 2>&1 \
+                 | tail -n 1) || true
+        echo "tests {\"gpu_attention_tests\": \"$result\"}"
+    else
+        echo 'tests {"gpu_attention_tests": "skipped (no pytest or no CUDA)"}'
+    fi
+fi
+
+if has efficiency; then
+    echo "efficiency $(timeout 300 "$PY" -m bench.efficiency "${EFF[@]}" | tail -n 1)"
+fi
+
+if has pipeline || has worker; then
+    timeout 240 "$PY" -m bench.pipeline --scenario custom "${PIPE[@]}" --steps "$STEPS" --warmup 2 --repeats 1 \
+        --workdir "$WORK" --worker-config "$WORK/worker.yaml" | tail -n 1 > "$WORK/pipeline.json"
+    echo "pipeline $(cat "$WORK/pipeline.json")"
+fi
+
+if has worker; then
+    rm -rf "$WORK/run"
+    timeout 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 --monitor-interval 0.1 \
+        -m dflash_core.runtime.worker --tokenized "$WORK/custom/tokenized" --plan "$WORK/custom/plan" \
+        --out "$WORK/run" --config "$WORK/worker.yaml" 2>"$WORK/worker.log" | tail -n 1 > "$WORK/worker.json" \
+        || { echo "worker failed; see $WORK/worker.log" >&2; tail -n 20 "$WORK/worker.log" >&2; exit 1; }
+    echo "worker $(cat "$WORK/worker.json")"
+    "$PY" - "$WORK/pipeline.json" "$WORK/worker.json" <<'EOF'
+import json, sys
+pipeline = json.load(open(sys.argv[1]))["results"][-1]
+worker = json.load(open(sys.argv[2]))
+base = pipeline["pipeline_tokens_per_s"]
+print("compare " + json.dumps({
+    "pipeline_tokens_per_s": base,
+    "worker_steady_tokens_per_s": worker["steady_tokens_per_s"],
+    "worker_end_to_end_tokens_per_s": worker["tokens_per_s"],
+    "worker_steady_vs_pipeline": round(worker["steady_tokens_per_s"] / base, 3),
+    "worker_end_to_end_vs_pipeline": round(worker["tokens_per_s"] / base, 3),
+    "worker_outside_steps_s": {k: worker[k] for k in ("checkpoint_s", "export_s")},
+    "worker_steady_mfu": worker.get("steady_mfu"),
+    "worker_steps": {k: worker[k] for k in ("steps", "steady_steps", "steady_compile_steps_skipped")},
+    "goal": "worker_steady_vs_pipeline >= 0.9",
+}))
+EOF
+fi

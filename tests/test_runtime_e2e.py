@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 REQUIRED = {"step", "epoch", "loss", "acc", "accept_len", "acc_by_slot", "grad_norm", "grad_norm_avg", "clipped",
             "clip", "lr", "n_tokens", "n_loss_tokens", "n_samples", "max_len", "bucket_mix", "bucket_tokens",
             "loss_by_bucket", "nonfinite", "nonfinite_total", "skipped", "tokens_per_s", "queue_depth",
-            "drafter_wait_s", "stage_s", "time"}
+            "drafter_wait_s", "stage_s", "time", "tflops", "mfu", "step_tflop"}
 # every candidate anchor is used (num_anchors >= positions), so results do not depend on which rank or micro-batch
 # slot a sample lands in: a 2-rank run and a 1-rank run over the same step contents must agree
 ALL_ANCHORS = {"num_anchors": 512}
@@ -80,6 +80,8 @@ def test_two_processes_write_the_contract_files(inputs, baseline):
     assert records[0]["max_len"] == int(step0["max_len"].max())
     assert sum(records[0]["bucket_mix"].values()) == step0.height
     assert summary["steps"] == plan["num_steps"] and summary["world_size"] == 2
+    assert summary["steady_steps"] == plan["num_steps"] - 2 and summary["steady_tokens_per_s"] > 0
+    assert summary["checkpoint_s"] > 0 and summary["export_s"] > 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-7"]  # keep 2
     drafter = load_dflash(str(out / "drafter"), load_target(inputs.target))
     assert drafter.block_size == 4

@@ -81,6 +81,7 @@ def test_gradient_is_that_of_the_step_loss_not_a_mean_of_micro_means(parts):
     assert record["bucket_mix"] == {"0": 1, "1": 1} and record["n_samples"] == 5
     assert set(record["loss_by_bucket"]) == {"0", "1"}
     assert record["n_loss_tokens"] == sum(b.n_loss_tokens for b in batches)
+    assert record["tflops"] > 0 and record["mfu"] is None  # no peak for a CPU unless train.peak_tflops is set
 
 
 def test_clip_flag_and_threshold_logged(parts):

@@ -23,3 +23,8 @@ class ModelConfig(StrictModel):
         False,
         description="recompute drafter layers in backward: activations scale with num_anchors * block_size",
     )
+    attention: Literal["auto", "flex", "sdpa"] = Field(
+        "auto",
+        description="drafter training attention: flex = block-sparse FlexAttention (CUDA), sdpa = dense SDPA with a "
+        "boolean mask (the reference); auto = flex on CUDA, sdpa elsewhere",
+    )

@@ -10,12 +10,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflash_core.model.attention import (
+    AttentionKind,
+    attend,
+    dense_mask,
+    flex_mask,
+    resolve_attention,
+    visible_pairs,
+)
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.loss import LossOutput, decay_weights, default_gamma, weighted_cross_entropy
 from dflash_core.model.target import TargetModel
@@ -83,14 +91,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with the grouped kv heads repeated up front: the fused kernels that take an explicit mask do not
-    all take grouped heads (the memory-efficient one refuses them; torch 2.11, H200)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
-
-
 class DFlashAttention(nn.Module):
     """Queries from the block; keys and values from [context ; block]; k_norm on every key; not causal."""
 
@@ -111,16 +111,16 @@ class DFlashAttention(nn.Module):
         context: torch.Tensor,
         rope_q: tuple[torch.Tensor, torch.Tensor],
         rope_k: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
     ) -> torch.Tensor:
-        """block [N, Q, H], context [N, S, H], mask [N, 1, Q, S+Q] (True = visible) or None -> [N, Q, H]."""
+        """block [N, Q, H], context [N, S, H], mask [N, 1, Q, S+Q] (True = visible), a BlockMask or None."""
         n, q_len, _ = block.shape
         both = torch.cat([context, block], dim=1)
         q = self.q_norm(self.q_proj(block).view(n, q_len, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(both).view(n, both.shape[1], -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(both).view(n, both.shape[1], -1, self.head_dim).transpose(1, 2)
         q, k = _rope(q, *rope_q), _rope(k, *rope_k)
-        out = _attention(q, k, v, mask)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
 
 
@@ -151,6 +151,7 @@ class DFlashDrafter(nn.Module):
         num_anchors: int = 512,
         gamma: float | None = None,
         gradient_checkpointing: bool = False,
+        attention: AttentionKind = "auto",
     ):
         super().__init__()
         self.config = config
@@ -161,6 +162,7 @@ class DFlashDrafter(nn.Module):
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
         self.gradient_checkpointing = gradient_checkpointing
+        self.attention = attention
         width = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * width, width, bias=False)
         self.hidden_norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
@@ -194,7 +196,11 @@ class DFlashDrafter(nn.Module):
     # ---- shared by training and inference -------------------------------------------------------------
 
     def _context(self, features: torch.Tensor) -> torch.Tensor:
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.device, self.fc.weight.dtype)))
+        device = self.fc.weight.device
+        # under autocast fc casts to the autocast dtype itself: a float32 copy of the bf16 features [N, S, K*H]
+        # would only cost memory (0.5 GB per two 3072-token sequences, Qwen3-8B)
+        dtype = None if torch.is_autocast_enabled(device.type) else self.fc.weight.dtype
+        return self.hidden_norm(self.fc(features.to(device, dtype)))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -202,7 +208,11 @@ class DFlashDrafter(nn.Module):
         return emb.to(self.fc.weight.device, self.fc.weight.dtype)
 
     def _run_layers(
-        self, context: torch.Tensor, block: torch.Tensor, block_pos: torch.Tensor, mask: torch.Tensor | None
+        self,
+        context: torch.Tensor,
+        block: torch.Tensor,
+        block_pos: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None,
     ) -> torch.Tensor:
         """Final-normed block states [N, Q, H]; context tokens sit at positions 0..S-1."""
         n, s = context.shape[:2]
@@ -278,17 +288,22 @@ class DFlashDrafter(nn.Module):
         A dropped block sees only its own data-free slots, so no softmax row is empty (no NaN); no loss
         reads it and no other block sees it.
         """
-        n, nb = anchors.shape
-        device = anchors.device
-        q_anchor = anchors.repeat_interleave(self.block_size, dim=1)
-        q_valid = valid.repeat_interleave(self.block_size, dim=1)
-        ctx = torch.arange(seq_len, device=device)[None, None, :] < q_anchor[:, :, None]
-        ctx &= q_valid[:, :, None]
-        if attention_mask is not None:
-            ctx &= attention_mask.bool()[:, None, :]
-        block_id = torch.arange(nb * self.block_size, device=device) // self.block_size
-        own = (block_id[:, None] == block_id[None, :]).expand(n, -1, -1)
-        return torch.cat([ctx, own], dim=2)[:, None]
+        return dense_mask(anchors, valid, attention_mask, seq_len, self.block_size)
+
+    def _training_mask(
+        self,
+        anchors: torch.Tensor,
+        valid: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        seq_len: int,
+        device: torch.device,
+    ) -> torch.Tensor | BlockMask:
+        """The visibility mask in the form `model.attention` asks for on this device."""
+        anchors, valid = anchors.to(device), valid.to(device)
+        attention_mask = None if attention_mask is None else attention_mask.to(device)
+        if resolve_attention(self.attention, device) == "flex":
+            return flex_mask(anchors, valid, attention_mask, seq_len, self.block_size)
+        return self.visibility_mask(anchors, valid, attention_mask, seq_len)
 
     def block_hidden(
         self,
@@ -305,7 +320,7 @@ class DFlashDrafter(nn.Module):
         tokens[:, :, 0] = torch.where(valid, input_ids.gather(1, anchors), self.mask_token_id)
         block = self._embed(tokens.view(n, nb * size))
         pos = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).view(n, nb * size)
-        mask = self.visibility_mask(anchors, valid, attention_mask, input_ids.shape[1]).to(block.device)
+        mask = self._training_mask(anchors, valid, attention_mask, input_ids.shape[1], block.device)
         hidden = self._run_layers(self._context(features), block, pos.to(block.device), mask)
         return hidden.view(n, nb, size, -1)
 
@@ -359,6 +374,7 @@ class DFlashDrafter(nn.Module):
             correct=correct,
             counted=counted,
             n_blocks=int(valid.sum()),
+            visible_pairs=visible_pairs(anchors, valid, self.block_size).detach(),
         )
 
 
@@ -384,6 +400,7 @@ def build_drafter(target: TargetModel, cfg: ModelConfig, mask_token_id: int) -> 
         vocab_size=target.vocab_size,
     )
     drafter = DFlashDrafter(
-        config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing
+        config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing,
+        cfg.attention,
     )
     return drafter.to(target.device)

@@ -25,6 +25,7 @@ class LossOutput:
     correct: torch.Tensor  # [B-1] int64, top-1 hits per slot 1..B-1
     counted: torch.Tensor  # [B-1] int64, supervised targets per slot 1..B-1
     n_blocks: int
+    visible_pairs: torch.Tensor | None = None  # float64 scalar: (query, key) pairs the attention mask lets through
 
 
 def default_gamma(block_size: int) -> float:

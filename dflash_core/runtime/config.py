@@ -38,3 +38,13 @@ class TrainConfig(StrictModel):
     nproc_per_node: PositiveInt = 1
     seed: NonNegativeInt = 0
     timeout_s: PositiveFloat | None = None
+    torch_threads: PositiveInt | None = Field(
+        None,
+        description="intra-op threads per rank; None = OMP_NUM_THREADS, else the rank's share of the cores less one "
+        "(at most 4 on a GPU); see dflash_core/runtime/efficiency.py intra_op_threads",
+    )
+    peak_tflops: PositiveFloat | None = Field(
+        None,
+        description="dense bf16 peak TFLOP/s of one device for the mfu metric; None = a table of known GPUs by "
+        "name (dflash_core/runtime/efficiency.py), null mfu on CPU or an unknown GPU",
+    )

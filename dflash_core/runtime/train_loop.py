@@ -30,6 +30,7 @@ from torch import nn
 from dflash_core.model.loss import simulated_acceptance_length, slot_accuracy
 from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel
+from dflash_core.runtime.efficiency import FlopMeter
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 
 EMA_BETA = 0.98  # running average of the grad norm: about the last 50 steps
@@ -69,6 +70,7 @@ class LoopSettings:
     buckets: list[int]  # every bucket id of the plan (fixed-size all-reduce vector)
     block_size: int
     autocast_dtype: torch.dtype | None = None  # bf16 on GPU; None = no autocast
+    meter: FlopMeter | None = None  # model FLOPs and MFU per step; None = one for the model, peak by device name
 
 
 class StepStats:
@@ -169,6 +171,7 @@ class DrafterTrainLoop:
         self.s = settings
         self.faults = faults
         self.health = health or (lambda: {})
+        self.meter = settings.meter or FlopMeter.for_model(model, settings.device)
         self.nonfinite_total = 0
         self.grad_norm_ema = 0.0
         self.finite_steps = 0
@@ -217,6 +220,7 @@ class DrafterTrainLoop:
                 loss_sum = loss_sum * float("nan")  # test hook: a poisoned micro-batch
             loss_sum.backward()
         stats.add(batch, out, loss_sum)
+        self.meter.add(batch, out)
 
     def train_step(self, step: int) -> dict:
         """Run one optimizer step over this rank's micro-batches of plan step `step`; returns its record."""
@@ -239,7 +243,7 @@ class DrafterTrainLoop:
             "grad_norm_avg": self._ema(), "clipped": bool(math.isfinite(norm) and norm > self.s.clip),
             "clip": self.s.clip, "lr": lr, "nonfinite": nonfinite, "nonfinite_total": self.nonfinite_total,
             "skipped": skipped, "tokens_per_s": m["n_tokens"] / elapsed if elapsed > 0 else None,
-            "step_time_s": elapsed, **self.health(), "time": time.time(),
+            "step_time_s": elapsed, **self.meter.record(elapsed), **self.health(), "time": time.time(),
         }
 
     def _apply(self, weight_sum: float, loss: float) -> tuple[float, bool, bool]:

@@ -36,6 +36,7 @@ from dflash_core.runtime.distributed import (
     resolve_device,
     shutdown,
 )
+from dflash_core.runtime.efficiency import FlopMeter, SteadyRate
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.schedule import make_scheduler
@@ -204,6 +205,7 @@ class Trainer:
             world_size=self.env.world_size, device=self.device, buckets=self.plan.buckets,
             block_size=self.drafter.block_size,
             autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+            meter=FlopMeter.for_model(self.drafter, self.device, t.peak_tflops, len(self._devices())),
         )
         health = lambda: {"queue_depth": {"prefetch": batches.depth(), "target": features.depth()}}  # noqa: E731
         loop = DrafterTrainLoop(self.model, self.optimizer, self.scheduler, features, settings, self.faults, health)
@@ -212,6 +214,10 @@ class Trainer:
         self.validator = None if self.val is None else Validator(
             self.drafter, self.targets[0], self.reader, self.val, settings)
         return prefetch, target, loop, [batches, features]
+
+    def _devices(self) -> set[str]:
+        """The devices this rank's step runs on: its own and its target replicas'."""
+        return {str(self.device)} | {str(target.device) for target in self.targets}
 
     def _sink(self) -> MetricSink:
         if not self.env.is_main:
@@ -233,6 +239,8 @@ class Trainer:
         last: dict[str, Any] = {}
         self.last_val: dict[str, Any] = {}
         tokens = 0
+        steady = SteadyRate()  # what bench/gpu_check.sh compares with the in-process pipeline
+        timings = {"checkpoint_s": 0.0, "export_s": 0.0}
         try:
             prefetch.start()
             target.start()
@@ -240,12 +248,15 @@ class Trainer:
                 self.faults.maybe_kill("kill", step)
                 last = {**loop.train_step(step), "epoch": self.plan.epoch(step)}
                 tokens += last["n_tokens"]
+                steady.add(last)
                 sink.log(last)
                 self._check_nonfinite(loop, step)
                 if self.validator and self._eval_due(step):
                     self._validate(step, sink)
                 if (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps:
+                    saving = time.perf_counter()
                     self._save(step + 1, loop)
+                    timings["checkpoint_s"] += time.perf_counter() - saving
         except BaseException as exc:
             fail_all(channels, exc)  # wakes and stops every stage
             raise
@@ -253,9 +264,11 @@ class Trainer:
             sink.close()
         prefetch.join(timeout=10)
         target.join(timeout=10)
+        exporting = time.perf_counter()
         self._export()
+        timings["export_s"] = time.perf_counter() - exporting
         elapsed = time.perf_counter() - started
-        return self._summary(last, loop, tokens, elapsed)
+        return {**self._summary(last, loop, tokens, elapsed), **steady.summary(), **timings}
 
     def _check_nonfinite(self, loop: DrafterTrainLoop, step: int) -> None:
         if loop.nonfinite_total > self.cfg.train.max_nonfinite:

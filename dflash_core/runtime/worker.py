@@ -17,7 +17,8 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from dflash_core.config import PipelineConfig, load_config
-from dflash_core.runtime.distributed import DistEnv
+from dflash_core.runtime.distributed import DistEnv, resolve_device
+from dflash_core.runtime.efficiency import intra_op_threads
 from dflash_core.runtime.faults import FaultPlan
 from dflash_core.runtime.process import die_with_parent, rank_error_line
 from dflash_core.runtime.trainer import Trainer, check_plan, load_run_plan, summary_line
@@ -68,6 +69,11 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     from dflash_core.runtime.warm_start import resolve_init_from
 
     cfg = resolve_init_from(load_config(args.config))  # launchers resolve it already; direct torchrun too
+    device = resolve_device(cfg.train.device, env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(intra_op_threads(
+        cfg.train.torch_threads, device.type, env.local_world_size, os.environ.get("OMP_NUM_THREADS"), cores
+    ))
     table, meta = read_plan(args.plan)
     reader = ShardReader(args.tokenized)
     check_plan(meta, args.plan, env.world_size, reader.fingerprint, args.tokenized)
@@ -84,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a torchrun agent killed outright must not leave this rank running
     env = DistEnv.from_env()
     transformers_logging.disable_progress_bar()  # one loading bar per rank and replica is noise in the log
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     try:
         summary = run(args, env)
     except BaseException as exc:  # noqa: BLE001 - report and leave at once, whatever it was

@@ -1,0 +1,87 @@
+"""Analytic model FLOPs of a training step: the target's forward plus the drafter's forward and backward.
+
+Counted: every matrix product (2 FLOPs per multiply-add) and attention's two products over the (query, key)
+pairs that are visible, nothing masked away; not counted: norms, RoPE, softmax, embedding look-ups (under 1%).
+Model FLOPs, not hardware FLOPs: recomputation (gradient checkpointing, the checkpointed vocab chunks) and work
+on padding or dropped blocks are not counted, as in the usual MFU definition (PaLM, appendix B).
+- target: layers 0..max(target_layer_ids) only (the forward stops there), causal pairs L(L+1)/2 per sequence;
+- drafter forward: fc over the context tokens; per layer q/o projections and the MLP over the block queries,
+  k/v projections over context + block tokens, attention over the visible pairs; the vocab head over the
+  supervised rows only (slot 0, unsupervised and dropped slots never reach it);
+- drafter backward: twice the forward for the layers (input and weight gradients); once for fc (the target's
+  features need no gradient) and once for the head (frozen: no weight gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class FlopShape:
+    """The sizes a FLOP count needs (target and drafter share width and head layout, DFLASH_SPEC.md)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    draft_layers: int
+    target_layers_run: int  # layers the target forward runs: max(target_layer_ids) + 1
+    num_features: int  # K, target layers concatenated into fc
+    block_size: int
+
+    @classmethod
+    def of(cls, drafter: nn.Module) -> FlopShape:
+        """The shape of a DFlashDrafter (or a DDP wrapper around one)."""
+        drafter = getattr(drafter, "module", drafter)
+        c = drafter.config
+        return cls(
+            hidden=int(c.hidden_size), heads=int(c.num_attention_heads), kv_heads=int(c.num_key_value_heads),
+            head_dim=int(c.head_dim), intermediate=int(c.intermediate_size), vocab=int(c.vocab_size),
+            draft_layers=int(c.num_hidden_layers), target_layers_run=max(drafter.target_layer_ids) + 1,
+            num_features=len(drafter.target_layer_ids), block_size=int(drafter.block_size),
+        )
+
+
+def layer_matmul_flops(shape: FlopShape, q_tokens: float, kv_tokens: float) -> float:
+    """Forward FLOPs of one decoder layer's projections and SwiGLU MLP (queries and keys may differ)."""
+    h, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qo = 2 * q_tokens * h * q_dim * 2
+    kv = 2 * kv_tokens * h * kv_dim * 2
+    mlp = 2 * q_tokens * h * shape.intermediate * 3
+    return qo + kv + mlp
+
+
+def attention_flops(shape: FlopShape, pairs: float) -> float:
+    """Forward FLOPs of scores (Q K^T) and their weighted sum (P V) over `pairs` visible (query, key) pairs."""
+    return 2 * 2 * shape.heads * shape.head_dim * pairs
+
+
+def target_forward_flops(shape: FlopShape, lengths: Iterable[int]) -> float:
+    """The target's forward over sequences of these real lengths, up to the last captured layer."""
+    lengths = [int(n) for n in lengths]
+    tokens = sum(lengths)
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    return shape.target_layers_run * (layer_matmul_flops(shape, tokens, tokens) + attention_flops(shape, pairs))
+
+
+def drafter_step_flops(
+    shape: FlopShape, context_tokens: float, blocks: float, visible_pairs: float, loss_rows: float
+) -> float:
+    """Forward + backward of the drafter on one micro-batch.
+
+    context_tokens: real tokens of the sequences; blocks: valid (not dropped) blocks; visible_pairs: (query,
+    key) pairs the mask lets through (`attention.visible_pairs`); loss_rows: slots with a non-zero weight.
+    """
+    h, queries = shape.hidden, blocks * shape.block_size
+    fc = 2 * context_tokens * shape.num_features * h * h
+    layers = shape.draft_layers * (
+        layer_matmul_flops(shape, queries, context_tokens + queries) + attention_flops(shape, visible_pairs)
+    )
+    head = 2 * loss_rows * h * shape.vocab
+    return (fc + layers + head) + (fc + 2 * layers + head)

@@ -1,0 +1,182 @@
+"""Model FLOPs and MFU of every training step: `tflops` and `mfu` in each metrics record.
+
+MFU = achieved model FLOP/s (dflash_core.model.flops) / (bf16 dense peak x the devices this rank uses). The
+peak comes from `train.peak_tflops` when set, else from the table below by device name; on CPU, or on a GPU
+the table does not know, mfu is null (tflops is always there).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+
+from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
+from dflash_core.model.loss import LossOutput
+from dflash_core.runtime.batch import MicroBatch
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A GPU's dense bf16 tensor-core peak (the datasheets quote 2x that "with sparsity")."""
+
+    model: str  # a token of torch.cuda.get_device_name, e.g. "H100" in "NVIDIA H100 80GB HBM3"
+    variant: str | None  # a second token that must be there too (PCIE, NVL); None = any
+    tflops: float
+    source: str
+
+
+# more specific rows first: "NVIDIA H100 PCIe" must not match the SXM row
+PEAKS: tuple[Peak, ...] = (
+    Peak("H100", "PCIE", 756.0, "https://www.nvidia.com/en-us/data-center/h100/ (1,513 sparse)"),
+    Peak("H100", "NVL", 835.0, "https://www.nvidia.com/en-us/data-center/h100/ (1,671 sparse)"),
+    Peak("H100", None, 989.4, "https://www.nvidia.com/en-us/data-center/h100/ (SXM, 1,979 sparse)"),
+    Peak("H200", "NVL", 835.0, "https://www.nvidia.com/en-us/data-center/h200/ (1,671 sparse)"),
+    Peak("H200", None, 989.4, "https://www.nvidia.com/en-us/data-center/h200/ (SXM, 1,979 sparse)"),
+    Peak("GH200", None, 989.4, "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
+    Peak("B200", None, 2250.0, "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 36 PFLOPS sparse / 8)"),
+    Peak("A100", None, 312.0, "https://www.nvidia.com/en-us/data-center/a100/ (624 sparse)"),
+    Peak("L40S", None, 362.05, "https://www.nvidia.com/en-us/data-center/l40s/ (733 sparse)"),
+    Peak("L4", None, 121.0, "https://www.nvidia.com/en-us/data-center/l4/ (242 sparse)"),
+    Peak("A10", None, 125.0, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/ (250 sparse)"),
+    Peak("MI300X", None, 1307.4, "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
+)
+
+
+def peak_for_name(name: str) -> Peak | None:
+    """The table row for a device name (whole-token match: "A10" is not "A100", "H200" is not "GH200")."""
+    tokens = set(re.split(r"[^A-Z0-9]+", name.upper()))
+    for peak in PEAKS:
+        if peak.model in tokens and (peak.variant is None or peak.variant in tokens):
+            return peak
+    return None
+
+
+def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """Dense bf16 peak TFLOP/s of `device`: the override, else the table (None on CPU or an unknown GPU)."""
+    if override is not None:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    peak = peak_for_name(torch.cuda.get_device_name(device))
+    return peak.tflops if peak else None
+
+
+@dataclass
+class FlopMeter:
+    """Counts one rank's model FLOPs per step; `record(seconds)` -> the step's tflops, mfu and FLOP split.
+
+    The drafter's count is linear in its four inputs, so they are summed over micro-batches as device tensors
+    and read once per step, after the loop's own synchronisation (no extra sync per micro-batch).
+    """
+
+    shape: FlopShape
+    peak_tflops: float | None = None  # per device
+    devices: int = 1  # devices this rank's step runs on (its own plus separate target replicas)
+    _target: float = 0.0
+    _context_tokens: float = 0.0
+    _blocks: float = 0.0
+    _pairs: torch.Tensor | float = 0.0
+    _rows: torch.Tensor | float = 0.0
+
+    @classmethod
+    def for_model(cls, drafter: torch.nn.Module, device: torch.device, peak_override: float | None = None,
+                  devices: int = 1) -> FlopMeter:
+        """A meter for this drafter on this device (peak from the table unless overridden)."""
+        return cls(FlopShape.of(drafter), device_peak_tflops(device, peak_override), devices)
+
+    def add(self, batch: MicroBatch, out: LossOutput) -> None:
+        """Count one micro-batch (its lengths are read from the host copy of the attention mask)."""
+        self._target += target_forward_flops(self.shape, batch.attention_mask.sum(1).tolist())
+        self._context_tokens += batch.n_tokens
+        self._blocks += out.n_blocks
+        if out.visible_pairs is not None:
+            self._pairs = self._pairs + out.visible_pairs
+        self._rows = self._rows + out.counted.sum()
+
+    def record(self, seconds: float) -> dict:
+        """{"tflops", "mfu", "step_tflop": {"target", "drafter"}} of the step just finished; resets the counts."""
+        drafter = drafter_step_flops(
+            self.shape, self._context_tokens, self._blocks, float(self._pairs), float(self._rows)
+        )
+        total = self._target + drafter
+        tflops = total / seconds / 1e12 if seconds > 0 else None
+        mfu = tflops / (self.peak_tflops * self.devices) if tflops is not None and self.peak_tflops else None
+        split = {"target": self._target / 1e12, "drafter": drafter / 1e12}
+        self._target = self._context_tokens = self._blocks = 0.0
+        self._pairs = self._rows = 0.0
+        return {"tflops": tflops, "mfu": mfu, "step_tflop": split}
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled so far in this process (FlexAttention's kernels among them)."""
+    return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass
+class SteadyRate:
+    """Throughput of a run without its first `warmup` steps (CUDA context, kernel selection, allocator growth,
+    filling the pipeline), without later steps that compiled (a new micro-batch shape: one-off, amortised over
+    a real run) and without what happens after the last step (final checkpoint, export)."""
+
+    warmup: int = 2
+    tokens: int = 0
+    seconds: float = 0.0
+    tflop: float = 0.0
+    mfu_seconds: float = 0.0  # sum of mfu x step time (mfu averaged over time)
+    steps: int = 0
+    compile_steps: int = 0  # steps after the warm-up that were left out because they compiled
+    _seen: int = 0
+    _graphs: int = -1  # compiled_graphs() at the previous record; -1 before the first
+
+    def add(self, record: dict) -> None:
+        """Count one step record (of DrafterTrainLoop.train_step) unless it is a warm-up or compiling step."""
+        self._seen += 1
+        graphs = compiled_graphs()
+        compiled = self._graphs >= 0 and graphs != self._graphs  # it compiled since the previous record
+        self._graphs = graphs
+        if self._seen <= self.warmup:
+            return
+        if compiled:
+            self.compile_steps += 1
+            return
+        seconds = float(record["step_time_s"])
+        self.steps += 1
+        self.tokens += int(record["n_tokens"])
+        self.seconds += seconds
+        self.tflop += sum(record.get("step_tflop", {}).values())
+        if record.get("mfu") is not None:
+            self.mfu_seconds += record["mfu"] * seconds
+
+    def summary(self) -> dict:
+        """steady_* figures (None when every step was a warm-up step)."""
+        timed = self.seconds > 0
+        return {
+            "steady_steps": self.steps,
+            "steady_compile_steps_skipped": self.compile_steps,
+            "steady_tokens_per_s": self.tokens / self.seconds if timed else None,
+            "steady_tflops": self.tflop / self.seconds if timed else None,
+            "steady_mfu": self.mfu_seconds / self.seconds if timed and self.mfu_seconds > 0 else None,
+        }
+
+
+def intra_op_threads(
+    requested: int | None, device_type: str, local_world_size: int, omp_env: str | None, cores: int
+) -> int:
+    """Intra-op threads of one rank: train.torch_threads, else OMP_NUM_THREADS, else the rank's share of the
+    cores less one for the pipeline's own threads (loading, target forward), at most 4 on a GPU.
+
+    torch's default (every core) made the worker 3-20x slower than the same steps in one process on a shared
+    CPU: its OpenMP teams wait for threads that the prefetch and target threads (and other processes) keep
+    off the cores. torchrun sets OMP_NUM_THREADS=1 only for more than one process per node. A GPU rank's CPU
+    work is launching kernels and copying batches: a few threads are plenty, and a starved launch thread
+    idles the GPU.
+    """
+    if requested:
+        return requested
+    if omp_env:
+        return max(1, int(omp_env))
+    share = max(1, cores // max(1, local_world_size) - 1)
+    return min(4, share) if device_type == "cuda" else share

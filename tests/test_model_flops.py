@@ -1,0 +1,151 @@
+"""Analytic FLOPs of a step (hand counts and torch's own matmul counter), the peak table, tflops/mfu records."""
+
+import pytest
+import torch
+from model_support import random_batch, tiny_drafter, tiny_target
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash_core.model.flops import (
+    FlopShape,
+    attention_flops,
+    drafter_step_flops,
+    layer_matmul_flops,
+    target_forward_flops,
+)
+from dflash_core.runtime.batch import PlanRow, collate
+from dflash_core.runtime.efficiency import (
+    FlopMeter,
+    SteadyRate,
+    device_peak_tflops,
+    intra_op_threads,
+    peak_for_name,
+)
+
+# the tiny models of model_support: hidden 64, 4 heads, 2 kv heads, head_dim 16, MLP 128, vocab 100
+TINY = FlopShape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100, draft_layers=2,
+                 target_layers_run=3, num_features=2, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_layer_and_attention_by_hand():
+    # q, o: 2 * 3 tokens * 64 * 64 each; k, v: 2 * 5 tokens * 64 * 32 each; MLP: 3 * 2 * 3 * 64 * 128
+    assert layer_matmul_flops(TINY, 3, 5) == 2 * (2 * 3 * 64 * 64) + 2 * (2 * 5 * 64 * 32) + 3 * (2 * 3 * 64 * 128)
+    assert layer_matmul_flops(TINY, 3, 5) == 237568
+    assert attention_flops(TINY, 10) == 2 * 2 * 4 * 16 * 10  # Q K^T and P V, 4 heads of 16
+
+
+def test_target_forward_by_hand():
+    # lengths 3 and 2: 5 tokens, causal pairs 6 + 3; three layers run
+    per_layer = (2 * 5 * 64 * 64 * 2) + (2 * 5 * 64 * 32 * 2) + (2 * 5 * 64 * 128 * 3) + 2 * 2 * 4 * 16 * 9
+    assert target_forward_flops(TINY, [3, 2]) == 3 * per_layer == 1112832
+
+
+def test_drafter_step_by_hand():
+    # 10 context tokens, 2 blocks of 4 (8 queries), 30 visible pairs, 5 supervised rows
+    fc = 2 * 10 * 128 * 64
+    layer = (2 * 8 * 64 * 64 * 2) + (2 * 18 * 64 * 32 * 2) + (2 * 8 * 64 * 128 * 3) + 2 * 2 * 4 * 16 * 30
+    head = 2 * 5 * 64 * 100
+    forward = fc + 2 * layer + head
+    backward = fc + 2 * (2 * layer) + head  # fc: weight grad only; head: input grad only
+    assert drafter_step_flops(TINY, 10, 2, 30, 5) == forward + backward
+
+
+def test_counts_agree_with_torch_matmul_counter(target):
+    """torch's FlopCounterMode counts the matmuls of the real forward and backward (attention runs outside mm
+    on CPU, and the checkpointed vocab chunks run their forward twice): the analytic count agrees exactly."""
+    d = tiny_drafter(target, num_anchors=5, attention="sdpa", target_layer_ids=[0, 2])
+    assert FlopShape.of(d) == TINY
+    batch = random_batch(2, 24, seed=1)
+    with FlopCounterMode(display=False) as counter:
+        feats = target.capture(batch["input_ids"], batch["attention_mask"], d.target_layer_ids)
+    causal_pairs = 2 * (24 * 25 // 2)
+    assert counter.get_total_flops() == target_forward_flops(TINY, [24, 24]) - 3 * attention_flops(TINY, causal_pairs)
+    with FlopCounterMode(display=False) as counter:
+        out = d(feats, **batch, generator=torch.Generator().manual_seed(0))
+        out.weighted_loss_sum.backward()
+    rows, pairs = float(out.counted.sum()), float(out.visible_pairs)
+    analytic = drafter_step_flops(TINY, 48, out.n_blocks, pairs, rows)
+    attention = 3 * TINY.draft_layers * attention_flops(TINY, pairs)  # forward + 2x backward
+    recomputed_head = 2 * rows * 64 * 100
+    assert counter.get_total_flops() == analytic - attention + recomputed_head
+
+
+def test_peak_table_matches_device_names():
+    assert peak_for_name("NVIDIA H100 80GB HBM3").tflops == 989.4
+    assert peak_for_name("NVIDIA H100 PCIe").tflops == 756.0
+    assert peak_for_name("NVIDIA H100 NVL").tflops == 835.0
+    assert peak_for_name("NVIDIA H200").tflops == 989.4
+    assert peak_for_name("NVIDIA H200 NVL").tflops == 835.0
+    assert peak_for_name("NVIDIA GH200 480GB").model == "GH200"
+    assert peak_for_name("NVIDIA A100-SXM4-80GB").tflops == 312.0
+    assert peak_for_name("NVIDIA A10").tflops == 125.0  # not the A100 row
+    assert peak_for_name("NVIDIA L40S").tflops == 362.05
+    assert peak_for_name("NVIDIA B200").tflops == 2250.0
+    assert peak_for_name("NVIDIA GeForce GTX 1080") is None
+    assert device_peak_tflops(torch.device("cpu")) is None
+    assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
+
+
+def _micro_batch(lengths: list[int]):
+    rows = [(torch.arange(n).numpy(), torch.ones(n, dtype=torch.uint8).numpy()) for n in lengths]
+    return collate(rows, PlanRow(0, 0, 0, tuple(range(len(lengths)))), seq=0)
+
+
+def test_meter_records_tflops_and_mfu_only_with_a_peak(target):
+    d = tiny_drafter(target, num_anchors=5, attention="sdpa", target_layer_ids=[0, 2])
+    batch = _micro_batch([20, 14])
+    feats = target.capture(batch.input_ids, batch.attention_mask, d.target_layer_ids)
+    out = d(feats, batch.input_ids, batch.loss_mask, batch.attention_mask, torch.Generator().manual_seed(0))
+    expected = target_forward_flops(TINY, [20, 14]) + drafter_step_flops(
+        TINY, 34, out.n_blocks, float(out.visible_pairs), float(out.counted.sum())
+    )
+    cpu = FlopMeter.for_model(d, torch.device("cpu"))
+    cpu.add(batch, out)
+    record = cpu.record(0.5)
+    assert record["mfu"] is None
+    assert record["tflops"] == pytest.approx(2 * expected / 1e12)
+    assert sum(record["step_tflop"].values()) == pytest.approx(expected / 1e12)
+    overridden = FlopMeter.for_model(d, torch.device("cpu"), peak_override=1e-6, devices=2)
+    overridden.add(batch, out)
+    overridden.add(batch, out)  # two micro-batches: twice the work
+    record = overridden.record(1.0)
+    assert record["tflops"] == pytest.approx(2 * expected / 1e12)
+    assert record["mfu"] == pytest.approx(2 * expected / 1e12 / (1e-6 * 2))
+    assert overridden.record(1.0)["tflops"] == pytest.approx(0.0)  # counts reset each step
+
+
+def test_steady_rate_skips_warmup_steps():
+    rate = SteadyRate(warmup=2)
+    for seconds in (9.0, 3.0, 1.0, 1.0):
+        rate.add({"step_time_s": seconds, "n_tokens": 100, "step_tflop": {"target": 1.0, "drafter": 3.0},
+                  "mfu": 0.5})
+    assert rate.summary() == {"steady_steps": 2, "steady_compile_steps_skipped": 0, "steady_tokens_per_s": 100.0,
+                              "steady_tflops": 4.0, "steady_mfu": 0.5}
+    assert SteadyRate(warmup=2).summary()["steady_tokens_per_s"] is None
+
+
+def test_steady_rate_skips_steps_that_compiled():
+    """A step that compiled a new shape (flex attention on CUDA) is one-off: left out of the steady rate."""
+    double = torch.compile(lambda x: x * 2)
+    rate = SteadyRate(warmup=1)
+    record = {"step_time_s": 1.0, "n_tokens": 10}
+    for size in (3, 3, 3, 4, 4):  # size 4 is a new shape: that step compiles
+        double(torch.ones(size))
+        rate.add({**record, "step_time_s": 30.0} if size == 4 and rate.compile_steps == 0 else record)
+    summary = rate.summary()
+    assert summary["steady_compile_steps_skipped"] == 1 and summary["steady_steps"] == 3
+    assert summary["steady_tokens_per_s"] == 10.0
+
+
+def test_intra_op_threads_leave_room_for_the_pipeline_threads():
+    assert intra_op_threads(None, "cpu", 1, None, 2) == 1  # a 2-core machine: one core for loading and target
+    assert intra_op_threads(None, "cpu", 1, None, 16) == 15
+    assert intra_op_threads(None, "cpu", 4, None, 16) == 3
+    assert intra_op_threads(None, "cuda", 1, None, 32) == 4  # a GPU rank launches kernels: a few threads
+    assert intra_op_threads(None, "cuda", 8, None, 8) == 1
+    assert intra_op_threads(None, "cpu", 1, "3", 16) == 3  # OMP_NUM_THREADS wins over the default
+    assert intra_op_threads(6, "cpu", 1, "3", 16) == 6  # train.torch_threads wins over both
