@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflash_core.errors import InputError
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.loss import LossOutput, decay_weights, default_gamma, weighted_cross_entropy
 from dflash_core.model.target import TargetModel
@@ -23,7 +24,7 @@ from dflash_core.model.target import TargetModel
 ARCHITECTURE = "DFlashDraftModel"
 
 
-class DrafterError(ValueError):
+class DrafterError(InputError):
     """Drafter settings or inputs that do not fit (layer ids, mask token, context longer than the anchor)."""
 
 

@@ -16,11 +16,12 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from dflash_core.data.formats import DEFAULT_ROLES, MESSAGE_KEYS
+from dflash_core.errors import InputError
 from dflash_core.model.export import load_dflash
 from dflash_core.model.target import TargetModel, load_target
 
 
-class EvalDataError(ValueError):
+class EvalDataError(InputError):
     """Evaluation prompts that cannot be read; the message names the file and the record."""
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
+from dflash_core.errors import InputError
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter
 from dflash_core.model.target import TargetModel
 
@@ -21,7 +22,7 @@ WEIGHTS_FILE = "model.safetensors"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A drafter folder that cannot be loaded; the message names the file and what is wrong."""
 
 

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dflash_core.errors import InputError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TargetError(ValueError):
+class TargetError(InputError):
     """A target model that cannot be used (bad path, bad layer ids, unsupported layout)."""
 
 

@@ -7,10 +7,11 @@ from typing import Any
 
 import fsspec
 
+from dflash_core.errors import InputError
 from dflash_core.monitor.stability import figure
 
 
-class BaselineError(ValueError):
+class BaselineError(InputError):
     """A baseline that cannot be used; the message names the file and what to do."""
 
 

@@ -14,13 +14,15 @@ from typing import Any
 import fsspec
 import polars as pl
 
+from dflash_core.errors import InputError
+
 REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
 FLOATS = ("loss", "grad_norm", "clip", "lr")
 FLAGS = ("clipped", "nonfinite", "skipped")
 WANDB_SCHEME = "wandb://"
 
 
-class MetricsError(ValueError):
+class MetricsError(InputError):
     """Metrics that cannot be read; the message names the source, the line and what to do."""
 
 

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_core.errors import InputError
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint folder that cannot be loaded; the message names it."""
 
 

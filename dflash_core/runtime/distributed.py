@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_core.errors import InputError
 
-class DeviceError(ValueError):
+
+class DeviceError(InputError):
     """A device setting that this machine or this launch cannot satisfy."""
 
 

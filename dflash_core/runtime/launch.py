@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
+from dflash_core.errors import UsageError
 from dflash_core.runtime.process import ProcessFailed, run_process_group
 
 
@@ -30,7 +31,7 @@ def torchrun_command(
     cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
     cmd += ["--nnodes", str(nnodes), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
     if rdzv_endpoint is None and str(nnodes) != "1":
-        raise ValueError(f"nnodes={nnodes}: a multi-node run needs rdzv_endpoint (host:port of the rendezvous)")
+        raise UsageError(f"nnodes={nnodes}: a multi-node run needs rdzv_endpoint (host:port of the rendezvous)")
     if rdzv_endpoint is None:
         cmd.append("--standalone")  # a private rendezvous on a free port: parallel runs never collide
     else:
