@@ -27,11 +27,11 @@ def retrain_drafter(
     """Retrain a DFlash drafter: tokenize, plan, train, check. A failed check fails the flow run.
 
     `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).
+    The config's URIs must be resolved (the application layer resolves example://, see dflash_app.deploy).
     """
     logger = get_run_logger()
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
-    config = tasks.resolve_assets(config)
     root = config.storage.root
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])

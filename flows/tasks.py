@@ -1,31 +1,19 @@
-"""Thin Prefect tasks: I/O plus one call into dflash_core each."""
+"""Thin Prefect tasks: I/O plus one call into dflash_core each (configs come resolved: no example:// here)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
-import time
 from typing import Any
 
-import fsspec
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from dflash_core.config import PipelineConfig, dump_config
+from dflash_core.config import PipelineConfig, write_run_config
 from flows import storage
 from flows.artifacts import TrainingProgress, publish_plan, publish_report
-
-
-@task(name="resolve-assets", retries=1)
-def resolve_assets(config: PipelineConfig) -> PipelineConfig:
-    """Replace example:// references by the built (or cached) example assets."""
-    from dflash_core.example import resolve_uri
-
-    data = config.data.model_copy(update={"source": resolve_uri(config.data.source),
-                                          "tokenizer": resolve_uri(config.data.tokenizer)})
-    model = config.model.model_copy(update={"target": resolve_uri(config.model.target)})
-    return config.model_copy(update={"data": data, "model": model})
+from flows.progress import LogThrottle, follow_metrics
 
 
 @task(name="fingerprint-inputs", retries=2, retry_delay_seconds=5)
@@ -81,69 +69,21 @@ def publish_plan_artifacts(summary: dict[str, Any], plan_dir: str) -> None:
     publish_plan(summary, plan_dir)
 
 
-class _Throttle:
-    """Forward log lines at most `rate` per second; count the rest (the tail is kept for errors anyway)."""
-
-    def __init__(self, emit, rate: float = 20.0) -> None:
-        self.emit, self.interval, self.next_at, self.dropped = emit, 1.0 / rate, 0.0, 0
-
-    def __call__(self, line: str) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.dropped += 1
-            return
-        if self.dropped:
-            self.emit(f"... {self.dropped} log lines not forwarded")
-            self.dropped = 0
-        self.next_at = now + self.interval
-        self.emit(line)
-
-
-def _last_record(metrics_uri: str, tail_bytes: int = 65536) -> dict[str, Any] | None:
-    """The newest complete record of metrics.jsonl, reading only the file's tail (runs log ~1 KB a step)."""
-    fs, path = fsspec.core.url_to_fs(metrics_uri)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as fh:
-        size = fh.seek(0, 2)
-        fh.seek(max(0, size - tail_bytes))
-        lines = fh.read().decode("utf-8", errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the tail window or still being written
-            continue
-    return None
-
-
-def _follow_metrics(metrics_uri: str, progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
-    """Update the progress artifact from the newest record of metrics.jsonl until `stop` is set."""
-    last_step = -1
-    while not stop.wait(every_s):
-        record = _last_record(metrics_uri)
-        if record is not None and record.get("step", -1) != last_step:
-            last_step = record["step"]
-            progress.update(record)
-
-
 @task(name="train")
 def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_steps: int) -> dict[str, Any]:
     """torchrun in its own process group: logs streamed, progress artifact, killed on timeout/cancel."""
     from dflash_core.runtime.launch import launch_train
 
     logger = get_run_logger()
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    config_path = storage.join(out, "config.yaml")
-    dump_config(config, config_path)
+    config_path = write_run_config(config, out)
     progress = TrainingProgress(num_steps)
     stop = threading.Event()
-    follower = threading.Thread(target=_follow_metrics, daemon=True,
+    follower = threading.Thread(target=follow_metrics, daemon=True,
                                 args=(storage.join(out, "metrics.jsonl"), progress, stop, 2.0))
     follower.start()
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out, config_path=config_path,
-                               nproc_per_node=config.train.nproc_per_node, on_line=_Throttle(logger.info),
+                               nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
                                timeout_s=config.train.timeout_s)
     finally:
         stop.set()

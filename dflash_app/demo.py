@@ -18,10 +18,11 @@ def run_demo(run_name: str | None = None) -> dict[str, Any]:
     os.environ.setdefault("PREFECT_HOME", str(demo_prefect_home()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("WANDB_MODE", "offline")
-    from dflash_core.config import load_config
+    from dflash_app.config import load_config, resolve_config
     from flows.retrain import retrain_drafter
 
-    state = retrain_drafter(config=load_config("tiny-cpu"), run_name=run_name, return_state=True)
+    config = resolve_config(load_config("tiny-cpu"))
+    state = retrain_drafter(config=config, run_name=run_name, return_state=True)
     result = state.result(raise_on_failure=False)
     summary = result if isinstance(result, dict) else {"error": str(result)}
     summary = {"state": state.type.value, "message": state.message, **summary,
