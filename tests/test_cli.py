@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def dflash(*args: str, expect: int = 0) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", *args], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == expect, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]) if expect == 0 else {"stderr": proc.stderr}
@@ -61,7 +61,7 @@ def test_check_exits_1_on_a_failing_log(tmp_path):
                 "nonfinite": False} for i in range(30)]
     records[10].update(loss=None, grad_norm=None, nonfinite=True)
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "check", "--metrics", str(log), "--out",
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "check", "--metrics", str(log), "--out",
                            str(tmp_path / "r")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

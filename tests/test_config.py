@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from dflash_core.config import ConfigError, PipelineConfig, load_config, parse_config
+from dflash_app.config import load_config
+from dflash_core.config import ConfigError, PipelineConfig, parse_config
 
 
 def _write(tmp_path, text):
@@ -75,7 +76,7 @@ def test_parse_config_round_trips_through_json():
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     path = _write(tmp_path, MINIMAL + "plan: {max_tokens: -3}\n")
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "plan", "--tokenized", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "plan", "--tokenized", str(tmp_path),
                            "--out", str(tmp_path / "p"), "--config", path], capture_output=True, text=True)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -83,7 +84,7 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 
 
 def test_cli_help_lists_the_stages():
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     for stage in ("example", "tokenize", "plan", "train", "check", "eval", "run", "demo"):
         assert stage in proc.stdout

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from data_helpers import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
+from common.chat import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

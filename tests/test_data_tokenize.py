@@ -10,7 +10,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_helpers import (
+from common.chat import (
     TEMPLATES,
     TRICKY,
     conversations,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import yaml
-from flow_helpers import (
+from common.flows import (
     EXPECTED_ARTIFACTS,
     artifact_keys,
     fast_config,
@@ -17,9 +18,10 @@ from flow_helpers import (
     worker_processes,
 )
 
-from dflash_core.config import REPO_ROOT, load_config
+from dflash_app.config import load_config
 from flows.retrain import retrain_drafter
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
 
@@ -116,7 +118,7 @@ def test_deployment_parameters_match_the_tiny_preset():
 
 
 def test_progress_reads_the_newest_record_from_the_tail(tmp_path):
-    from flows.tasks import _last_record
+    from flows.progress import last_record as _last_record
 
     path = tmp_path / "metrics.jsonl"
     assert _last_record(str(path)) is None

@@ -15,16 +15,17 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
 )
 
-from dflash_core.config import PipelineConfig, load_config
+from dflash_app.config import load_config, resolve_config
+from dflash_core.config import PipelineConfig
 
 EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "batch-plan-file", "training-progress",
                       "stability-report", "stability-plot"}
 
 
 def fast_config(root: Path, **overrides) -> PipelineConfig:
-    """The tiny CPU preset, a few optimizer steps, outputs under `root`."""
+    """The tiny CPU preset (example:// resolved, as the application passes it), a few steps, outputs under `root`."""
     base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled"}
-    return load_config("tiny-cpu", {**base, **overrides})
+    return resolve_config(load_config("tiny-cpu", {**base, **overrides}))
 
 
 def artifact_keys(flow_run_id: UUID) -> set[str]:
