@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect.artifacts import (
     create_link_artifact,
@@ -50,8 +51,9 @@ class TrainingProgress:
 
     def __init__(self, num_steps: int) -> None:
         self.num_steps = max(1, num_steps)
-        self.artifact_id = create_progress_artifact(0.0, key="training-progress",
-                                                    description=f"0 / {self.num_steps} optimizer steps")
+        # create_progress_artifact is sync/async-compatible; called from sync code it returns the UUID
+        self.artifact_id = cast(UUID, create_progress_artifact(0.0, key="training-progress",
+                                                               description=f"0 / {self.num_steps} optimizer steps"))
 
     def update(self, record: dict[str, Any]) -> None:
         """Move the bar to the step of a metrics record."""

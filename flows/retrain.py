@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
 from flows import storage, tasks
@@ -23,7 +23,7 @@ def _run_name(explicit: str | None) -> str:
 @flow(name="retrain-drafter", log_prints=True)
 def retrain_drafter(
     config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Retrain a DFlash drafter: tokenize, plan, train, check. A failed check fails the flow run.
 
     `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).

@@ -116,12 +116,3 @@ def test_deployment_parameters_match_the_tiny_preset():
     assert trigger["expect"] == ["dflash.dataset.updated"]
     assert trigger["parameters"]["data_source"] == "{{ event.payload.data_uri }}"
 
-
-def test_progress_reads_the_newest_record_from_the_tail(tmp_path):
-    from flows.progress import last_record as _last_record
-
-    path = tmp_path / "metrics.jsonl"
-    assert _last_record(str(path)) is None
-    path.write_text("".join(json.dumps({"step": i, "loss": 1.0, "pad": "x" * 500}) + "\n" for i in range(500)))
-    path.write_text(path.read_text() + '{"step": 500, "lo')  # a record still being written
-    assert _last_record(str(path), tail_bytes=4096)["step"] == 499

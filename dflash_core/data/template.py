@@ -107,7 +107,8 @@ class ChatEncoder:
         real = self._render([[{"role": r, "content": c} for r, c in conv] for conv in convs])
         marked = self._skeletons([tuple(r for r, _ in conv) for conv in convs])
         located = [self._locate(conv, text, skel) for conv, text, skel in zip(convs, real, marked, strict=True)]
-        texts = [text for text, spans in zip(real, located, strict=True) if not isinstance(spans, Drop)]
+        texts = [text for text, spans in zip(real, located, strict=True)
+                 if isinstance(text, str) and not isinstance(spans, Drop)]  # _locate drops every failed render
         encodings = iter(self._tokenize(texts))
         return [spans if isinstance(spans, Drop) else _masked(next(encodings), spans) for spans in located]
 

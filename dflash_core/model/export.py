@@ -29,6 +29,7 @@ class ExportError(InputError):
 def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The config.json mapping (DFLASH_SPEC.md "Checkpoint that serving engines load")."""
     c = drafter.config
+    rope = dict(c.rope_parameters or {})
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -40,8 +41,8 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "head_dim": c.head_dim,
         "hidden_act": c.hidden_act,
         "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_parameters.get("rope_theta"),
-        "rope_parameters": dict(c.rope_parameters),
+        "rope_theta": rope.get("rope_theta"),
+        "rope_parameters": rope,
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
         "vocab_size": c.vocab_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 import fsspec
 
@@ -54,5 +54,5 @@ def baseline_figure(figures: dict[str, dict], baseline: dict[str, Any], uri: str
     return figure(len(found), 0, severity, summary, baseline=uri, tolerance=tolerance, regressions=found)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -137,7 +137,7 @@ def _series(clean: pl.DataFrame) -> Series:
         grad_logged=bool(clean["grad_norm"].is_not_null().any()),
         buckets=ids,
         shares=shares,
-        dominant=np.where(known, dominant, -1) if ids else np.full(clean.height, -1),
+        dominant=np.where(known, dominant, -1) if dominant is not None else np.full(clean.height, -1),
     )
 
 

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ class Checkpoint:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, numpy, python) in a weights_only-loadable form."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -69,7 +69,7 @@ def check_plan(meta: dict[str, Any], plan_dir: str, world_size: int, fingerprint
 
 def load_run_plan(table: pl.DataFrame, meta: dict[str, Any], max_steps: int | None) -> RunPlan:
     """The plan as this run uses it."""
-    num_steps = int(meta["num_steps"]) if "num_steps" in meta else int(table["step"].max()) + 1
+    num_steps = int(meta["num_steps"]) if "num_steps" in meta else cast(int, table["step"].max()) + 1
     if max_steps is not None:
         num_steps = min(num_steps, max_steps)
     buckets = sorted(int(b) for b in table["bucket"].unique().to_list())

@@ -81,7 +81,7 @@ class Trainer:
         self.drafter: DFlashDrafter = build_drafter(self.targets[0], self.cfg.model, self.mask_token_id)
         self.drafter.to(self.device)
         self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            self.drafter.parameters(), lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay
         )
         self.scheduler = make_scheduler(self.optimizer, self.plan.num_steps, t.warmup_ratio, t.schedule, t.min_lr_ratio)
         self.loop_state: dict[str, Any] | None = None
