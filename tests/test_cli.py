@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from dflash_app import cli
+from dflash_core.errors import DflashError, UsageError
+from dflash_core.plan.errors import PlanError
 
 
 def dflash(*args: str, expect: int = 0) -> dict:
@@ -18,6 +20,7 @@ def dflash(*args: str, expect: int = 0) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1]) if expect == 0 else {"stderr": proc.stderr}
 
 
+@pytest.mark.slow
 def test_every_stage_through_the_cli(tmp_path, example_assets):
     paths = dflash("example")
     assert paths == {"data": example_assets.data, "tokenizer": example_assets.tokenizer,
@@ -46,6 +49,7 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
     assert ev["prompts"] == 2 and 1.0 <= ev["tau"] <= 8.0
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):
     missing = dflash("tokenize", "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "t"), expect=2)
     lines = [line for line in missing["stderr"].splitlines() if line.startswith("dflash tokenize: error:")]
@@ -55,6 +59,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):
     assert "--buckets" in bad_edges["stderr"]
 
 
+@pytest.mark.slow
 def test_check_exits_1_on_a_failing_log(tmp_path):
     log = tmp_path / "metrics.jsonl"
     records = [{"step": i, "loss": 2.0 - i * 0.01, "grad_norm": 0.5, "clipped": False, "clip": 1.0,
@@ -66,3 +71,32 @@ def test_check_exits_1_on_a_failing_log(tmp_path):
     assert proc.returncode == 1
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["verdict"] == "fail" and "nonfinite_steps" in summary["failed"]
+
+
+class _RunFailed(DflashError):
+    """An expected failure of a run (exit code 1)."""
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (PlanError("plan.json: world_size 2, expected 1"), 2),
+    (UsageError("--buckets expects integers"), 2),
+    (FileNotFoundError(2, "No such file or directory", "nope.jsonl"), 2),
+    (_RunFailed("training failed at step 3"), 1),
+])
+def test_expected_failures_are_one_line_with_their_exit_code(monkeypatch, capsys, exc, code):
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_plan", fail)
+    assert cli.main(["plan", "--tokenized", "t", "--out", "o"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dflash plan: error: {exc}"]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def bug(args):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(cli, "cmd_plan", bug)
+    with pytest.raises(ValueError, match="a bug"):  # not swallowed into one line: the traceback is printed
+        cli.main(["plan", "--tokenized", "t", "--out", "o"])

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dflash_app.config import load_config
+from dflash_app.config import load_config, preset_names, resolve_config, resolve_config_path
 from dflash_core.config import ConfigError, PipelineConfig, parse_config
 
 
@@ -88,3 +88,21 @@ def test_cli_help_lists_the_stages():
     assert proc.returncode == 0
     for stage in ("example", "tokenize", "plan", "train", "check", "eval", "run", "demo"):
         assert stage in proc.stdout
+
+
+def test_presets_ship_with_the_app_and_paths_pass_through(tmp_path):
+    assert {"tiny-cpu", "qwen3-8b-8gpu"} <= set(preset_names())
+    assert resolve_config_path("tiny-cpu").endswith("dflash_app/presets/tiny-cpu.yaml")
+    path = _write(tmp_path, MINIMAL)
+    assert resolve_config_path(path) == path and resolve_config_path("s3://b/c.yaml") == "s3://b/c.yaml"
+    with pytest.raises(ConfigError, match="no-such-preset: no such config file"):
+        load_config("no-such-preset")
+
+
+def test_example_uris_are_resolved_once_by_the_app(example_assets):
+    cfg = load_config("tiny-cpu")
+    assert cfg.data.source == "example://data"  # loading keeps the URIs; the launchers resolve them
+    resolved = resolve_config(cfg)
+    assert (resolved.data.source, resolved.data.tokenizer, resolved.model.target) == (
+        example_assets.data, example_assets.tokenizer, example_assets.target)
+    assert resolved.plan == cfg.plan and resolved.train == cfg.train
