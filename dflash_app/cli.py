@@ -29,7 +29,11 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--set expects KEY=VALUE (e.g. train.lr=1e-3), got {pair!r}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--set {key}: the value {value!r} is not valid YAML ({getattr(exc, 'problem', exc)})"
+                             "; quote it") from None
     return out
 
 
@@ -103,11 +107,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dflash_core.config import write_run_config
     from dflash_core.runtime.launch import launch_train
 
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     cfg = _resolved(_config(args))
     config_path = write_run_config(cfg, args.out)  # the workers read this file; the run keeps it
     summary = launch_train(
         tokenized=args.tokenized, plan=args.plan, out=args.out, config_path=config_path,
-        nproc_per_node=args.nproc_per_node or cfg.train.nproc_per_node, nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,
         on_line=lambda line: print(line, file=sys.stderr, flush=True),  # stdout keeps only the summary line
@@ -121,14 +127,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("give --metrics URI (a metrics.jsonl) or --wandb-run entity/project/run_id")
     cfg = _config(args) if args.config else None
     from dflash_core.monitor.check import run_check
-    from dflash_core.monitor.config import CheckConfig
 
-    check_cfg = cfg.check if cfg else CheckConfig()
+    check_cfg = cfg.check if cfg else _check_overrides(args.set or [])
     report = run_check(args.metrics, args.out, check_cfg, wandb_run=args.wandb_run,
                        baseline=args.baseline or check_cfg.baseline)
     _print_summary({"verdict": report["verdict"], "failed": report["failed"], "warned": report["warned"],
                     "out": args.out})
     return EXIT_FAILED if report["verdict"] == "fail" else 0
+
+
+def _check_overrides(pairs: list[str]):
+    """CheckConfig from `--set check.KEY=VALUE` alone (check needs no pipeline config file)."""
+    from dflash_core.config import ConfigError
+    from dflash_core.monitor.config import CheckConfig
+
+    values = _overrides(pairs)
+    others = [key for key in values if not key.startswith("check.")]
+    if others:
+        raise UsageError(f"--set {others[0]}: without --config, check takes only check.* keys")
+    try:
+        return CheckConfig.model_validate({key.removeprefix("check."): v for key, v in values.items()})
+    except ValueError as exc:
+        raise ConfigError(f"--set: {exc}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -154,8 +174,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dflash_app.demo import run_demo
 
-    _print_summary(run_demo(run_name=args.run_name))
-    return 0
+    summary = run_demo(run_name=args.run_name)  # a DemoSetupError is one line, exit 1 (see main)
+    _print_summary(summary)
+    return 0 if summary.get("state") == "COMPLETED" else EXIT_FAILED
 
 
 def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") -> None:

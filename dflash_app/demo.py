@@ -6,23 +6,60 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash_core.errors import EXIT_FAILED, DflashError
+from dflash_core.example.assets import default_home
+
+
+class DemoSetupError(DflashError):
+    """The demo could not set up its Prefect home or reach Prefect's temporary server (one line, exit 1)."""
+
+    exit_code = EXIT_FAILED
+
 
 def demo_prefect_home() -> Path:
-    """The demo's persistent PREFECT_HOME, inside the project's cache folder."""
-    base = Path(os.environ.get("DFLASH_HOME", Path.home() / ".cache" / "dflash-pipeline"))
-    return base / "prefect-home"
+    """The demo's persistent PREFECT_HOME, inside the project's cache folder ($DFLASH_HOME)."""
+    return default_home() / "prefect-home"
+
+
+def prepare_prefect_home() -> Path:
+    """Create the Prefect home (and every parent: a fresh machine has no ~/.cache/dflash-pipeline yet).
+
+    Prefect cannot create nested folders for its home, and its temporary server then fails to open its SQLite
+    database with a page of server traceback; creating them here turns that into nothing, or one clear line.
+    """
+    home = Path(os.environ.get("PREFECT_HOME") or demo_prefect_home()).expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise DemoSetupError(f"cannot use {home} as the Prefect home ({exc.strerror or exc}); "
+                             "set PREFECT_HOME or DFLASH_HOME to a writable folder") from None
+    os.environ["PREFECT_HOME"] = str(home)
+    return home
 
 
 def run_demo(run_name: str | None = None) -> dict[str, Any]:
     """Run retrain-drafter on the tiny CPU preset; print where the drafter, plan and report are."""
-    os.environ.setdefault("PREFECT_HOME", str(demo_prefect_home()))
+    prepare_prefect_home()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary server's first start creates its database; Prefect's 20 s default is too short on a busy
+    # 2-core machine (seen: "Timed out while attempting to connect to ephemeral Prefect API server").
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("WANDB_MODE", "offline")
     from dflash_app.config import load_config, resolve_config
     from flows.retrain import retrain_drafter
 
     config = resolve_config(load_config("tiny-cpu"))
-    state = retrain_drafter(config=config, run_name=run_name, return_state=True)
+    try:
+        state = retrain_drafter(config=config, run_name=run_name, return_state=True)
+    except RuntimeError as exc:  # Prefect's temporary server did not come up: say so in one line
+        if "server" not in str(exc).lower():
+            raise
+        raise DemoSetupError(f"Prefect's temporary API server did not start ({exc}); its log is in "
+                             f"{os.environ['PREFECT_HOME']}. Or point PREFECT_API_URL at a running "
+                             "`prefect server start`") from None
     result = state.result(raise_on_failure=False)
     summary = result if isinstance(result, dict) else {"error": str(result)}
     summary = {"state": state.type.value, "message": state.message, **summary,

@@ -51,16 +51,34 @@ def load_config(path: str, overrides: dict[str, Any] | None = None) -> PipelineC
     """Read a YAML config (path or fsspec URI), apply dotted overrides, validate."""
     raw = read_yaml(path)
     raw = raw if raw is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
-    return parse_config(raw, path)
+    try:
+        return parse_config(raw, path)
+    except ConfigError as exc:
+        raise _blame_overrides(exc, path, overrides or {}) from None
+
+
+def _blame_overrides(exc: ConfigError, path: str, overrides: dict[str, Any]) -> ConfigError:
+    """A bad value that came from --set is reported as --set's, not as the config file's."""
+    message = str(exc)
+    culprits = [key for key in overrides if f"'{key}'" in message]
+    if not culprits:
+        return exc
+    return ConfigError(message.replace(f"{path}: ", f"--set {', '.join(culprits)} (over {path}): ", 1))
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
-    for part in parents:
+    for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            where = ".".join(parents[: depth + 1])
+            raise ConfigError(f"--set {dotted}: '{where}' is a value ({type(node).__name__}), not a section; "
+                              "set it directly, e.g. --set " + f"{where}=...")
     node[leaf] = value
 
 

@@ -1,7 +1,7 @@
-"""Expected failures: one base class the command line turns into one line and an exit code.
+"""Expected failures: bad input or a failed run. The CLI prints them as one line; anything else is a bug.
 
-Anything that is not a `DflashError` is a bug (or an unexpected environment failure) and keeps its traceback.
-Bad-input errors also subclass ValueError, so code that caught ValueError before keeps working.
+Anything that is not a `DflashError` keeps its traceback. Bad-input errors also subclass ValueError, so code that
+caught ValueError before keeps working.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ EXIT_BAD_INPUT = 2
 class DflashError(Exception):
     """An expected failure whose message says what was wrong, where, and what to do."""
 
-    exit_code: int = EXIT_FAILED
+    exit_code: int = EXIT_BAD_INPUT  # 2: bad input; 1: a run that failed (subclasses override)
 
 
 class InputError(DflashError, ValueError):

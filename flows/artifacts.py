@@ -13,7 +13,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.storage import as_link
+from flows.storage import as_link, join
 
 
 def publish_plan(summary: dict[str, Any], plan_dir: str) -> None:
@@ -42,7 +42,7 @@ def publish_plan(summary: dict[str, Any], plan_dir: str) -> None:
         f"(round-robin assignment: {summary['round_robin_rank_imbalance']['mean']:.2%})\n"
     )
     create_markdown_artifact(text, key="batch-interleaving", description="Longest same-bucket runs vs a shuffle")
-    create_link_artifact(as_link(f"{plan_dir.rstrip('/')}/plan.parquet"), link_text="plan.parquet",
+    create_link_artifact(as_link(join(plan_dir, "plan.parquet")), link_text="plan.parquet",
                          key="batch-plan-file", description="One row per micro-batch, in training order")
 
 
@@ -70,7 +70,7 @@ def publish_report(report: dict[str, Any], report_dir: str, drafter_dir: str) ->
     for name, fig in report.get("figures", {}).items():
         mark = {True: "yes", False: "**NO**"}.get(fig.get("pass"), "n/a")
         lines.append(f"| {name} | {_fmt(fig.get('value'))} | {_fmt(fig.get('threshold'))} | {mark} |")
-    png = as_link(f"{report_dir.rstrip('/')}/stability.png")
+    png = as_link(join(report_dir, "stability.png"))
     lines += ["", f"[stability.png]({png}) · [drafter]({as_link(drafter_dir)})"]
     create_markdown_artifact("\n".join(lines), key="stability-report", description="Post-run stability check")
     create_link_artifact(png, link_text="stability.png", key="stability-plot")

@@ -106,3 +106,24 @@ def test_example_uris_are_resolved_once_by_the_app(example_assets):
     assert (resolved.data.source, resolved.data.tokenizer, resolved.model.target) == (
         example_assets.data, example_assets.tokenizer, example_assets.target)
     assert resolved.plan == cfg.plan and resolved.train == cfg.train
+
+
+def test_bad_overrides_and_files_are_named_precisely(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set data.source.x: 'data.source' is a value"):
+        load_config("tiny-cpu", {"data.source.x": 1})
+    with pytest.raises(ConfigError, match=r"^--set train.lr \(over .*tiny-cpu.yaml\): key 'train.lr'"):
+        load_config("tiny-cpu", {"train.lr": "abc"})
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("data:\n  source: a\ntrain:\n  lr: 1\ntrain:\n  lr: 2\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: invalid YAML: line 5, .*duplicate key 'train' \(first on line 3\)"):
+        load_config(str(twice))
+    with pytest.raises(ConfigError, match="is a folder; --config takes a YAML file"):
+        load_config(str(tmp_path))
+
+
+def test_cli_rejects_a_bad_set_value_and_zero_processes(tmp_path):
+    for args, culprit in ((["--set", "train.lr=[1"], "--set train.lr"), (["--nproc-per-node", "0"], "--nproc-per-node")):
+        proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "train", "--tokenized", str(tmp_path),
+                               "--plan", str(tmp_path), "--out", str(tmp_path / "o"), *args],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and culprit in proc.stderr and "Traceback" not in proc.stderr

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_core.data.errors import BadInputError, DataError
-from dflash_core.data.shards import read_manifest
+from dflash_core.data.shards import read_index, read_manifest
 from dflash_core.data.sources import JsonArrayElements
 from dflash_core.data.tokenize import tokenize_dataset
 
@@ -30,7 +30,6 @@ BAD_LINES: list[tuple[str, bytes]] = [
     ("wrong_schema", b'{"conversations": {"from": "human"}}'),
     ("empty_conversation", b'{"conversations": []}'),
     ("non_string_content", b'{"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}'),
-    ("empty_content", b'{"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "x"}]}'),
     ("unknown_role", b'{"conversations": [{"from": "narrator", "value": "a"}, {"from": "gpt", "value": "b"}]}'),
     ("no_assistant_turn", b'{"conversations": [{"from": "human", "value": "anyone?"}]}'),
     ("bad_utf8", b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "b"}]}'),
@@ -60,21 +59,25 @@ def test_each_bad_record_is_counted_with_its_reason_and_location(tmp_path: Path)
     assert summary["kept"] == 4 and summary["read"] == 4 + len(BAD_LINES)
     examples = read_manifest(str(tmp_path / "out"))["drop_examples"]
     assert examples["unparsable"][0]["file"] == "mixed.jsonl" and examples["unparsable"][0]["line"] == 3
-    assert [e["line"] for e in examples["wrong_schema"]] == [5, 6, 7, 8, 16]
+    assert [e["line"] for e in examples["wrong_schema"]] == [5, 6, 7, 8, 15]
     assert "narrator" in examples["unknown_role"][0]["detail"]
 
 
 def test_above_the_bad_fraction_the_stage_fails_showing_examples(tmp_path: Path) -> None:
     good = [json.dumps(r).encode() for r in GOOD] * 10
-    data = _write(tmp_path / "d.jsonl", good + [b"oops", b'{"conversations": []}'])
+    empty = [b'{"conversations": []}', b'{"conversations": [{"from": "human", "value": "hi"}]}']
+    data = _write(tmp_path / "d.jsonl", good + [b"oops", b'{"conversations": [{"from": "gpt"}]}'] + empty)
     out = tmp_path / "out"
     with pytest.raises(BadInputError) as err:
-        _run(data, out)  # default max_bad_fraction 1%: 2 of 42 records is too many
+        _run(data, out)  # default max_bad_fraction 1%: 2 of 44 records is too many
     msg = str(err.value)
-    assert "2 of 42 records" in msg and "d.jsonl line 41" in msg and "empty_conversation" in msg
-    assert "max_bad_fraction" in msg
+    assert "2 of 44 records" in msg and "d.jsonl line 41" in msg and "wrong_schema" in msg
+    assert "max_bad_fraction" in msg and "empty_conversation" not in msg  # data quality, not broken input
     assert not (out / "manifest.json").exists() and not list(out.glob("part-*.parquet"))
-    assert _run(data, out, max_bad_fraction=0.05)["kept"] == 40
+    summary = _run(data, out, max_bad_fraction=0.05)
+    assert summary["kept"] == 40 and summary["dropped"] == {
+        "empty_conversation": 1, "no_assistant_turn": 1, "unparsable": 1, "wrong_schema": 1}
+    assert read_manifest(str(out))["bad"] == 2
 
 
 def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Path) -> None:
@@ -95,16 +98,60 @@ def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Pat
 
 
 def test_broken_files_count_as_bad_records(tmp_path: Path) -> None:
+    """Files cut short keep the records before the cut and count one truncated_file each, named."""
     src = tmp_path / "src"
     src.mkdir()
-    blob = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in GOOD), mtime=0)
+    many = [to_sharegpt(c, i) for i, c in enumerate(conversations(40, seed=13))]
+    blob = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in many), mtime=0)
     (src / "a.jsonl.gz").write_bytes(blob[: len(blob) // 2])
-    (src / "b.json").write_text(json.dumps(GOOD)[:-40])  # a JSON array cut short
+    (src / "b.json").write_text(json.dumps(GOOD)[:-40])  # a JSON array cut short inside its last element
     (src / "c.parquet").write_bytes(b"PAR1 definitely not parquet")
     summary = _run(src, tmp_path / "out", max_bad_fraction=1.0)
     assert summary["read"] == summary["kept"] + sum(summary["dropped"].values())
-    assert summary["dropped"]["unreadable"] == 2 and summary["dropped"]["unparsable"] == 1
-    assert summary["kept"] == 3
+    assert summary["dropped"] == {"truncated_file": 2, "unreadable": 1}
+    assert summary["truncated_files"] == ["a.jsonl.gz", "b.json"]
+    readable = sum(1 for _ in _readable_lines(blob[: len(blob) // 2]))
+    assert 10 < readable < 40 and summary["kept"] == readable + 3
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["truncated_files"] == ["a.jsonl.gz", "b.json"] and manifest["bad"] == 3
+    cut = manifest["drop_examples"]["truncated_file"]
+    assert [(e["file"], e["record"]) for e in cut] == [("a.jsonl.gz", readable), ("b.json", 3)]
+
+
+def _readable_lines(cut_gzip: bytes) -> list[bytes]:
+    """The complete lines a decompressor gets out of a gzip stream cut short."""
+    import zlib
+
+    data = zlib.decompressobj(31).decompress(cut_gzip)
+    return data.split(b"\n")[:-1]
+
+
+def test_gzip_cut_short_or_not_reads_the_same_records_before_the_cut(tmp_path: Path) -> None:
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(30, seed=14))]
+    blob = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records), mtime=0)
+    (tmp_path / "cut.jsonl.gz").write_bytes(blob[:-12])  # only the gzip trailer and a little data lost
+    summary = _run(tmp_path / "cut.jsonl.gz", tmp_path / "out", max_bad_fraction=0.05)
+    assert summary["dropped"] == {"truncated_file": 1} and summary["kept"] >= 28
+    with pytest.raises(BadInputError, match="truncated_file"):  # one bad record in 2 is above 1%
+        _run(tmp_path / "cut.jsonl.gz", tmp_path / "out2", max_bad_fraction=0.01)
+
+
+def test_single_json_object_file_is_one_record_and_one_non_json_line_is_unparsable(tmp_path: Path) -> None:
+    (tmp_path / "one.json").write_text(json.dumps(GOOD[0], indent=2))
+    summary = _run(tmp_path / "one.json", tmp_path / "out")
+    assert summary["read"] == summary["kept"] == 1
+    (tmp_path / "two.json").write_text(json.dumps(GOOD[1], indent=2) + "\n" + json.dumps(GOOD[2], indent=1))
+    summary = _run(tmp_path / "two.json", tmp_path / "out")
+    assert summary["read"] == summary["kept"] == 2
+    assert read_index(str(tmp_path / "out"))["sample_id"].to_list() == [0, 1]
+    (tmp_path / "prose.jsonl").write_text("this is not JSON at all")
+    with pytest.raises(BadInputError) as err:
+        _run(tmp_path / "prose.jsonl", tmp_path / "out")
+    assert "1 of 1 records" in str(err.value) and "prose.jsonl line 1" in str(err.value)
+    assert "unparsable" in str(err.value) and "empty" not in str(err.value)
+    (tmp_path / "broken.jsonl").write_text('{"conversations": [\n' + json.dumps(GOOD[0]) + "\n")
+    summary = _run(tmp_path / "broken.jsonl", tmp_path / "out", max_bad_fraction=1.0)
+    assert summary["dropped"] == {"unparsable": 1} and summary["kept"] == 1  # JSONL after all: line by line
 
 
 def test_missing_source_is_an_error_that_names_it(tmp_path: Path) -> None:

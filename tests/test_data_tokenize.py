@@ -64,7 +64,8 @@ THINK = ("{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m['
 
 
 def test_template_that_rewrites_contents_masks_what_it_renders(tmp_path: Path) -> None:
-    """Qwen3-like: reasoning is cut from earlier assistant turns; the mask follows the rendered text."""
+    """Qwen3-like: reasoning is cut from earlier assistant turns; the mask follows the rendered text. The template
+    does not read reasoning_content, so with thinking kept the reasoning goes back inline as a <think> block."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
     tok.chat_template = THINK
     tok.save_pretrained(tmp_path / "tok")
@@ -74,7 +75,8 @@ def test_template_that_rewrites_contents_masks_what_it_renders(tmp_path: Path) -
             if m["role"] == "assistant":
                 m["content"] = f"<think>\nwhy the model {m['content'][:20]}\n</think>\n\n{m['content']}"
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in convs])
-    summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(tmp_path / "out"), data_config(), block_size=2)
+    summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(tmp_path / "out"),
+                               data_config(thinking="keep"), block_size=2)
     assert summary["kept"] == len(convs)
     reader = ShardReader(str(tmp_path / "out"))
     for sid, conv in enumerate(convs):
@@ -225,8 +227,8 @@ def test_same_input_gives_byte_identical_output_with_any_process_count(tmp_path:
         cfg = data_config(num_proc=num_proc, batch_size=8, rows_per_part=16, rows_per_group=5, max_bad_fraction=0.1)
         tokenize_dataset(str(data), tokenizer_dir("chatml"), str(tmp_path / f"o{n}"), cfg, block_size=2)
         outs.append(_folder_bytes(tmp_path / f"o{n}"))
-    assert sorted(outs[0]) == ["index.parquet", "manifest.json", "part-00000.parquet", "part-00001.parquet",
-                               "part-00002.parquet"]
+    assert sorted(outs[0]) == [".dflash-stage.json", "index.parquet", "manifest.json", "part-00000.parquet",
+                               "part-00001.parquet", "part-00002.parquet"]
     assert outs[0] == outs[1] == outs[2]
 
 

@@ -98,6 +98,54 @@ def test_bad_baseline_is_a_clear_error(healthy, tmp_path):
 def test_short_log_with_only_required_fields(tmp_path):
     records = [{k: r[k] for k in ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")}
                for r in make_log(5, 0)]
-    report = run_check(write_jsonl(records, tmp_path / "m.jsonl"), str(tmp_path / "out"), CFG)
+    smoke = CheckConfig(fail_unjudged=False)  # 5 steps: a smoke run, judged only on what can be judged
+    report = run_check(write_jsonl(records, tmp_path / "m.jsonl"), str(tmp_path / "out"), smoke)
     assert report["verdict"] == "pass"
     assert (tmp_path / "out" / "stability.png").exists()
+
+
+def _records(n, fields=("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")):
+    full = {"loss": 2.0, "grad_norm": 0.5, "clipped": False, "clip": 1.0, "nonfinite": False}
+    return [{k: (i if k == "step" else full[k] - (i * 0.001 if k == "loss" else 0)) for k in fields}
+            for i in range(n)]
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_a_log_without_loss_or_grad_norm_fails_the_gate(tmp_path):
+    log = _jsonl(tmp_path / "m.jsonl", _records(300, ("step", "clipped", "clip", "nonfinite")))
+    report = run_check(log, str(tmp_path / "r"), CheckConfig())
+    assert report["verdict"] == "fail"
+    assert {"spike_score", "loss_cliffs"} <= set(report["failed"])
+    assert "cannot judge" in report["figures"]["spike_score"]["summary"]
+
+
+def test_too_few_steps_fail_unless_told_it_is_a_smoke_run(tmp_path):
+    log = _jsonl(tmp_path / "m.jsonl", _records(5))
+    assert run_check(log, str(tmp_path / "a"), CheckConfig())["verdict"] == "fail"
+    assert run_check(log, str(tmp_path / "b"), CheckConfig(fail_unjudged=False))["verdict"] != "fail"
+
+
+def test_a_run_folder_stands_for_its_metrics_and_a_lone_bad_line_is_named(tmp_path):
+    _jsonl(tmp_path / "metrics.jsonl", _records(300))
+    assert run_check(str(tmp_path), str(tmp_path / "r"), CheckConfig())["verdict"] == "pass"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not json\n")
+    with pytest.raises(MetricsError, match=r"bad.jsonl, line 1: not valid JSON"):
+        run_check(str(bad), str(tmp_path / "r2"), CheckConfig())
+    with pytest.raises(MetricsError, match="folder without a metrics.jsonl"):
+        run_check(str(tmp_path / "r"), str(tmp_path / "r3"), CheckConfig())
+
+
+def test_an_absurd_step_and_a_malformed_baseline_are_named(tmp_path):
+    log = _jsonl(tmp_path / "m.jsonl", [{**_records(1)[0], "step": 1e20}])
+    with pytest.raises(MetricsError, match="line 1: record has no integer 'step'"):
+        run_check(log, str(tmp_path / "r"), CheckConfig())
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"figures": {"spike_score": "0.0"}}))
+    good = _jsonl(tmp_path / "g.jsonl", _records(300))
+    with pytest.raises(BaselineError, match="figure 'spike_score' is a str"):
+        run_check(good, str(tmp_path / "r4"), CheckConfig(), baseline=str(base))

@@ -100,14 +100,16 @@ def test_a_single_nan_string_loss_counts_as_nonfinite():
 
 
 @pytest.mark.parametrize("n", [1, 3, 12])
-def test_short_logs_do_not_crash_and_pass(n):
-    result = _analyze(make_log(n, 0))
+def test_short_logs_do_not_crash_and_pass_as_smoke_runs(n):
+    result = _analyze(make_log(n, 0), CheckConfig(fail_unjudged=False))
     assert verdict(result.figures, result.warnings) == "pass"
     assert result.figures["nonfinite_steps"]["status"] == "pass"
     if n <= 10:  # no step has the 10 steps of history a trailing window needs
         assert result.figures["loss_cliffs"]["status"] == "n/a"
         assert result.figures["spike_score"]["status"] == "n/a"
         assert result.notes  # says which figures could not be computed
+        judged = _analyze(make_log(n, 0))  # by default the gate never passes what it cannot judge
+        assert verdict(judged.figures, judged.warnings) == "fail"
 
 
 def test_only_required_fields():
@@ -122,11 +124,12 @@ def test_grad_norm_not_logged_warns_and_still_checks_the_loss():
     records = [{"step": r["step"], "loss": r["loss"]} for r in make_log(600, 0, cliffs=[400])]
     result = _analyze(records)
     assert any("grad_norm" in w for w in result.warnings)
-    assert result.figures["spike_score"]["status"] == "n/a"
+    assert result.figures["spike_score"]["status"] == "fail"  # cannot be judged without grad_norm
     assert result.figures["clip_rate"]["status"] == "n/a"
     assert result.figures["loss_cliffs"]["steps"] == [400]
     assert verdict(result.figures, result.warnings) == "fail"
-    clean = _analyze([{"step": r["step"], "loss": r["loss"]} for r in make_log(600, 0)])
+    lenient = CheckConfig(fail_unjudged=False)
+    clean = _analyze([{"step": r["step"], "loss": r["loss"]} for r in make_log(600, 0)], lenient)
     assert verdict(clean.figures, clean.warnings) == "warn"
 
 
@@ -250,3 +253,21 @@ def test_group_runs_and_recent_any():
     assert rolling.group_runs(flags) == [(1, 2), (5, 5), (10, 10)]
     assert rolling.group_runs(flags, max_gap=2) == [(1, 5), (10, 10)]
     assert rolling.recent_any(flags, 2).tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1]
+
+
+def test_constant_clipping_below_the_typical_norm_warns_with_advice_not_fails():
+    # The tiny preset's old shape: a healthy run whose pre-clip norm sits above a clip threshold set too low.
+    records = make_log(400, 0, clip=0.2)
+    result = _analyze(records)
+    figures = result.figures
+    assert figures["clip_rate"]["value"] > 0.9 and figures["clip_rate"]["status"] == "warn"
+    assert figures["longest_clip_run"]["status"] == "warn"
+    assert "train.clip_grad" in figures["clip_rate"]["advice"]
+    assert verdict(figures, result.warnings) == "warn", _status(result)
+
+
+def test_the_incident_still_fails_when_clipping_is_only_a_warning():
+    records, _ = incident_log(1500, 0)
+    result = _analyze(records)
+    assert verdict(result.figures, result.warnings) == "fail"
+    assert {"spike_score", "loss_cliffs"} & {n for n, f in result.figures.items() if f["status"] == "fail"}

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dflash_core.model.export import load_dflash
 from dflash_core.model.target import load_target
 from dflash_core.runtime.checkpoint import CheckpointManager
-from dflash_core.runtime.launch import launch_train
+from dflash_core.runtime.launch import TrainingFailed, launch_train
 
 pytestmark = pytest.mark.slow
 
@@ -208,3 +208,18 @@ def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
     assert summary["world_size"] == 1 and summary["steps"] == summary["num_steps"] > 0
     assert summary["final_loss"] is not None and lines[-1].startswith("{")
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [f"step-{summary['num_steps']}"]
+
+
+def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(inputs, tmp_path):
+    one = build_inputs(inputs.root, world_size=1)
+    tok = tmp_path / "tokenized"
+    shutil.copytree(one.tokenized, tok)
+    (tok / "part-00001.parquet").unlink()
+    config = _config(tmp_path, one, "c")
+    out = tmp_path / "out"
+    with pytest.raises(TrainingFailed) as info:
+        launch_train(str(tok), one.plan, str(out), config, nproc_per_node=1, on_line=lambda _: None, timeout_s=600)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("training failed on rank 0: ShardError: ") and "part-00001.parquet" in first
+    assert f"full log: {out / 'train.log'}" in first and info.value.exit_code == 1
+    assert "Traceback" in (out / "train.log").read_text()

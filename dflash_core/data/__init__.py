@@ -17,6 +17,9 @@ _EXPORTS = {
     "DataError": "dflash_core.data.errors",
     "BadInputError": "dflash_core.data.errors",
     "TemplateError": "dflash_core.data.errors",
+    "Conversation": "dflash_core.data.formats",
+    "to_conversation": "dflash_core.data.formats",
+    "chat_template_inputs": "dflash_core.data.template",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,6 +22,9 @@ class DataConfig(StrictModel):
     max_length: PositiveInt = 3072
     overlong: Literal["truncate", "drop"] = "truncate"
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    thinking: Literal["keep", "strip"] = Field(
+        "strip", description="reasoning in assistant turns: strip (render with thinking off, as the public "
+        "Qwen3 drafters are trained and evaluated) or keep (rendered and supervised as the template does)")
     batch_size: PositiveInt = 256
     num_proc: PositiveInt = 2
     rows_per_part: PositiveInt = 50_000

@@ -1,11 +1,26 @@
-"""Chat schemas: ShareGPT (from/value) and OpenAI (role/content) records -> (role, content) turns."""
+"""Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
+parts, tool calls and reasoning.
+
+`to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
+- ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
+  turns whose value is the call JSON, `observation` turns; Hermes: `from: tool`), OpenAI `messages` with
+  `role`/`content` (assistant `content: null` + `tool_calls` or the older `function_call`, `tool`/`function`
+  messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
+- content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
+  `text`, `reasoning`/`thinking`, `tool_call`;
+- reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
+  assistant's content (after `<think>`, which some models leave to the prompt), as Qwen3's template reads it;
+  always moved to `reasoning_content`.
+Empty or blank turns are kept (with a note): the chat template renders them, an empty assistant turn is simply
+not supervised.
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from dflash_core.data.sources import ReadFailure
@@ -15,16 +30,17 @@ ID_KEYS = ("id", "conversation_id", "uuid")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "model": "assistant", "chatgpt": "assistant", "function_call": "assistant", "observation": "tool",
-    "tool": "tool", "function": "tool", "ipython": "tool",
+    "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
 }
+CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+REASONING_PARTS = frozenset({"reasoning", "thinking"})
 _DETECT_SAMPLE = 32
-
-Turn = tuple[str, str]
 
 
 class Drop(NamedTuple):
-    """Why a record was not kept: a stable reason name and a human detail."""
+    """Why a record was not kept (or a note on one that was): a stable reason name and a human detail."""
 
     reason: str
     detail: str
@@ -38,6 +54,27 @@ class Schema:
     key: str | None = None
 
 
+@dataclass
+class Conversation:
+    """A record as OpenAI-style messages (role, content str, optional reasoning_content, tool_calls,
+    tool_call_id, name) plus the tools it may call; `sources` is each message's role as written in the data,
+    `notes` the data-quality findings that did not drop it (empty turns)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    sources: list[str] = field(default_factory=list)
+    notes: list[Drop] = field(default_factory=list)
+
+    def source(self, j: int) -> str:
+        """Message j's role as written in the data (its canonical role when not recorded)."""
+        return self.sources[j] if j < len(self.sources) else self.messages[j]["role"]
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether rendering needs a template that can render tool definitions or calls."""
+        return bool(self.tools) or any(m.get("tool_calls") for m in self.messages)
+
+
 def role_table(role_map: Mapping[str, str]) -> dict[str, str]:
     """The default role names plus the config's role_map (which wins), keyed by lower-case name."""
     return {**DEFAULT_ROLES, **{k.lower(): v for k, v in role_map.items()}}
@@ -46,7 +83,7 @@ def role_table(role_map: Mapping[str, str]) -> dict[str, str]:
 def parse_payload(payload: bytes | dict[str, Any] | ReadFailure) -> Any | Drop:
     """A stored record -> its JSON value, or the Drop that says why it cannot be read."""
     if isinstance(payload, ReadFailure):
-        return Drop("unreadable", payload.message)
+        return Drop(payload.reason, payload.message)
     if not isinstance(payload, bytes):
         return payload
     try:
@@ -85,11 +122,11 @@ def _record_schema(record: Any, key: str | None) -> tuple[str, str] | None:
 
 
 def _turn_format(turn: dict[str, Any]) -> str | None:
-    return next((fmt for fmt, (role, content) in FIELDS.items() if role in turn and content in turn), None)
+    return next((fmt for fmt, (role, _) in FIELDS.items() if role in turn), None)
 
 
 def _as_list(value: Any) -> list[Any] | None:
-    if isinstance(value, str):  # parquet/CSV exports often keep the turns as a JSON string
+    if isinstance(value, str):  # parquet/CSV exports (and LLaMA-Factory's tools) keep lists as JSON strings
         try:
             value = json.loads(value)
         except ValueError:
@@ -107,8 +144,12 @@ def record_id(record: Any) -> str | None:
     return None
 
 
-def to_turns(record: Any, schema: Schema, roles: Mapping[str, str]) -> list[Turn] | Drop:
-    """A parsed record -> [(canonical role, content)], or the Drop that says what is wrong with it."""
+def to_conversation(record: Any, schema: Schema | None = None,
+                    roles: Mapping[str, str] | None = None) -> Conversation | Drop:
+    """Any supported chat record -> one OpenAI-style Conversation, or the Drop that says what is wrong with it.
+
+    `schema` None detects the format per record; `roles` defaults to DEFAULT_ROLES (see role_table)."""
+    schema, roles = schema or Schema(), roles if roles is not None else DEFAULT_ROLES
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
     key = schema.key or next((k for k in MESSAGE_KEYS if k in record), None)
@@ -120,52 +161,189 @@ def to_turns(record: Any, schema: Schema, roles: Mapping[str, str]) -> list[Turn
         return Drop("wrong_schema", f"'{key}' is a {type(record[key]).__name__}, expected a list of turns")
     if not raw_turns:
         return Drop("empty_conversation", f"'{key}' is empty")
-    turns = _system_prefix(record, schema)
+    tools = _tools(record.get("tools"))
+    if isinstance(tools, Drop):
+        return tools
+    conv = _system_prefix(record, schema)
+    conv.tools = tools
     for i, raw in enumerate(raw_turns):
-        turn = _to_turn(raw, i, schema.format, roles)
-        if isinstance(turn, Drop):
-            return turn
-        turns.append(turn)
-    if not any(role == "assistant" for role, _ in turns):
-        return Drop("no_assistant_turn", f"roles: {', '.join(sorted({r for r, _ in turns}))}")
-    return turns
+        problem = _add_turn(conv, raw, i, schema.format, roles)
+        if problem is not None:
+            return problem
+    return _checked(conv)
 
 
-def _system_prefix(record: dict[str, Any], schema: Schema) -> list[Turn]:
+def _system_prefix(record: dict[str, Any], schema: Schema) -> Conversation:
     # LLaMA-Factory's ShareGPT keeps the system prompt in a top-level "system" field
     system = record.get("system")
-    return [("system", system)] if schema.format != "openai" and isinstance(system, str) and system else []
+    if schema.format != "openai" and isinstance(system, str) and system:
+        return Conversation([{"role": "system", "content": system}], sources=["system"])
+    return Conversation([])
 
 
-def _to_turn(raw: Any, i: int, fmt: str | None, roles: Mapping[str, str]) -> Turn | Drop:
+def _checked(conv: Conversation) -> Conversation | Drop:
+    """The conversation, with a note per empty turn; a Drop when no assistant turn has anything to learn."""
+    assistant = [m for m in conv.messages if m["role"] == "assistant"]
+    if not assistant:
+        return Drop("no_assistant_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
+    for i, m in enumerate(conv.messages):
+        if not _has_output(m) and not (m["role"] == "assistant" and m.get("reasoning_content")):
+            conv.notes.append(Drop(f"empty_{m['role']}_turn", f"turn {i} ({conv.source(i)}) is empty; kept"
+                                   + (", not supervised" if m["role"] == "assistant" else "")))
+    if not any(_has_output(m) or m.get("reasoning_content") for m in assistant):
+        return Drop("no_assistant_content", f"all {len(assistant)} assistant turns are empty")
+    return conv
+
+
+def _has_output(message: dict[str, Any]) -> bool:
+    return bool(message["content"].strip() or message.get("tool_calls"))
+
+
+def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapping[str, str]) -> Drop | None:
+    """Append turn i to conv (a LLaMA-Factory call turn joins the assistant message before it); or why not."""
     if not isinstance(raw, dict):
         return Drop("wrong_schema", f"turn {i} is a {type(raw).__name__}, expected an object")
     fmt = fmt or _turn_format(raw)
     if fmt is None:
         return Drop("wrong_schema", f"turn {i} has neither from/value nor role/content")
     role_field, content_field = FIELDS[fmt]
-    if role_field not in raw or content_field not in raw:
+    if role_field not in raw or not (content_field in raw or raw.get("tool_calls") or raw.get("function_call")):
         return Drop("wrong_schema", f"turn {i} lacks '{role_field}' or '{content_field}' ({fmt} format)")
-    role = raw[role_field]
-    canonical = roles.get(role.lower()) if isinstance(role, str) else None
-    if canonical is None:
-        return Drop("unknown_role", f"turn {i} has role {str(role)[:40]!r}; map it with data.role_map")
-    content = _content_text(raw[content_field], i)
-    return content if isinstance(content, Drop) else (canonical, content)
+    source = raw[role_field]
+    role = roles.get(source.lower()) if isinstance(source, str) else None
+    if role is None:
+        return Drop("unknown_role", f"turn {i} has role {str(source)[:40]!r}; map it with data.role_map, "
+                    f"e.g. role_map: {{{str(source)[:40]}: user}}")
+    message = _message(raw, content_field, i, role, source)
+    if isinstance(message, Drop):
+        return message
+    previous = conv.messages[-1] if conv.messages else None
+    if source.lower() in CALL_ROLES and previous and previous["role"] == "assistant" and message["tool_calls"] \
+            and not previous.get("tool_calls"):  # gpt text, then its function_call: one assistant message
+        previous["tool_calls"] = message["tool_calls"]
+        return None
+    if role == "tool" and previous and previous.get("tool_calls") and "name" not in message:
+        names = [c["function"]["name"] for c in previous["tool_calls"]]
+        if len(names) == 1:  # LLaMA-Factory's observation does not say which call it answers
+            message["name"] = names[0]
+    conv.messages.append(message)
+    conv.sources.append(source)
+    return None
 
 
-def _content_text(content: Any, i: int) -> str | Drop:
-    if isinstance(content, list):  # OpenAI content parts: keep text parts, refuse images and the like
-        kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
-        if kinds != {"text"} or not all(isinstance(part.get("text"), str) for part in content):
-            return Drop("non_text_content", f"turn {i} has content parts of type {sorted(map(str, kinds))}")
-        content = "".join(part["text"] for part in content)
+def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source: str) -> dict[str, Any] | Drop:
+    """One turn -> an OpenAI-style message dict."""
+    if source.lower() in CALL_ROLES:
+        calls = _tool_calls(raw.get(content_field), i)
+        return calls if isinstance(calls, Drop) else {"role": role, "content": "", "tool_calls": calls}
+    parts = _content(raw.get(content_field), i)
+    if isinstance(parts, Drop):
+        return parts
+    text, reasoning, calls = parts
+    for key in ("tool_calls", "function_call"):  # function_call: OpenAI's older single-call field
+        if raw.get(key) and role == "assistant":
+            more = _tool_calls(raw[key], i)
+            if isinstance(more, Drop):
+                return more
+            calls += more
+    explicit = raw.get("reasoning_content", raw.get("reasoning"))
+    if isinstance(explicit, str) and explicit.strip():
+        reasoning.insert(0, explicit)
+    if role == "assistant" and not reasoning and "</think>" in text:
+        head, text = text.split("</think>", 1)
+        reasoning, text = [head.split("<think>", 1)[-1]], text.lstrip("\n")
+    message: dict[str, Any] = {"role": role, "content": text}
+    if reasoning and role == "assistant":
+        message["reasoning_content"] = "\n\n".join(r.strip("\n") for r in reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    for k in ("tool_call_id", "name"):
+        if role == "tool" and isinstance(raw.get(k), str):
+            message[k] = raw[k]
+    return message
+
+
+def _content(content: Any, i: int) -> tuple[str, list[str], list[dict[str, Any]]] | Drop:
+    """(text, reasoning pieces, tool calls) of a turn's content: a string, null, or a list of typed parts."""
+    if content is None:
+        return "", [], []
+    if isinstance(content, list):
+        return _parts(content, i)
     if not isinstance(content, str):
         return Drop("non_string_content", f"turn {i} content is {type(content).__name__}, expected a string")
-    if not content.strip():
-        return Drop("empty_content", f"turn {i} content is empty")
+    return _utf8(content, i) or (content, [], [])
+
+
+def _parts(parts: list[Any], i: int) -> tuple[str, list[str], list[dict[str, Any]]] | Drop:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        value = part.get("text", part.get("value")) if isinstance(part, dict) else None
+        if kind == "tool_call":
+            call = _tool_calls(value if value is not None else part.get("tool_call"), i)
+            if isinstance(call, Drop):
+                return call
+            calls += call
+        elif kind in TEXT_PARTS | REASONING_PARTS and isinstance(value, str):
+            if bad := _utf8(value, i):
+                return bad
+            (texts if kind in TEXT_PARTS else reasoning).append(value)
+        else:
+            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in parts})
+            return Drop("non_text_content", f"turn {i} has content parts of type {kinds}; only text (under "
+                        "'text' or 'value'), reasoning and tool_call parts are read")
+    return "".join(texts), reasoning, calls
+
+
+def _utf8(text: str, i: int) -> Drop | None:
     try:
-        content.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as exc:
         return Drop("bad_utf8", f"turn {i} content has a lone surrogate at character {exc.start}")
-    return content
+    return None
+
+
+def _tool_calls(value: Any, i: int) -> list[dict[str, Any]] | Drop:
+    """OpenAI tool_calls, a LLaMA-Factory call ({name, arguments}, or a list, maybe as a JSON string) ->
+    [{"type": "function", "function": {"name", "arguments": dict}}] (templates expect arguments as a dict)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return Drop("bad_tool_call", f"turn {i}: the tool call is not JSON: {value[:60]!r}")
+    calls = []
+    for call in value if isinstance(value, list) else [value]:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        name, args = (fn.get("name"), fn.get("arguments", fn.get("parameters", {}))) if isinstance(fn, dict) \
+            else (None, None)
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return Drop("bad_tool_call", f"turn {i}: the arguments of tool call {name!r} are not JSON")
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return Drop("bad_tool_call", f"turn {i}: a tool call needs a 'name' and object 'arguments'; "
+                        f"got {str(call)[:80]}")
+        out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
+    """The record's tool definitions (a list, or a JSON string of one) as OpenAI {"type": "function", ...}."""
+    if value is None or value == "" or value == []:
+        return None
+    tools = _as_list(value)
+    if tools is None or not all(isinstance(t, dict) for t in tools):
+        return Drop("bad_tools", f"'tools' must be a list of tool definitions (or its JSON); got {str(value)[:60]}")
+    out = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return Drop("bad_tools", f"a tool definition has no name: {str(tool)[:80]}")
+        out.append({"type": "function", "function": fn})
+    return out or None

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_core.data.formats import Drop, Schema, parse_payload, record_id, role_table, to_turns
+from dflash_core.data.formats import Drop, Schema, parse_payload, record_id, role_table, to_conversation
 from dflash_core.data.sources import RawRecord
 from dflash_core.data.template import ChatEncoder, Encoded
 
@@ -22,6 +22,7 @@ class BuildSpec:
     max_length: int
     overlong: str
     min_supervised: int
+    thinking: str = "strip"
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class Chunk:
 
 @dataclass
 class Sample:
-    """A kept record: ids, loss mask and provenance; `truncated` says how an over-long one was cut."""
+    """A kept record: ids, loss mask and provenance; `truncated` says how an over-long one was cut, `notes`
+    the data-quality findings that did not drop it (empty turns)."""
 
     record: int
     line: int | None
@@ -43,6 +45,7 @@ class Sample:
     ids: np.ndarray
     mask: np.ndarray
     truncated: str | None = None
+    notes: list[Drop] = field(default_factory=list)
 
 
 @dataclass
@@ -74,16 +77,16 @@ class SampleBuilder:
         """Every record of the chunk, kept or dropped, in order."""
         parsed = [parse_payload(r.payload) for r in chunk.records]
         ids = [record_id(p) for p in parsed]
-        turns = [p if isinstance(p, Drop) else to_turns(p, chunk.schema, self.roles) for p in parsed]
-        valid = [t for t in turns if not isinstance(t, Drop)]
+        convs = [p if isinstance(p, Drop) else to_conversation(p, chunk.schema, self.roles) for p in parsed]
+        valid = [c for c in convs if not isinstance(c, Drop)]
         encoded = iter(self.encoder.encode(valid)) if valid else iter(())
         outcomes: list[Sample | Dropped] = []
-        for rec, rid, t in zip(chunk.records, ids, turns, strict=True):
-            result = t if isinstance(t, Drop) else self._fit(next(encoded))
+        for rec, rid, conv in zip(chunk.records, ids, convs, strict=True):
+            result = conv if isinstance(conv, Drop) else self._fit(next(encoded))
             if isinstance(result, Drop):
                 outcomes.append(Dropped(rec.record, rec.line, rid, result.reason, result.detail))
-            else:
-                outcomes.append(Sample(rec.record, rec.line, rid, *result))
+            elif not isinstance(conv, Drop):  # always: a dropped conversation's result is its Drop
+                outcomes.append(Sample(rec.record, rec.line, rid, *result, notes=conv.notes))
         return ChunkResult(chunk.file, outcomes)
 
     def _fit(self, enc: Encoded | Drop) -> tuple[np.ndarray, np.ndarray, str | None] | Drop:
@@ -116,7 +119,7 @@ def init_worker(spec: BuildSpec, tokenizer: Any) -> None:
     """Pool initializer: the parent's tokenizer, unpickled (no AutoTokenizer import: that pulls in torch)."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer))
+    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking))
 
 
 def build_chunk(chunk: Chunk) -> ChunkResult:

@@ -3,11 +3,16 @@
 Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
 lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz) and parquet are read record by record: memory stays
-about one record (JSON) or one 1024-row batch (parquet) whatever the file size.
+about one record (JSON) or one 1024-row batch (parquet) whatever the file size. A file holding one JSON object
+(or several pretty-printed ones, concatenated) is read whole: each object is one record.
+
+A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
+failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from collections.abc import Iterator
@@ -26,6 +31,7 @@ DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
+_DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,10 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class ReadFailure:
-    """A file (or its tail) that could not be read; it counts as one dropped record."""
+    """A file (or its tail) that could not be read; it counts as one dropped record with this reason."""
 
     message: str
+    reason: str = "unreadable"
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class FileRecords:
                 for rec in self._records(raw):
                     count = rec.record + 1
                     yield rec
+        except EOFError as exc:  # gzip/bz2/xz: the compressed stream ends before its end marker
+            yield RawRecord(count, None, _truncated(count, f"{type(exc).__name__}: {exc}"))
         except Exception as exc:  # a broken file counts as one bad record, never a crash
             yield RawRecord(count, None, ReadFailure(f"{type(exc).__name__}: {exc}"))
         self.done = 1.0
@@ -120,10 +129,23 @@ class FileRecords:
             yield from self._parquet(raw)
             return
         stream = _Prepend(head, stream)
-        if stream.peek_nonspace() == b"[":
+        first = stream.peek_nonspace()
+        if first == b"[":
             yield from self._json_array(stream, raw)
+        elif first == b"{" and not _is_json(stream.peek_line()):
+            yield from self._documents(stream, raw)
         else:
             yield from self._jsonl(stream, raw)
+
+    def _documents(self, stream: _Prepend, raw: Any) -> Iterator[RawRecord]:
+        """A first line that is not JSON: the file may be one pretty-printed object (or several); else JSONL."""
+        blob = stream.read_upto(_DOCUMENT_MAX)
+        documents = _json_documents(blob) if len(blob) < _DOCUMENT_MAX else None
+        if documents is None:
+            yield from self._jsonl(_Prepend(blob, stream), raw)
+            return
+        for record, (line_no, text) in enumerate(documents):
+            yield RawRecord(record, line_no, text)
 
     def _jsonl(self, stream: _Prepend, raw: Any) -> Iterator[RawRecord]:
         record = 0
@@ -136,6 +158,9 @@ class FileRecords:
 
     def _json_array(self, stream: _Prepend, raw: Any) -> Iterator[RawRecord]:
         for record, (line_no, element) in enumerate(JsonArrayElements(stream)):
+            if element is _CUT:
+                yield RawRecord(record, line_no, _truncated(record, "end of file inside the JSON array"))
+                return
             yield RawRecord(record, line_no, element)
             if record % 1024 == 0:
                 self._update(raw)
@@ -157,22 +182,74 @@ class FileRecords:
             pass
 
 
+def _truncated(records: int, what: str) -> ReadFailure:
+    return ReadFailure(f"the file is cut short ({what}); records read before the cut: {records}", "truncated_file")
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _json_documents(blob: bytes) -> list[tuple[int, bytes]] | None:
+    """(first line, bytes) of each JSON value in a blob of concatenated values; None if it is not one."""
+    try:
+        text = blob.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        return None
+    decoder, out, pos = json.JSONDecoder(), [], 0
+    while (pos := _skip_ws(text, pos)) < len(text):
+        try:
+            _, end = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        out.append((text.count("\n", 0, pos) + 1, text[pos:end].encode()))
+        pos = end
+    return out or None
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
 class _Prepend:
     """A binary stream with a few bytes pushed back in front (we sniff the first bytes of every file)."""
 
     def __init__(self, head: bytes, stream: Any) -> None:
         self.buf, self.stream = head, stream
+        # read1 returns what one decompression step gives: a stream cut short then loses only its last
+        # partial chunk, where read(n) would drop up to n decoded bytes along with the EOFError
+        self._read = getattr(stream, "read1", stream.read)
 
     def read(self, n: int) -> bytes:
         if self.buf:
             out, self.buf = self.buf, b""
-            return out + self.stream.read(max(n - len(out), 0))
-        return self.stream.read(n)
+            return out
+        return self._read(n)
+
+    def peek_line(self) -> bytes:
+        """The first line (without b"\\n"), kept in the stream."""
+        while b"\n" not in self.buf and (more := self._read(_READ_CHUNK)):
+            self.buf += more
+        return self.buf.split(b"\n", 1)[0]
+
+    def read_upto(self, limit: int) -> bytes:
+        """Everything up to `limit` bytes (fewer at EOF)."""
+        parts, size = [], 0
+        while size < limit and (chunk := self.read(_READ_CHUNK)):
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)
 
     def peek_nonspace(self) -> bytes:
         """The first non-whitespace byte (b'' at EOF), kept in the stream."""
         while not self.buf.lstrip(b" \t\r\n\xef\xbb\xbf"):
-            more = self.stream.read(4096)
+            more = self._read(4096)
             if not more:
                 return b""
             self.buf += more
@@ -192,10 +269,14 @@ _STRUCT = re.compile(rb'[\[\]{}",]')
 _STRING_TAIL = re.compile(rb'(?:[^"\\]|\\.)*"', re.S)
 
 
+_CUT = b"<end of file inside the JSON array: the file is truncated>"
+
+
 class JsonArrayElements:
     """The top-level elements of a JSON array as raw bytes with their first line; memory ~ one element.
 
-    Structural errors never raise: the damaged stretch comes out as one element that fails to parse later."""
+    Structural errors never raise: the damaged stretch comes out as one element that fails to parse later.
+    An array cut short ends with the `_CUT` element (the partial element before the end is not yielded)."""
 
     def __init__(self, stream: Any) -> None:
         self.stream, self.buf, self.eof = stream, b"", False
@@ -234,16 +315,18 @@ class JsonArrayElements:
         while True:
             pos = self._drop_before(self._skip_space(pos))
             if pos >= len(self.buf):
-                yield self._line_at(pos), b"<end of file inside the JSON array: the file is truncated>"
+                yield self._line_at(pos), _CUT
                 return
             if self.buf[pos:pos + 1] == b"]":
                 yield from self._trailing(pos + 1)
                 return
             end, closed = self._element_end(pos)
+            if end >= len(self.buf):  # no ',' or ']' before the end: the element may be cut, so it is lost
+                yield self._line_at(pos), _CUT
+                return
             yield self._line_at(pos), self.buf[pos:end].strip()
-            if closed or end >= len(self.buf):
-                if end < len(self.buf):
-                    yield from self._trailing(end + 1)
+            if closed:
+                yield from self._trailing(end + 1)
                 return
             pos = end + 1
 

@@ -1,32 +1,40 @@
 """The tokenizer's chat template -> token ids and an assistant-only loss mask, for batches of conversations.
 
 How the mask is found for any template: each conversation is rendered as is, and so is its skeleton (every
-turn's content replaced by a unique marker; it depends only on the role sequence, so it is cached per
-sequence). Splicing the contents into the skeleton must give the real render exactly, else the template
-rewrites contents (e.g. strips them) and we try stripped contents, then an in-order search; so a skeleton can
-never yield wrong spans, at worst a fallback. That gives the character span of every assistant content in the
-real text; the end-of-turn token the template writes after an assistant turn (learnt once per tokenizer) is
-added to the span. One batched fast-tokenizer call over the real texts then maps the spans onto tokens.
+non-blank content and reasoning text replaced by a unique marker; tool calls and tools stay as they are; for
+plain chats it depends only on the role sequence, so it is cached). Splicing the texts into the skeleton must
+give the real render exactly, else the template rewrites contents (e.g. strips them) and we try stripped
+contents, then the skeleton's scaffolding as anchors, then an in-order search; so a skeleton can never yield
+wrong spans, at worst a fallback. That gives the character span of every text in the real render. An assistant
+turn's supervised span runs from the end of the generation prompt before it (so a `<think>` opener the model
+writes is learnt, a `<think></think>` the prompt pre-fills with thinking off is not) or its first text, through
+its tool calls, to the end-of-turn token (both learnt once per tokenizer); an empty assistant turn has none.
+One batched fast-tokenizer call over the real texts then maps the spans onto tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.formats import Drop, Turn
+from dflash_core.data.formats import Conversation, Drop
 
 _MARK = "\ue000{}\ue001"  # private-use code points: no template trims or rewrites them
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 _SKELETONS = 4096  # cached role sequences
 
+_PROBE_TOOL = "dflash_probe_tool"
+
 Span = tuple[int, int]
+Slot = tuple[int, str]  # (message index, "content" | "reasoning_content")
+Messages = list[dict[str, Any]]
 
 
 @dataclass
@@ -42,29 +50,66 @@ def load_tokenizer(path: str) -> Any:
     """A transformers fast tokenizer from a local path or hub id; errors name the tokenizer."""
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(os.path.expanduser(path)) and _looks_local(path):
+        raise TemplateError(f"tokenizer '{path}': no such folder; give a local tokenizer folder or a hub id "
+                            "like Qwen/Qwen3-8B")
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(path))
     except Exception as exc:
-        raise TemplateError(f"tokenizer '{path}' cannot be loaded: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TemplateError(f"tokenizer '{path}' cannot be loaded: {first}") from exc
     if not getattr(tok, "is_fast", False):
         raise TemplateError(f"tokenizer '{path}' is not a fast (Rust) tokenizer; offsets need tokenizer.json")
     return tok
 
 
+def _looks_local(path: str) -> bool:
+    """A path no hub id can be: absolute, relative with ./ or ~, a file URI, or deeper than owner/name."""
+    return path.startswith(("/", ".", "~", "file:")) or "\\" in path or path.count("/") > 1 or path.endswith("/")
+
+
+def chat_template_inputs(conv: Conversation, thinking: str = "strip",
+                         template: str | None = None) -> tuple[Messages, dict[str, Any]]:
+    """(messages, kwargs) for tokenizer.apply_chat_template(messages, **kwargs), per data.thinking.
+
+    strip: reasoning is removed and the template is told enable_thinking=False (Qwen3 then writes the empty
+    think block its thinking-off prompts end with). keep: reasoning goes in `reasoning_content` (when the
+    template reads that field, or `template` is not given) or else inline as a `<think>` block before the
+    content; enable_thinking=True. The record's tools go in as tools=."""
+    keep = thinking == "keep"
+    inline = keep and template is not None and "reasoning_content" not in template
+    messages = []
+    for m in conv.messages:
+        m = dict(m)
+        reasoning = m.pop("reasoning_content", None)
+        if keep and reasoning and inline:
+            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
+        elif keep and reasoning:
+            m["reasoning_content"] = reasoning
+        messages.append(m)
+    kwargs: dict[str, Any] = {"enable_thinking": keep}
+    if conv.tools:
+        kwargs["tools"] = conv.tools
+    return messages, kwargs
+
+
 class ChatEncoder:
     """Renders conversations with the tokenizer's own chat template and masks the assistant tokens."""
 
-    def __init__(self, tokenizer: Any, name: str) -> None:
+    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 f"tokenizer '{name}' has no chat template; use a chat model's tokenizer or add "
                 "'chat_template' to its tokenizer_config.json (or a chat_template.jinja file)")
-        self.tokenizer, self.name = tokenizer, name
+        self.tokenizer, self.name, self.thinking = tokenizer, name, thinking
+        self.template = str(tokenizer.chat_template)
         self.backend = tokenizer.backend_tokenizer
         self.backend.no_truncation()  # the length policy is ours; a saved truncation would cut silently
         self.backend.no_padding()
-        self.skeletons: dict[tuple[str, ...], str | Exception] = {}
+        self.skeletons: dict[str, str | Exception] = {}
         self.eot = self._learn_eot()
+        self.prompts = self._learn_prompts()
+        self.tools = self._renders_tools()
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -72,43 +117,85 @@ class ChatEncoder:
         tok = self.tokenizer
         return {"name": self.name, "class": type(tok).__name__, "vocab_size": len(tok),
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
-                "chat_template_sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest()}
+                "generation_prompts": self.prompts, "renders_tools": self.tools,
+                "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
 
-    def _render(self, convs: list[list[dict[str, str]]]) -> list[str | Exception]:
-        """Rendered texts, batched; a failing batch is redone one by one so only the bad ones fail."""
-        try:
-            return list(self.tokenizer.apply_chat_template(convs, tokenize=False))
-        except Exception:  # the template's own errors (raise_exception, type errors): find which ones
-            return [self._render_one(conv) for conv in convs]
+    def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
+        """This encoder's chat_template_inputs of a conversation."""
+        return chat_template_inputs(conv, self.thinking, self.template)
 
-    def _render_one(self, conv: list[dict[str, str]]) -> str | Exception:
+    def _render(self, items: list[tuple[Messages, dict[str, Any]]]) -> list[str | Exception]:
+        """Rendered texts, batched (those without tools); a failing batch is redone one by one so only the
+        bad ones fail."""
+        out: list[str | Exception | None] = [None] * len(items)
+        plain = [i for i, (_, kwargs) in enumerate(items) if "tools" not in kwargs]
+        if plain:
+            try:  # every plain item has the same kwargs: this encoder's thinking setting
+                texts = list(self.tokenizer.apply_chat_template([items[i][0] for i in plain], tokenize=False,
+                                                                **items[plain[0]][1]))
+            except Exception:  # the template's own errors (raise_exception, type errors): find which ones
+                texts = [self._render_one(*items[i]) for i in plain]
+            for i, text in zip(plain, texts, strict=True):
+                out[i] = text
+        return [text if text is not None else self._render_one(*item) for text, item in zip(out, items, strict=True)]
+
+    def _render_one(self, messages: Messages, kwargs: dict[str, Any]) -> str | Exception:
         try:
-            return self.tokenizer.apply_chat_template(conv, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as exc:  # reported as the record's drop reason
             return exc
+
+    def _plain(self, *turns: tuple[str, str]) -> tuple[Messages, dict[str, Any]]:
+        return self.inputs(Conversation([{"role": r, "content": c} for r, c in turns]))
 
     def _learn_eot(self) -> str:
         """The end-of-turn text the template writes right after an assistant's content (e.g. <|im_end|>)."""
         probes = ([("user", "u"), ("assistant", "a")], [("system", "s"), ("user", "u"), ("assistant", "a")])
         for probe in probes:
-            text = self._render([_marked([r for r, _ in probe])])[0]
-            if isinstance(text, str) and _MARK.format(len(probe) - 1) in text:
-                return _special_prefix(text.split(_MARK.format(len(probe) - 1), 1)[1], self._specials())
+            end = _MARK.format(len(probe) - 1)
+            text = self._render([self._plain(*[(r, _MARK.format(k)) for k, (r, _) in enumerate(probe)])])[0]
+            if isinstance(text, str) and end in text:
+                return _special_prefix(text.split(end, 1)[1], self._specials())
         raise TemplateError(
             f"the chat template of tokenizer '{self.name}' cannot render a plain user/assistant conversation "
             "(or drops the assistant's content); check the template")
+
+    def _learn_prompts(self) -> list[str]:
+        """What add_generation_prompt appends (e.g. '<|im_start|>assistant\\n'): the model writes what follows;
+        with this thinking setting first, then with thinking on (Qwen3's plain header, for earlier turns)."""
+        messages, kwargs = self._plain(("user", "u"))
+        prompts = []
+        for thinking in (kwargs["enable_thinking"], True):
+            bare, prompted = (self._render_one(messages, {**kwargs, "enable_thinking": thinking,
+                                                          "add_generation_prompt": gen}) for gen in (False, True))
+            if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
+                prompts.append(prompted[len(bare):])
+        return [p for p in dict.fromkeys(prompts) if p]
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes an assistant's tool calls (probed once with a made-up call)."""
+        call = {"type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"q": 1}}}
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {
+            "type": "object", "properties": {"q": {"type": "integer"}}}}}
+        conv = Conversation([{"role": "user", "content": _MARK.format(0)},
+                             {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
+        text = self._render_one(*self.inputs(conv))
+        return isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]
 
     def _specials(self) -> list[str]:
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         return sorted(set(added) | set(self.tokenizer.all_special_tokens), key=len, reverse=True)
 
-    def encode(self, convs: list[list[Turn]]) -> list[Encoded | Drop]:
+    def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
         """Token ids and assistant-only loss masks for a batch of conversations (or why each failed)."""
-        real = self._render([[{"role": r, "content": c} for r, c in conv] for conv in convs])
-        marked = self._skeletons([tuple(r for r, _ in conv) for conv in convs])
-        located = [self._locate(conv, text, skel) for conv, text, skel in zip(convs, real, marked, strict=True)]
+        items = [self.inputs(c) for c in convs]
+        real = self._render(items)
+        marked = [_marked(messages) for messages, _ in items]
+        skeletons = self._skeletons([(m, kwargs) for (m, _), (_, kwargs) in zip(marked, items, strict=True)])
+        located = [self._located(c, msgs, slots, text, skel) for c, (msgs, _), (_, slots), text, skel
+                   in zip(convs, items, marked, real, skeletons, strict=True)]
         texts = [text for text, spans in zip(real, located, strict=True)
-                 if isinstance(text, str) and not isinstance(spans, Drop)]  # _locate drops every failed render
+                 if isinstance(text, str) and not isinstance(spans, Drop)]  # every failed render is a Drop
         encodings = iter(self._tokenize(texts))
         return [spans if isinstance(spans, Drop) else _masked(next(encodings), spans) for spans in located]
 
@@ -125,34 +212,97 @@ class ChatEncoder:
         except Exception as exc:  # becomes the record's drop reason
             return Drop("tokenizer_error", f"the tokenizer raised {type(exc).__name__}: {str(exc)[:160]}")
 
-    def _skeletons(self, role_seqs: list[tuple[str, ...]]) -> list[str | Exception]:
-        """The marker render of each role sequence, rendering only the ones not seen before."""
-        new = [seq for seq in dict.fromkeys(role_seqs) if seq not in self.skeletons]
+    def _skeletons(self, items: list[tuple[Messages, dict[str, Any]]]) -> list[str | Exception]:
+        """The marker render of each skeleton, rendering only the ones not seen before."""
+        keys = [json.dumps(item, sort_keys=True, ensure_ascii=False) for item in items]
+        new = {k: item for k, item in zip(keys, items, strict=True) if k not in self.skeletons}
         if len(self.skeletons) + len(new) > _SKELETONS:
             self.skeletons.clear()
         if new:
-            self.skeletons.update(zip(new, self._render([_marked(seq) for seq in new]), strict=True))
-        return [self.skeletons[seq] for seq in role_seqs]
+            self.skeletons.update(zip(new, self._render(list(new.values())), strict=True))
+        return [self.skeletons[k] for k in keys]
 
-    def _locate(self, conv: list[Turn], text: str | Exception, skeleton: str | Exception) -> list[Span] | Drop:
-        """Character spans of the assistant turns (content + end-of-turn) in the rendered text."""
+    def _located(self, conv: Conversation, messages: Messages, slots: list[Slot], text: str | Exception,
+                 skeleton: str | Exception) -> list[Span] | Drop:
+        """Character spans of the assistant turns (generated text + end-of-turn) in the rendered text."""
+        if conv.uses_tools and not self.tools:
+            return Drop("template_has_no_tools", f"the record has tools or tool calls and the chat template of "
+                        f"'{self.name}' does not render tool calls; use a tool-calling model's tokenizer")
         if isinstance(text, Exception):
-            return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]}")
-        spans = _spliced_spans(conv, text, skeleton)
-        if isinstance(spans, Drop):
-            return spans
+            roles = ", ".join(dict.fromkeys(f"{conv.source(j)}->{m['role']}" for j, m in enumerate(messages)))
+            return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]} "
+                        f"(roles as read: {roles}; data.role_map maps a source role to another)")
+        spans = _spliced_spans(messages, slots, text, skeleton)
+        if isinstance(spans, int):
+            return _dropped_turn(conv, messages, spans)
         if spans is None and not isinstance(skeleton, Exception):
-            spans = _anchored_spans(skeleton, text, len(conv))
-        spans = spans or _searched_spans(conv, text)
+            spans = _anchored_spans(skeleton, text)
+        spans = spans or _searched_spans(messages, slots, text)
         if spans is None:
             return Drop("template_mismatch", "cannot place the assistant turns in the rendered text (the template "
                         "rewrites both contents and scaffolding)")
-        return [(s, e + len(self.eot) if self.eot and text.startswith(self.eot, e) else e)
-                for (role, _), (s, e) in zip(conv, spans, strict=True) if role == "assistant"]
+        return self._assistant_spans(messages, slots, spans, text)
+
+    def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
+                         text: str) -> list[Span] | Drop:
+        """Each assistant turn's supervised span, from its slot spans; empty turns have none."""
+        by_message: dict[int, list[Span]] = {}
+        for k, span in spans.items():
+            if span[1] > span[0]:
+                by_message.setdefault(slots[k][0], []).append(span)
+        out = []
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant" or not (by_message.get(j) or m.get("tool_calls")):
+                continue
+            lo = max((e for i, own in by_message.items() if i < j for _, e in own), default=0)
+            hi = min((s for i, own in by_message.items() if i > j for s, _ in own), default=len(text))
+            turn = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
+            if turn is None:
+                return Drop("template_mismatch", f"cannot place the tool calls of turn {j} in the rendered text")
+            out.append(turn)
+        return out
+
+    def _turn_span(self, text: str, own: list[Span], lo: int, hi: int, calls: bool) -> Span | None:
+        """From the generation prompt's end (or the first text) to the end-of-turn after the last text/call."""
+        start = min((s for s, _ in own), default=None)
+        end = max((e for _, e in own), default=None)
+        for prompt in self.prompts:
+            at = text.rfind(prompt, lo, hi if start is None else start)
+            if at >= 0:
+                start = at + len(prompt)
+                end = start if end is None else end
+                break
+        if start is None or end is None:
+            return None
+        if calls:  # the calls follow the text: the turn ends at the first end-of-turn after them
+            close = text.find(self.eot, end, hi) if self.eot else -1
+            return start, close + len(self.eot) if close >= 0 else end
+        return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
 
 
-def _marked(roles: Sequence[str]) -> list[dict[str, str]]:
-    return [{"role": role, "content": _MARK.format(k)} for k, role in enumerate(roles)]
+def _dropped_turn(conv: Conversation, messages: Messages, j: int) -> Drop:
+    """Why turn j's text is missing from the render, naming its role as written in the data."""
+    source, role = conv.source(j), messages[j]["role"]
+    if messages[j].get("tool_calls"):  # Llama 3.1 writes only the call of a tool-calling turn
+        return Drop("turn_dropped_by_template", f"turn {j} ({source!r}) has text and tool calls; the template "
+                    "renders only the calls, so its text would be lost")
+    return Drop("turn_dropped_by_template", f"turn {j} (role {source!r}, read as {role}) is not in the rendered "
+                f"text; map {source!r} to a role the template renders with data.role_map, e.g. role_map: "
+                f"{{{source}: {'user' if role != 'user' else 'assistant'}}}")
+
+
+def _marked(messages: Messages) -> tuple[Messages, list[Slot]]:
+    """The skeleton of a conversation: every non-blank content and reasoning text replaced by a marker."""
+    out: Messages = []
+    slots: list[Slot] = []
+    for j, m in enumerate(messages):
+        m = dict(m)
+        for f in ("reasoning_content", "content"):
+            if isinstance(m.get(f), str) and m[f].strip():
+                m[f] = _MARK.format(len(slots))
+                slots.append((j, f))
+        out.append(m)
+    return out, slots
 
 
 def _special_prefix(suffix: str, specials: list[str]) -> str:
@@ -162,34 +312,36 @@ def _special_prefix(suffix: str, specials: list[str]) -> str:
     return suffix[: len(suffix) - len(body) + len(token)] if token else ""
 
 
-def _spliced_spans(conv: list[Turn], text: str, skeleton: str | Exception) -> list[Span] | Drop | None:
-    """Spans of every turn's content when the template inserts contents verbatim (or stripped); else None."""
+def _spliced_spans(messages: Messages, slots: list[Slot], text: str,
+                   skeleton: str | Exception) -> dict[int, Span] | int | None:
+    """Spans of every slot when the template inserts texts verbatim (or stripped); the index of a message
+    whose content the template does not render at all; else None."""
     if isinstance(skeleton, Exception):
         return None
     found = [int(m.group(1)) for m in _MARK_RE.finditer(skeleton)]
-    missing = sorted(set(range(len(conv))) - set(found))
+    # a reasoning text may be left out (Qwen3 shows only the last turn's); a content never
+    missing = [j for k, (j, f) in enumerate(slots) if f == "content" and k not in found]
     if missing:
-        role = conv[missing[0]][0]
-        return Drop("turn_dropped_by_template", f"turn {missing[0]} (role {role}) is not in the rendered "
-                    "text; map the role to one the template renders with data.role_map")
-    if len(found) != len(conv):
+        return missing[0]
+    if len(found) != len(set(found)):
         return None
+    texts = [messages[j][f] for j, f in slots]
     for transform in (str, str.strip):
-        spans = _splice(skeleton, [transform(c) for _, c in conv], text)
+        spans = _splice(skeleton, [transform(t) for t in texts], text)
         if spans is not None:
             return spans
     return None
 
 
-def _splice(skeleton: str, contents: list[str], text: str) -> list[Span] | None:
-    spans: list[Span] = [(0, 0)] * len(contents)
+def _splice(skeleton: str, texts: list[str], text: str) -> dict[int, Span] | None:
+    spans: dict[int, Span] = {}
     pos = out = 0  # position in the skeleton, and in the spliced text
     for m in _MARK_RE.finditer(skeleton):
         literal = skeleton[pos:m.start()]
         if not text.startswith(literal, out):
             return None
         out += len(literal)
-        content = contents[int(m.group(1))]
+        content = texts[int(m.group(1))]
         if not text.startswith(content, out):
             return None
         spans[int(m.group(1))] = (out, out + len(content))
@@ -198,14 +350,14 @@ def _splice(skeleton: str, contents: list[str], text: str) -> list[Span] | None:
     return spans if text[out:] == tail else None
 
 
-def _anchored_spans(skeleton: str, text: str, n: int) -> list[Span] | None:
-    """Spans of what the template renders in each turn's slot, for templates that rewrite contents (strip a
-    think block, say): the skeleton's literal scaffolding is found in order in the text; each slot lies between."""
+def _anchored_spans(skeleton: str, text: str) -> dict[int, Span] | None:
+    """Spans of what the template renders in each slot, for templates that rewrite contents (strip a think
+    block, say): the skeleton's literal scaffolding is found in order in the text; each slot lies between."""
     pieces = _MARK_RE.split(skeleton)  # literal, marker index, literal, ..., literal
     literals, order = pieces[0::2], [int(k) for k in pieces[1::2]]
-    if sorted(order) != list(range(n)) or not text.startswith(literals[0]):
+    if len(order) != len(set(order)) or not text.startswith(literals[0]):
         return None
-    spans: list[Span] = [(0, 0)] * n
+    spans: dict[int, Span] = {}
     pos = len(literals[0])
     for i, (k, literal) in enumerate(zip(order, literals[1:], strict=True)):
         if i == len(order) - 1:
@@ -218,19 +370,21 @@ def _anchored_spans(skeleton: str, text: str, n: int) -> list[Span] | None:
     return spans
 
 
-def _searched_spans(conv: list[Turn], text: str) -> list[Span] | None:
-    """Last resort, when even the skeleton fails to render: find each content in order after the previous."""
-    spans: list[Span] = []
+def _searched_spans(messages: Messages, slots: list[Slot], text: str) -> dict[int, Span] | None:
+    """Last resort, when even the skeleton fails to render: find each text in order after the previous."""
+    spans: dict[int, Span] = {}
     cursor = 0
-    for role, content in conv:
-        needle, at = content, text.find(content, cursor)
+    for k, (j, f) in enumerate(slots):
+        needle = messages[j][f]
+        at = text.find(needle, cursor)
         if at < 0:
-            needle = content.strip()
+            needle = needle.strip()
             at = text.find(needle, cursor)
-        if at < 0 and role == "assistant":
+        if at < 0 and messages[j]["role"] == "assistant" and f == "content":
             return None
-        spans.append((at, at + len(needle)) if at >= 0 else (cursor, cursor))
-        cursor = at + len(needle) if at >= 0 else cursor
+        if at >= 0:
+            spans[k] = (at, at + len(needle))
+            cursor = at + len(needle)
     return spans
 
 

@@ -36,7 +36,8 @@ from dflash_core.data.samples import (
 )
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import ChatEncoder, load_tokenizer
-from dflash_core.data.writer import ShardWriter
+from dflash_core.data.writer import OWN_FILES, ShardWriter
+from dflash_core.publish import check_output, staged_output
 
 __all__ = ["input_fingerprint", "tokenize_dataset"]
 
@@ -49,27 +50,33 @@ Progress = Callable[[dict[str, Any]], None]
 
 
 def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, block_size: int,
-                     progress: Progress | None = None) -> dict[str, Any]:
-    """Tokenize every conversation under `source` into `out`; returns the CLI summary."""
+                     progress: Progress | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Tokenize every conversation under `source` into `out`; returns the CLI summary.
+
+    `out` is published whole when the stage succeeds (dflash_core/publish.py); a failure leaves it as it was.
+    """
+    check_output(out, "tokenize", OWN_FILES, overwrite)  # before the slow set-up: a wrong --out fails at once
     files = _without_output(list_files(source), out)
     tok = load_tokenizer(tokenizer)
-    encoder = ChatEncoder(tok, tokenizer)  # fails here, before any work, on a template we cannot use
-    spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size)
+    encoder = ChatEncoder(tok, tokenizer, cfg.thinking)  # fails here, before any work, on an unusable template
+    spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking)
     fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, tok), output_params(cfg, block_size))
     run = _Run(files, cfg, progress)
-    writer = ShardWriter(out, cfg.rows_per_part, cfg.rows_per_group)
-    try:
-        local = SampleBuilder(spec, encoder)
-        for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
-            run.account(result, writer)
-        run.report(final=True)
-        run.drops.check(run.read, cfg.max_bad_fraction)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish(run.manifest(fingerprint, encoder, cfg, block_size))
-    return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "tokens": run.tokens,
-            "supervised_tokens": run.supervised, "out": out, "fingerprint": fingerprint}
+    with staged_output(out, "tokenize", OWN_FILES, overwrite) as staging:
+        writer = ShardWriter(staging, cfg.rows_per_part, cfg.rows_per_group)
+        try:
+            local = SampleBuilder(spec, encoder)
+            for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
+                run.account(result, writer)
+            run.report(final=True)
+            run.drops.check(run.read, cfg.max_bad_fraction)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.finish(run.manifest(fingerprint, encoder, cfg, block_size))
+    return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "notes": run.notes.dropped(),
+            "truncated_files": run.truncated_files, "tokens": run.tokens, "supervised_tokens": run.supervised,
+            "out": out, "fingerprint": fingerprint}
 
 
 def _without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
@@ -109,6 +116,8 @@ class _Run:
     def __init__(self, files: list[SourceFile], cfg: DataConfig, progress: Progress | None) -> None:
         self.files, self.cfg, self.progress = files, cfg, progress
         self.drops = DropLog(cfg.max_examples)
+        self.notes = DropLog(cfg.max_examples)  # kept records with data-quality findings (empty turns)
+        self.truncated_files: list[str] = []
         self.read = self.kept = self.tokens = self.supervised = 0
         self.truncated = {"turn_boundary": 0, "mid_turn": 0}
         self.schemas: list[Schema] = []
@@ -139,7 +148,12 @@ class _Run:
             self.read += 1
             if isinstance(o, Dropped):
                 self.drops.add(o.reason, name, o.record, o.line, o.record_id, o.detail)
+                if o.reason == "truncated_file":
+                    self.truncated_files.append(name)
+                    log.warning("%s is cut short: %s", name, o.detail)
                 continue
+            for note in o.notes:
+                self.notes.add(note.reason, name, o.record, o.line, o.record_id, note.detail)
             writer.add(self.kept, o, name)
             self.kept += 1
             self.tokens += len(o.ids)
@@ -179,10 +193,12 @@ class _Run:
         return {
             "format": VERSION, "fingerprint": fingerprint,
             "read": self.read, "kept": self.kept, "dropped": self.drops.dropped(), "bad": self.drops.bad,
+            "notes": self.notes.dropped(), "truncated_files": self.truncated_files,
             "truncated": self.truncated, "tokens": self.tokens, "supervised_tokens": self.supervised,
             "num_samples": self.kept, "min_supervised_tokens": 2 * block_size,
             "params": output_params(cfg, block_size), "tokenizer": encoder.identity,
             "sources": [{"file": f.name, "bytes": f.size, "format": s.format, "messages_key": s.key}
                         for f, s in zip(self.files, self.schemas, strict=True)],
             "drop_examples": {r: self.drops.examples[r] for r in sorted(self.drops.examples)},
+            "note_examples": {r: self.notes.examples[r] for r in sorted(self.notes.examples)},
         }

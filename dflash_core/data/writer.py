@@ -23,7 +23,7 @@ INDEX_SCHEMA = pa.schema([
     ("length", pa.int32()), ("n_loss_tokens", pa.int32()),
 ])
 _INDEX_GROUP = 1 << 16
-_OUTPUTS = ("part-*.parquet", "index.parquet", "manifest.json")
+OWN_FILES = ("index.parquet", "manifest.json")  # what makes a folder a tokenize output
 
 
 class _Parquet:
@@ -47,8 +47,7 @@ class ShardWriter:
     def __init__(self, out: str, rows_per_part: int, rows_per_group: int) -> None:
         self.fs, self.root = fsspec.core.url_to_fs(out)
         self.root = self.root.rstrip("/")
-        self.fs.makedirs(self.root, exist_ok=True)
-        self._remove_outputs()  # a shorter rerun must not leave stale parts behind
+        self.fs.makedirs(self.root, exist_ok=True)  # a fresh staging folder (dflash_core/publish.py)
         self.rows_per_part, self.rows_per_group = rows_per_part, rows_per_group
         self.parts: list[dict[str, Any]] = []
         self.part: _Parquet | None = None
@@ -59,11 +58,6 @@ class ShardWriter:
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
-
-    def _remove_outputs(self) -> None:
-        for pattern in _OUTPUTS:
-            for path in self.fs.glob(self._path(pattern)):
-                self.fs.rm(path)
 
     def add(self, sample_id: int, sample: Sample, source: str) -> None:
         """Append one sample (sample ids must come in order 0, 1, 2, ...)."""
@@ -111,14 +105,13 @@ class ShardWriter:
             fh.write(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
     def abort(self) -> None:
-        """Close and delete what was written (a failed run leaves no half folder that looks usable)."""
+        """Close the open files of a failed run (the staging folder holding them is deleted by the caller)."""
         for f in (self.part, self.index):
             if f is not None:
                 try:
                     f.close()
-                except Exception:  # the run is failing already; removing the files matters more
+                except Exception:  # the run is failing already; the original error is the one to report
                     pass
-        self._remove_outputs()
 
 
 def _list_array(arrays: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray:

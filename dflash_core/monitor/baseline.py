@@ -26,6 +26,10 @@ def load_baseline(uri: str) -> dict[str, Any]:
         raise BaselineError(f"{uri}: the baseline is not valid JSON ({exc.msg}, line {exc.lineno})") from None
     if not isinstance(report, dict) or not isinstance(report.get("figures"), dict):
         raise BaselineError(f"{uri}: not a stability report (no 'figures'); pass a report.json of `dflash check`")
+    for name, fig in report["figures"].items():
+        if not isinstance(fig, dict):
+            raise BaselineError(f"{uri}: figure '{name}' is a {type(fig).__name__}, not an object with a 'value'; "
+                                "pass a report.json written by `dflash check`")
     return report
 
 

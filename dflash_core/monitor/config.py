@@ -10,12 +10,17 @@ from dflash_core.schema import StrictModel
 class CheckConfig(StrictModel):
     """Stability thresholds. Breaking a hard figure fails the run; breaking a soft one warns.
 
-    Hard (fail): non-finite steps, spike score, clip rate, longest clipped run, loss cliffs.
-    Soft (warn): robust spike rate, loss spikes, spike coincidence, long-bucket runs and their spikes, trends.
+    Hard (fail): non-finite steps, gradient-norm spike score, loss cliffs: what harms training.
+    Soft (warn): clip rate and longest clipped run (constant clipping is a configuration smell: the report
+    advises a threshold), robust spike rate, loss spikes, spike coincidence, long-bucket runs and their spikes,
+    trends.
     Windows are in optimizer steps; for runs shorter than 5 windows they shrink to a fifth of the run, but
     never below `min_window`.
     """
 
+    # A hard figure that cannot be computed (too few steps, a required field never logged) fails the run: the gate
+    # never passes what it cannot judge. Only smoke runs of a few steps should set this to false.
+    fail_unjudged: bool = True
     # Non-finite loss or gradient norm.
     max_nonfinite: NonNegativeInt = 0
     # Gradient-norm spikes: the OLMo 2 spike score (mean/std of the trailing window) ...

@@ -9,6 +9,7 @@ import fsspec
 
 from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.stability import Analysis
+from dflash_core.publish import staged_output
 
 FILES = {"report_json": "report.json", "report_md": "report.md", "stability_png": "stability.png"}
 
@@ -66,7 +67,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _bullet(name: str, fig: dict[str, Any]) -> str:
-    return f"- **{name}** = {_fmt(fig['value'])} (threshold {fig['op']} {_fmt(fig['threshold'])}): {fig['summary']}"
+    line = f"- **{name}** = {_fmt(fig['value'])} (threshold {fig['op']} {_fmt(fig['threshold'])}): {fig['summary']}"
+    return line + (f". Advice: {fig['advice']}" if fig.get("advice") else "")
 
 
 def _bucket_lines(table: list[dict[str, Any]] | None) -> list[str]:
@@ -87,15 +89,15 @@ def _fmt(value: Any) -> str:
 
 
 def write_report(report: dict[str, Any], out: str, png: bytes) -> dict[str, Any]:
-    """Write report.json, report.md and stability.png into `out` (created if missing); returns the report."""
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
+    """Write report.json, report.md and stability.png into `out`, published whole; returns the report."""
     base = out.rstrip("/")
     report = {**report, "files": {key: f"{base}/{name}" for key, name in FILES.items()}}
-    with fs.open(f"{root}/report.json", "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, allow_nan=False)
-    with fs.open(f"{root}/report.md", "w", encoding="utf-8") as fh:
-        fh.write(render_markdown(report))
-    with fs.open(f"{root}/stability.png", "wb") as fh:
-        fh.write(png)
+    with staged_output(out, "check", ("report.json",), overwrite=False) as staging:
+        fs, root = fsspec.core.url_to_fs(staging)
+        with fs.open(f"{root}/report.json", "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1, allow_nan=False)
+        with fs.open(f"{root}/report.md", "w", encoding="utf-8") as fh:
+            fh.write(render_markdown(report))
+        with fs.open(f"{root}/stability.png", "wb") as fh:
+            fh.write(png)
     return report

@@ -47,6 +47,7 @@ def read_metrics(metrics: str, wandb_run: str | None = None) -> MetricsLog:
 
 def read_jsonl(uri: str) -> MetricsLog:
     """Every record of a metrics.jsonl (gzip etc. by extension); a truncated last line is skipped."""
+    uri = _metrics_file(uri)
     log = MetricsLog(uri, [], [])
     pending: tuple[int, json.JSONDecodeError] | None = None
     try:
@@ -65,11 +66,24 @@ def read_jsonl(uri: str) -> MetricsLog:
                 log.lines.append(lineno)
     except FileNotFoundError:
         raise MetricsError(f"{uri}: no such metrics file; pass the metrics.jsonl a training run wrote") from None
+    if pending and not log.records:  # a lone bad line is not "a crash mid-write": nothing was readable at all
+        _raise_bad_json(uri, *pending)
     if pending:
         log.notes.append(f"line {pending[0]}: incomplete last record skipped (the run crashed or was writing)")
     if not log.records:
         raise MetricsError(f"{uri}: no metrics records in the file (empty); did the run log any optimizer step?")
     return log
+
+
+def _metrics_file(uri: str) -> str:
+    """A run folder stands for its metrics.jsonl; any other folder is an error that says what to pass."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.isdir(path):
+        return uri
+    inside = uri.rstrip("/") + "/metrics.jsonl"
+    if fs.exists(path.rstrip("/") + "/metrics.jsonl"):
+        return inside
+    raise MetricsError(f"{uri} is a folder without a metrics.jsonl; pass the metrics.jsonl a training run wrote")
 
 
 def _raise_bad_json(uri: str, lineno: int, exc: json.JSONDecodeError) -> None:
@@ -90,16 +104,17 @@ def _check_record(record: Any, where: str, lineno: int) -> dict[str, Any]:
 def _is_step(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    return math.isfinite(value) and float(value).is_integer()
+    # Steps beyond 2**53 are not exact integers in JSON doubles: garbage, not a run that long.
+    return math.isfinite(value) and float(value).is_integer() and 0 <= value < 2**53
 
 
 def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
     """The full history of a W&B run via scan_history (never the sampled history())."""
-    if api is None:
-        import wandb  # slow import: only when a W&B run is asked for
-
-        api = wandb.Api()
     try:
+        if api is None:
+            import wandb  # slow import: only when a W&B run is asked for
+
+            api = wandb.Api()  # raises without credentials: the same one-line answer as a bad path
         rows = list(api.run(path).scan_history())
     except Exception as exc:  # noqa: BLE001 - W&B raises many types; all mean the same to the user
         raise MetricsError(

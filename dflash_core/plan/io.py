@@ -14,6 +14,7 @@ from dflash_core.io import join_uri
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.errors import PlanError
 from dflash_core.plan.planner import make_plan
+from dflash_core.publish import check_output, staged_output
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
 _INDEX_COLUMNS = {"sample_id": pl.Int64, "length": pl.Int32}
@@ -43,8 +44,9 @@ _SUMMARY_KEYS = (
 )
 
 
-def run_plan(tokenized: str, out: str, cfg: PlanConfig) -> dict[str, Any]:
-    """Plan a tokenized folder into `out` (plan.parquet, then plan.json); CLI summary + "plan": plan.json."""
+def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False) -> dict[str, Any]:
+    """Plan a tokenized folder into `out` (published whole); CLI summary + "plan": plan.json."""
+    check_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite)
     index = _load_index(tokenized)
     fingerprint = read_manifest(tokenized).get("fingerprint")
     loss = index["n_loss_tokens"].to_numpy() if "n_loss_tokens" in index.columns else None
@@ -53,12 +55,11 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig) -> dict[str, Any]:
     except PlanError as exc:
         raise PlanError(f"{join_uri(tokenized, 'index.parquet')}: {exc}") from None
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    with fsspec.open(join_uri(out, PLAN_FILE), "wb") as fh:
-        plan.batches.write_parquet(fh, statistics=True)
-    with fsspec.open(join_uri(out, SUMMARY_FILE), "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(summary, indent=2) + "\n")
+    with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite) as staging:
+        with fsspec.open(join_uri(staging, PLAN_FILE), "wb") as fh:
+            plan.batches.write_parquet(fh, statistics=True)
+        with fsspec.open(join_uri(staging, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(summary, indent=2) + "\n")
     return {**cli_summary(summary, out), "plan": summary}
 
 

@@ -8,9 +8,14 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import TextIO
 
-from dflash_core.errors import UsageError
-from dflash_core.runtime.process import ProcessFailed, run_process_group
+import fsspec
+
+from dflash_core.errors import DflashError, UsageError
+from dflash_core.io import join_uri
+from dflash_core.publish import check_output, output_lock
+from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
 
 
 def torchrun_command(
@@ -79,16 +84,71 @@ def launch_train(
         tokenized, plan, out, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id
     )
     lines: collections.deque[str] = collections.deque(maxlen=200)
-
-    def collect(line: str) -> None:
-        lines.append(line)
-        on_line(line)
-
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it anyway, with a warning per run
     full_env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the caller as they are printed
-    run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
+    check_output(out, "train", ("config.yaml",))
+    with output_lock(out, "train"), RunLog(out) as log:
+        errors: list[str] = []
+
+        def collect(line: str) -> None:
+            lines.append(line)
+            log.write(line)
+            if RANK_ERROR in line and not errors:
+                errors.append(line)
+            on_line(line)
+
+        try:
+            run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
+        except ProcessFailed as exc:
+            raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
     try:
         return parse_summary(lines)
     except ValueError as exc:
         raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+
+
+class TrainingFailed(DflashError):
+    """A training run that failed: the first line is the failing rank's own error, the full log is on disk."""
+
+    exit_code = 1
+    tail: list[str] | None = None  # torchrun's last lines, for callers that show more than the message
+
+    @classmethod
+    def from_process(cls, exc: ProcessFailed, rank_error: dict | None, log_path: str | None) -> TrainingFailed:
+        """The one-line message: the rank's error when one reported it, else how torchrun ended."""
+        where = f"; full log: {log_path}" if log_path else ""
+        if rank_error:
+            head = (f"training failed on rank {rank_error['rank']}: {rank_error['type']}: "
+                    f"{rank_error['message']}")
+        else:
+            head = f"training {exc.reason} (exit code {exc.returncode})"
+        failed = cls(head + where)
+        failed.tail = exc.tail
+        return failed
+
+
+class RunLog:
+    """train.log in the run folder: every line torchrun and the ranks printed, appended across resumes."""
+
+    def __init__(self, out: str) -> None:
+        fs, root = fsspec.core.url_to_fs(out)
+        self.local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        self.path = join_uri(root, "train.log") if self.local else None
+        self.fh: TextIO | None = None
+
+    def __enter__(self) -> RunLog:
+        if self.path:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
+        return self
+
+    def write(self, line: str) -> None:
+        """Append one line (flushed: the log must survive a kill)."""
+        if self.fh is not None:
+            self.fh.write(line + "\n")
+            self.fh.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fh is not None:
+            self.fh.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 TAIL_LINES = 60
+RANK_ERROR = "DFLASH_RANK_ERROR "  # prefix of the line a failing rank prints last: its own error, as JSON
 
 
 class ProcessFailed(RuntimeError):
@@ -30,6 +32,24 @@ class ProcessFailed(RuntimeError):
         last = "\n".join(tail[-20:])
         what = "torchrun" if "torch.distributed.run" in cmd else os.path.basename(cmd[0]) if cmd else "?"
         super().__init__(f"{what} {reason} (exit code {returncode}); last lines:\n{last}")
+
+
+def rank_error_line(rank: int, exc: BaseException) -> str:
+    """One line naming a rank's error, for the launcher to put first (the traceback stays in the log)."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return RANK_ERROR + json.dumps({"rank": rank, "type": type(exc).__name__, "message": message[:2000]})
+
+
+def first_rank_error(lines: Sequence[str]) -> dict | None:
+    """The first rank error reported in a log (the root cause; other ranks fail after it)."""
+    for line in lines:
+        start = line.find(RANK_ERROR)
+        if start >= 0:
+            try:
+                return json.loads(line[start + len(RANK_ERROR):])
+            except json.JSONDecodeError:
+                continue
+    return None
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -20,7 +20,7 @@ from dflash_core.errors import InputError
 from dflash_core.runtime.config import RunConfig, load_run_config
 from dflash_core.runtime.distributed import DistEnv
 from dflash_core.runtime.faults import FaultPlan
-from dflash_core.runtime.process import die_with_parent
+from dflash_core.runtime.process import die_with_parent, rank_error_line
 from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.trainer import Trainer, summary_line
 
@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     try:
         summary = run(args, env)
-    except BaseException:  # noqa: BLE001 - report and leave at once, whatever it was
+    except BaseException as exc:  # noqa: BLE001 - report and leave at once, whatever it was
         print(f"[rank {env.rank}] training failed:", file=sys.stderr)
         traceback.print_exc()
+        print(rank_error_line(env.rank, exc), file=sys.stderr)  # the launcher's one-line answer
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

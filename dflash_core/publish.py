@@ -1,0 +1,210 @@
+"""Stage outputs are published whole or not at all, and one writer at a time holds an output folder.
+
+`staged_output(out, stage)` locks `out` (a sibling `<out>.lock` file naming its owner), hands the stage a fresh
+temporary sibling folder to write into, and publishes it as `out` only when the stage returns: on a local disk
+by an atomic exchange of the two folders (renameat2 RENAME_EXCHANGE; two renames where the kernel lacks it),
+then the old folder is deleted. A failure or Ctrl-C deletes the temporary folder and leaves `out` exactly as it
+was. On object stores, which have no rename of folders, the staged files are copied into `out` and the stage's
+own completion marker (written last, e.g. manifest.json) is what makes the folder count as complete.
+
+An existing non-empty `out` that is not this stage's own output (no `.dflash-stage.json` naming the stage) is
+refused, unless `overwrite` is set: a mistyped `--out` never deletes someone's folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+
+from dflash_core.errors import DflashError
+from dflash_core.io import join_uri
+
+STAGE_MARKER = ".dflash-stage.json"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class OutputError(DflashError):
+    """An output folder that cannot be used as asked (not this stage's, or not writable)."""
+
+    exit_code = 2
+
+
+class OutputLockedError(DflashError):
+    """Another live process is writing the same output folder."""
+
+    exit_code = 2
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def stage_of(out: str) -> str | None:
+    """The stage that published `out` (from its marker), None when there is no marker or no folder."""
+    fs, root = fsspec.core.url_to_fs(out)
+    marker = join_uri(root, STAGE_MARKER)
+    if not fs.exists(marker):
+        return None
+    try:
+        with fs.open(marker, "r", encoding="utf-8") as fh:
+            return json.load(fh).get("stage")
+    except (OSError, ValueError):
+        return None
+
+
+def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False) -> None:
+    """Refuse an existing `out` that is a file, or a non-empty folder that this stage did not write."""
+    fs, root = fsspec.core.url_to_fs(out)
+    root = root.rstrip("/")
+    if fs.exists(root) and not fs.isdir(root):
+        raise OutputError(f"--out {out} is an existing file, not a folder; choose a folder path")
+    if overwrite or not fs.exists(root):
+        return
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    owner = stage_of(out)
+    legacy = bool(own_files) and all(n in names for n in own_files)  # written before markers existed
+    if names and owner != stage and not legacy:
+        what = f"the output of `{owner}`" if owner else f"not a `{stage}` output ({len(names)} entries)"
+        raise OutputError(f"--out {out} already holds files and is {what}; pick an empty or new folder, "
+                          "or pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def output_lock(out: str, stage: str) -> Iterator[None]:
+    """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host."""
+    fs, root = fsspec.core.url_to_fs(out)
+    lock = root.rstrip("/") + ".lock"
+    parent = lock.rsplit("/", 1)[0] if "/" in lock else "."
+    try:
+        fs.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": time.time()}
+    _acquire(fs, lock, owner, out)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fs.rm(lock)
+
+
+def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str) -> None:
+    for _ in range(2):  # the second try follows the removal of a stale lock
+        if _is_local(fs):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                fd = None
+            except OSError as exc:
+                raise OutputError(f"cannot lock --out {out}: {exc.strerror or exc} ({lock})") from None
+            if fd is not None:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(owner, fh)
+                return
+        elif not fs.exists(lock):  # object stores: best effort (no exclusive create)
+            with fs.open(lock, "w") as fh:
+                json.dump(owner, fh)
+            return
+        holder = _read_lock(fs, lock)
+        if not _is_stale(holder):
+            raise OutputLockedError(
+                f"--out {out} is being written by another process (pid {holder.get('pid')} on "
+                f"{holder.get('host')}, stage {holder.get('stage')}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}); wait for it, "
+                f"or delete {lock} if that process is gone")
+        with contextlib.suppress(OSError):
+            fs.rm(lock)
+    raise OutputLockedError(f"--out {out}: could not take the lock {lock}; another writer raced for it")
+
+
+def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
+    try:
+        with fs.open(lock, "r") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}  # a lock file being written this instant, or garbage: treat as held, with unknown owner
+
+
+def _is_stale(holder: dict[str, Any]) -> bool:
+    """A lock whose owner was on this host and is no longer running (a killed run never unlocks)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False) -> Iterator[str]:
+    """Lock `out`, yield a fresh temporary sibling to write into, publish it as `out` on success."""
+    check_output(out, stage, own_files, overwrite)
+    with output_lock(out, stage):
+        fs, root = fsspec.core.url_to_fs(out)
+        root = root.rstrip("/")
+        tmp = f"{root}.tmp-{uuid.uuid4().hex[:8]}"
+        _clean_debris(fs, root)
+        fs.makedirs(tmp, exist_ok=True)
+        try:
+            yield fs.unstrip_protocol(tmp) if not _is_local(fs) else tmp
+            with fs.open(f"{tmp}/{STAGE_MARKER}", "w", encoding="utf-8") as fh:
+                json.dump({"stage": stage}, fh)  # no time: same input, same bytes
+            _publish(fs, tmp, root)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                fs.rm(tmp, recursive=True)
+            raise
+
+
+def _clean_debris(fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """Temporary siblings left by a killed run (we hold the lock, so none of them is live)."""
+    for path in fs.glob(f"{root}.tmp-*") + fs.glob(f"{root}.old-*"):
+        with contextlib.suppress(OSError):
+            fs.rm(path, recursive=True)
+
+
+def _publish(fs: fsspec.AbstractFileSystem, tmp: str, root: str) -> None:
+    if not _is_local(fs):
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+        fs.copy(tmp + "/", root, recursive=True)
+        fs.rm(tmp, recursive=True)
+        return
+    if not os.path.exists(root):
+        os.rename(tmp, root)
+        return
+    if _exchange(tmp, root):  # one atomic step: `root` is the new folder, `tmp` the old one
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = f"{root}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(root, old)
+    os.rename(tmp, root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux renameat2); False where the call is unavailable."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0

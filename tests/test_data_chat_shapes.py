@@ -1,0 +1,313 @@
+"""Real chat data as it comes: tool calls (OpenAI, LLaMA-Factory, Hermes), reasoning, typed parts, empty turns.
+
+The tool- and thinking-aware template is tests/fixtures/qwen3_like.jinja (written after Qwen3's behaviour) on a
+copy of the example tokenizer; every test checks the exact text under the loss mask."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from common.chat import data_config, tokenizer_dir, write_jsonl
+from transformers import AutoTokenizer
+
+from dflash_core.data.errors import TemplateError
+from dflash_core.data.formats import Conversation, to_conversation
+from dflash_core.data.shards import ShardReader, read_manifest
+from dflash_core.data.template import chat_template_inputs, load_tokenizer
+from dflash_core.data.tokenize import tokenize_dataset
+
+QWEN3_LIKE = Path(__file__).parent / "fixtures" / "qwen3_like.jinja"
+WEATHER = {"name": "get_weather", "description": "Current weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+QUESTION, ANSWER = "What is the weather in Paris?", "It is 18 degrees and sunny in Paris."
+RESULT = '{"temp": 18, "sky": "sunny"}'
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+OPENAI_TOOLS = {"id": "oa", "tools": [{"type": "function", "function": WEATHER}], "messages": [
+    {"role": "system", "content": "You can call tools."},
+    {"role": "user", "content": QUESTION},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": RESULT},
+    {"role": "assistant", "content": ANSWER}]}
+LLAMA_FACTORY_TOOLS = {"id": "lf", "system": "You can call tools.", "tools": json.dumps([WEATHER]),
+                       "conversations": [
+    {"from": "human", "value": QUESTION},
+    {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+    {"from": "observation", "value": RESULT},
+    {"from": "gpt", "value": ANSWER}]}
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HERMES = {"id": "hermes", "conversations": [
+    {"from": "system", "value": f"You are a function calling AI. <tools>{json.dumps(WEATHER)}</tools>"},
+    {"from": "human", "value": QUESTION},
+    {"from": "gpt", "value": HERMES_CALL},
+    {"from": "tool", "value": f"<tool_response>\n{RESULT}\n</tool_response>"},
+    {"from": "gpt", "value": ANSWER}]}
+
+
+def _reasoning_records() -> list[dict]:
+    """One two-exchange conversation with reasoning, in the three shapes it comes in."""
+    first, second = "Count the items one by one.", "Add them up before answering the model."
+    q1, a1, q2, a2 = "How many items are there?", "There are three items.", "And in total?", "Six in total."
+    return [
+        {"id": "field", "messages": [
+            {"role": "user", "content": q1}, {"role": "assistant", "content": a1, "reasoning_content": first},
+            {"role": "user", "content": q2}, {"role": "assistant", "content": a2, "reasoning_content": second}]},
+        {"id": "parts", "conversations": [
+            {"from": "human", "value": [{"type": "text", "value": q1}]},
+            {"from": "gpt", "value": [{"type": "reasoning", "value": first}, {"type": "text", "value": a1}]},
+            {"from": "human", "value": [{"type": "text", "value": q2}]},
+            {"from": "gpt", "value": [{"type": "reasoning", "value": second}, {"type": "text", "value": a2}]}]},
+        {"id": "inline", "messages": [
+            {"role": "user", "content": q1}, {"role": "assistant", "content": f"<think>\n{first}\n</think>\n\n{a1}"},
+            {"role": "user", "content": q2}, {"role": "assistant", "content": f"<think>\n{second}\n</think>\n\n{a2}"}]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(example_assets, tmp_path_factory) -> str:
+    """The example tokenizer with the Qwen3-like template (tools + thinking)."""
+    path = tmp_path_factory.mktemp("tok") / "qwen3-like"
+    shutil.copytree(example_assets.tokenizer, path)
+    shutil.copy(QWEN3_LIKE, path / "chat_template.jinja")
+    return str(path)
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2], edges[1::2], strict=True))
+
+
+def _run(tmp: Path, records: list, tok: str, split: bool = False, **cfg) -> dict:
+    """Tokenize records from one file (split: one file per record, as shapes are detected per file)."""
+    src = tmp / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir()
+    for i, part in enumerate([[r] for r in records] if split else [records]):
+        write_jsonl(src / f"d{i:02d}.jsonl", part)
+    return tokenize_dataset(str(src), tok, str(tmp / "out"), data_config(**cfg), block_size=2)
+
+
+def _supervised(tmp: Path, tok: str) -> list[list[str]]:
+    """The decoded text of each run of masked tokens, per kept sample."""
+    reader, t = ShardReader(str(tmp / "out")), AutoTokenizer.from_pretrained(tok)
+    rows = reader.rows(list(range(len(reader))))
+    return [[t.decode(ids[a:b]) for a, b in _runs(mask)] for ids, mask in rows]
+
+
+def test_tool_calls_in_openai_and_llama_factory_shapes_supervise_the_call_not_the_result(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    summary = _run(tmp_path, [OPENAI_TOOLS, LLAMA_FACTORY_TOOLS], qwen3_tok, split=True)
+    assert summary["kept"] == 2 and summary["dropped"] == {}
+    want = [CALL_TEXT, ANSWER + "<|im_end|>"]  # thinking off: the empty think block is prompt, not learnt
+    assert _supervised(tmp_path, qwen3_tok) == [want, want]
+    reader = ShardReader(str(tmp_path / "out"))
+    (ids_a, mask_a), (ids_b, mask_b) = reader.rows([0, 1])
+    assert ids_a.tolist() == ids_b.tolist() and mask_a.tolist() == mask_b.tolist()
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    text = tok.decode(ids_a)
+    assert "<tools>" in text and "<tool_response>\n" + RESULT in text  # tools and result rendered, unsupervised
+    messages, kwargs = chat_template_inputs(to_conversation(OPENAI_TOOLS), "strip")
+    assert ids_a.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+    first = (tmp_path / "out" / "part-00000.parquet").read_bytes()
+    _run(tmp_path, [OPENAI_TOOLS, LLAMA_FACTORY_TOOLS], qwen3_tok, split=True)
+    assert (tmp_path / "out" / "part-00000.parquet").read_bytes() == first
+
+
+def test_hermes_tool_turns_are_rendered_and_only_the_assistant_text_is_supervised(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    summary = _run(tmp_path, [HERMES], qwen3_tok)
+    assert summary["kept"] == 1
+    assert _supervised(tmp_path, qwen3_tok) == [[HERMES_CALL + "<|im_end|>", ANSWER + "<|im_end|>"]]
+
+
+def test_template_without_tools_drops_tool_records_by_policy_and_keeps_the_rest(tmp_path: Path) -> None:
+    summary = _run(tmp_path, [OPENAI_TOOLS, LLAMA_FACTORY_TOOLS, HERMES], tokenizer_dir("chatml"), split=True)
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_has_no_tools": 2}  # not bad input: no error
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["bad"] == 0 and manifest["tokenizer"]["renders_tools"] is False
+    assert [e["id"] for e in manifest["drop_examples"]["template_has_no_tools"]] == ["oa", "lf"]
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+def test_reasoning_in_every_shape_follows_the_thinking_setting(tmp_path: Path, qwen3_tok: str,
+                                                               thinking: str) -> None:
+    summary = _run(tmp_path, _reasoning_records(), qwen3_tok, split=True, thinking=thinking)
+    assert summary["kept"] == 3
+    if thinking == "strip":
+        want = ["There are three items.<|im_end|>", "Six in total.<|im_end|>"]
+    else:  # Qwen3 shows thinking only after the last user query; the model writes its <think> opener
+        want = ["There are three items.<|im_end|>",
+                "<think>\nAdd them up before answering the model.\n</think>\n\nSix in total.<|im_end|>"]
+    assert _supervised(tmp_path, qwen3_tok) == [want] * 3
+    assert read_manifest(str(tmp_path / "out"))["params"]["thinking"] == thinking
+
+
+def test_chat_template_inputs_strip_or_keep_reasoning() -> None:
+    conv = to_conversation(_reasoning_records()[2])
+    assert conv.messages[1] == {"role": "assistant", "content": "There are three items.",
+                                "reasoning_content": "Count the items one by one."}
+    messages, kwargs = chat_template_inputs(conv, "strip")
+    assert kwargs == {"enable_thinking": False} and all("reasoning_content" not in m for m in messages)
+    messages, kwargs = chat_template_inputs(conv, "keep")
+    assert kwargs == {"enable_thinking": True} and messages[3]["reasoning_content"].startswith("Add them")
+    messages, _ = chat_template_inputs(conv, "keep", template="{{ messages }}")  # no reasoning_content: inline
+    assert messages[1]["content"] == "<think>\nCount the items one by one.\n</think>\n\nThere are three items."
+    tools = to_conversation(LLAMA_FACTORY_TOOLS)
+    assert chat_template_inputs(tools, "strip")[1]["tools"] == [{"type": "function", "function": WEATHER}]
+    assert tools.messages[3] == {"role": "tool", "content": RESULT, "name": "get_weather"}
+    assert tools.sources == ["system", "human", "function_call", "observation", "gpt"]
+
+
+def test_empty_turns_are_kept_unsupervised_and_counted(tmp_path: Path, qwen3_tok: str) -> None:
+    """LMSYS-like data: an empty assistant reply keeps the other turns; only an all-empty record is dropped."""
+    ok = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple, said the model."}]
+    records = [{"conversation_id": f"ok{i}", "conversation": ok} for i in range(6)] + [
+        {"conversation_id": "empty-reply", "conversation": [
+            {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": ""}, *ok]},
+        {"conversation_id": "blank-user", "conversation": [{"role": "user", "content": "  "}, ok[1]]},
+        {"conversation_id": "null-reply", "conversation": [*ok, {"role": "user", "content": "More?"},
+                                                           {"role": "assistant", "content": None}]},
+        {"conversation_id": "nothing", "conversation": [{"role": "user", "content": "Hi"},
+                                                        {"role": "assistant", "content": " \n"}]},
+    ]
+    summary = _run(tmp_path, records, qwen3_tok)  # default max_bad_fraction: data quality never fails the stage
+    assert summary["kept"] == 9 and summary["dropped"] == {"no_assistant_content": 1}
+    assert summary["notes"] == {"empty_assistant_turn": 2, "empty_user_turn": 1}
+    spans = _supervised(tmp_path, qwen3_tok)
+    assert spans[6] == spans[7] == spans[8] == ["An apple, said the model.<|im_end|>"]
+    examples = read_manifest(str(tmp_path / "out"))["note_examples"]
+    assert [(e["id"], e["line"]) for e in examples["empty_assistant_turn"]] == [("empty-reply", 7), ("null-reply", 9)]
+    assert "turn 0 (user) is empty" in examples["empty_user_turn"][0]["detail"]
+
+
+def test_role_hint_names_the_source_role_and_a_mapping_that_works(tmp_path: Path) -> None:
+    glaive = {"id": "g", "conversations": [
+        {"from": "human", "value": "Look it up, please."}, {"from": "gpt", "value": "I will look it up for you."},
+        {"from": "observation", "value": "found: the model data"}, {"from": "gpt", "value": "The data is there."}]}
+    summary = _run(tmp_path, [glaive], tokenizer_dir("llama2"), max_bad_fraction=1.0)  # renders user/assistant only
+    assert summary["dropped"] == {"turn_dropped_by_template": 1}
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]["detail"]
+    assert "'observation'" in detail and "role_map: {observation: user}" in detail
+    assert _run(tmp_path, [glaive], tokenizer_dir("llama2"), role_map={"observation": "user"})["kept"] == 1
+    narrator = {"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    summary = _run(tmp_path, [narrator], tokenizer_dir("chatml"), max_bad_fraction=1.0)
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["unknown_role"][0]["detail"]
+    assert "'narrator'" in detail and "role_map: {narrator: user}" in detail
+
+
+def test_typed_parts_with_text_or_value_keys_and_other_parts_refused(tmp_path: Path) -> None:
+    answer = "The model sorts the list first."
+    records = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Sort it."}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": answer}]}]},
+        {"conversations": [{"from": "human", "value": [{"type": "text", "value": "Sort it."}]},
+                           {"from": "gpt", "value": [{"type": "text", "value": answer}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                      {"role": "assistant", "content": answer}]},
+    ]
+    summary = _run(tmp_path, records, tokenizer_dir("chatml"), split=True, max_bad_fraction=0.0)  # images: not bad
+    assert summary["kept"] == 2 and summary["dropped"] == {"non_text_content": 1}
+    assert _supervised(tmp_path, tokenizer_dir("chatml")) == [[answer + "<|im_end|>"]] * 2
+
+
+def test_malformed_tool_data_is_bad_input_with_its_reason() -> None:
+    bad_call = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]}
+    bad_tools = {**OPENAI_TOOLS, "tools": "[{broken"}
+    assert to_conversation(bad_call).reason == "bad_tool_call"
+    assert to_conversation(bad_tools).reason == "bad_tools"
+    assert isinstance(to_conversation(HERMES), Conversation)
+
+
+def test_missing_tokenizer_path_is_a_one_line_error_naming_it(tmp_path: Path) -> None:
+    for path in (str(tmp_path / "no-such-tokenizer"), "./tok/missing", "a/b/c"):
+        with pytest.raises(TemplateError) as err:
+            load_tokenizer(path)
+        msg = str(err.value)
+        assert path in msg and "no such folder" in msg and "\n" not in msg and "Repo id" not in msg
+
+
+def test_openai_legacy_function_call_and_function_role_are_read_as_a_tool_call() -> None:
+    record = {"messages": [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": RESULT},
+        {"role": "assistant", "content": ANSWER}]}
+    conv = to_conversation(record)
+    assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert conv.messages[2] == {"role": "tool", "content": RESULT, "name": "get_weather"}
+
+
+def test_template_error_lists_the_source_roles(tmp_path: Path) -> None:
+    """Gemma-like templates raise on a tool turn: the detail says which source role became 'tool'."""
+    record = {"conversations": [{"from": "human", "value": "Look it up."}, {"from": "gpt", "value": "Looking."},
+                                {"from": "observation", "value": "found"}, {"from": "gpt", "value": "Found it."}]}
+    summary = _run(tmp_path, [record], tokenizer_dir("gemma"), max_bad_fraction=1.0)
+    assert summary["dropped"] == {"template_error": 1}
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_error"][0]["detail"]
+    assert "unknown role tool" in detail and "observation->tool" in detail
+
+
+@pytest.mark.slow  # a fresh interpreter importing the CLI: ~10-50 s on a loaded machine
+def test_cli_names_a_missing_tokenizer_folder_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "d.jsonl", [HERMES])
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "tokenize", "--data", str(data), "--tokenizer",
+                           str(tmp_path / "gone" / "tok"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(errors) == 1
+    assert str(tmp_path / "gone" / "tok") in errors[0] and "no such folder" in errors[0]
+
+
+# Llama-3.1-like: a tool-calling turn is only its JSON call (its text is not rendered), tool results as ipython.
+LLAMA31_LIKE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}"
+    "\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def test_llama31_like_template_supervises_a_call_only_turn_and_refuses_to_lose_text(
+        tmp_path: Path, example_assets) -> None:
+    tok = AutoTokenizer.from_pretrained(example_assets.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA31_LIKE
+    tok.save_pretrained(tmp_path / "tok")
+    with_text = json.loads(json.dumps(OPENAI_TOOLS))
+    with_text["id"], with_text["messages"][2]["content"] = "text+call", "Let me check."
+    summary = _run(tmp_path, [OPENAI_TOOLS, with_text], str(tmp_path / "tok"), max_bad_fraction=1.0)
+    assert summary["kept"] == 1 and summary["dropped"] == {"turn_dropped_by_template": 1}
+    assert _supervised(tmp_path, str(tmp_path / "tok")) == [[
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"]]
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]["detail"]
+    assert "renders only the calls" in detail
+
+
+def test_typed_tool_call_parts_are_supervised_with_the_turn_text(tmp_path: Path, qwen3_tok: str) -> None:
+    """LLaMA-Factory reasoning/tool data: content as typed parts with `value` keys, a tool_call part among them."""
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    record = {"tools": json.dumps([WEATHER]), "conversations": [
+        {"from": "human", "value": [{"type": "text", "value": QUESTION}]},
+        {"from": "gpt", "value": [{"type": "reasoning", "value": "I need the weather tool."},
+                                  {"type": "text", "value": "Let me check."}, {"type": "tool_call", "value": call}]},
+        {"from": "observation", "value": [{"type": "text", "value": RESULT}]},
+        {"from": "gpt", "value": [{"type": "text", "value": ANSWER}]}]}
+    assert _run(tmp_path, [record], qwen3_tok)["kept"] == 1
+    assert _supervised(tmp_path, qwen3_tok) == [["Let me check.\n" + CALL_TEXT, ANSWER + "<|im_end|>"]]
+    assert _run(tmp_path, [record], qwen3_tok, thinking="keep")["kept"] == 1  # reasoning after the last query
+    assert _supervised(tmp_path, qwen3_tok) == [[
+        "<think>\nI need the weather tool.\n</think>\n\nLet me check.\n" + CALL_TEXT,
+        "<think>\n\n</think>\n\n" + ANSWER + "<|im_end|>"]]

@@ -1,0 +1,44 @@
+"""What a new user runs first: `dflash demo` on a fresh machine (empty HOME, no cache), end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_on_a_fresh_machine_completes_with_verdict_pass(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DFLASH_"))}
+    env.update(HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", WANDB_MODE="offline")
+    work = tmp_path / "work"  # the user's current folder: the demo's ./runs go here
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "demo"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["state"] == "COMPLETED" and summary["verdict"] == "pass", summary
+    cache = home / ".cache" / "dflash-pipeline"
+    assert (cache / "prefect-home").is_dir() and (cache / "example-v1-seed0" / "target").is_dir()
+    assert (work / summary["drafter"] / "model.safetensors").exists()  # relative paths resolve from the cwd
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_unusable_prefect_home_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(HOME=str(tmp_path), DFLASH_HOME=str(blocker / "sub"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "demo"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("dflash demo: error: cannot use ") and "prefect-home" in lines[-1]
+    assert "Traceback" not in proc.stderr

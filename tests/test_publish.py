@@ -1,0 +1,121 @@
+"""Outputs are published whole or not at all; one writer at a time; foreign folders are never replaced."""
+
+import json
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from dflash_core.publish import OutputError, OutputLockedError, output_lock, staged_output
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    Path(folder, name).write_text(text)
+
+
+def test_success_publishes_the_staged_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with staged_output(str(out), "plan") as staging:
+        assert not out.exists()  # nothing visible under the final name while the stage runs
+        _write(staging, "plan.json", "{}")
+    assert json.loads((out / ".dflash-stage.json").read_text()) == {"stage": "plan"}
+    assert (out / "plan.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock, no staging debris
+
+
+def test_a_failed_rerun_leaves_the_previous_output_exactly_as_it_was(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with staged_output(str(out), "plan") as staging:
+        _write(staging, "plan.json", "first")
+    with pytest.raises(KeyboardInterrupt), staged_output(str(out), "plan") as staging:
+        _write(staging, "plan.json", "half-written")
+        raise KeyboardInterrupt
+    assert (out / "plan.json").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_rerun_replaces_the_whole_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with staged_output(str(out), "tokenize") as staging:
+        _write(staging, "part-00001.parquet", "stale")
+    with staged_output(str(out), "tokenize") as staging:
+        _write(staging, "index.parquet", "new")
+    assert sorted(p.name for p in out.iterdir()) == [".dflash-stage.json", "index.parquet"]
+
+
+def test_a_foreign_non_empty_folder_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    with pytest.raises(OutputError, match=r"mine already holds files.*--overwrite"), staged_output(str(out), "plan"):
+        pass
+    assert (out / "thesis.tex").exists()
+    with staged_output(str(out), "plan", overwrite=True) as staging:
+        _write(staging, "plan.json", "{}")
+    assert not (out / "thesis.tex").exists()
+
+
+def test_another_stages_output_is_refused_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with staged_output(str(out), "tokenize"):
+        pass
+    with pytest.raises(OutputError, match="output of `tokenize`"), staged_output(str(out), "plan"):
+        pass
+
+
+def test_an_existing_file_as_out_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(OutputError, match="is an existing file"), staged_output(str(target), "plan"):
+        pass
+
+
+def _hold(out: str, ready, release) -> None:
+    with output_lock(out, "tokenize"):
+        ready.set()
+        release.wait(30)
+
+
+def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path / "out"), ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(OutputLockedError, match=rf"pid {holder.pid} on {socket.gethostname()}"):
+            with staged_output(str(tmp_path / "out"), "tokenize"):
+                pass
+    finally:
+        release.set()
+        holder.join(30)
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
+    dead = mp.get_context("spawn").Process(target=os.getpid)
+    dead.start()
+    dead.join()
+    lock = tmp_path / "out.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "stage": "plan", "since": 0}))
+    with staged_output(str(tmp_path / "out"), "plan") as staging:
+        _write(staging, "plan.json", "{}")
+    assert (tmp_path / "out" / "plan.json").exists() and not lock.exists()
+
+
+def test_debris_of_a_killed_run_is_removed(tmp_path: Path) -> None:
+    (tmp_path / "out.tmp-deadbeef").mkdir()
+    with staged_output(str(tmp_path / "out"), "plan"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_object_store_paths_publish_too() -> None:
+    import fsspec
+
+    with staged_output("memory://pub/out", "plan") as staging:
+        with fsspec.open(f"{staging}/plan.json", "w") as fh:
+            fh.write("{}")
+    fs = fsspec.filesystem("memory")
+    assert fs.exists("/pub/out/plan.json") and not fs.exists("/pub/out.lock")
