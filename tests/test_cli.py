@@ -78,6 +78,8 @@ def test_check_exits_1_on_a_failing_log(tmp_path):
 class _RunFailed(DflashError):
     """An expected failure of a run (exit code 1)."""
 
+    exit_code = 1
+
 
 @pytest.mark.parametrize(("exc", "code"), [
     (PlanError("plan.json: world_size 2, expected 1"), 2),
