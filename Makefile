@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: demo test lint bench clean-example
+.PHONY: demo test test-fast lint bench clean-example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,17 +19,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline $(VENV)/bin/dflash demo
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	# The example assets the tests use: built once (all cores), then reused from $$DFLASH_HOME.
-	DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} $(VENV)/bin/dflash example > /dev/null
-	DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline \
-		$(PY) -m pytest -m "not gpu" -q
+TEST_ENV := DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline
 
+test: lint
+	# The example assets the tests use: built once (all cores), then reused from $$DFLASH_HOME.
+	$(TEST_ENV) $(VENV)/bin/dflash example > /dev/null
+	$(TEST_ENV) $(PY) -m pytest -m "not gpu" -q
+
+# The fast lane: unit tests only (no torchrun, no Prefect server runs), under two minutes on 2 cores.
+test-fast: $(STAMP)
+	$(TEST_ENV) $(VENV)/bin/dflash example > /dev/null
+	$(TEST_ENV) $(PY) -m pytest -m "not slow and not gpu" -q
+
+# Style, the layers (dflash_app > flows > dflash_core; no Prefect in dflash_core), types of the library and flows.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) -m bench.tokenize
+	$(PY) -m bench.tokenize_bench
 	$(PY) -m bench.plan --markdown
 	$(PY) -m bench.pipeline

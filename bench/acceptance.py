@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from dflash_core.example import build_example
-from dflash_core.example.corpus import generate_conversations, write_jsonl
+from dflash_core.example.corpus import generate_conversations
+from dflash_core.io import write_jsonl
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.evaluate import evaluate
@@ -49,7 +50,7 @@ def main() -> None:
     assets = build_example()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "held-out.jsonl"
-        write_jsonl(generate_conversations(args.limit, seed=HELD_OUT_SEED), prompts)
+        write_jsonl(str(prompts), generate_conversations(args.limit, seed=HELD_OUT_SEED), sort_keys=True)
         kwargs = {"target": assets.target, "tokenizer": assets.tokenizer, "data": str(prompts),
                   "limit": args.limit, "max_new_tokens": args.max_new_tokens, "device": "cpu"}
         trained = evaluate(drafter_dir=args.drafter, **kwargs)

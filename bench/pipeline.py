@@ -41,10 +41,10 @@ from dflash_core.plan.io import read_plan, run_plan
 from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel
 from dflash_core.runtime.prefetch import BatchPrefetcher
+from dflash_core.runtime.run_plan import load_run_plan
 from dflash_core.runtime.schedule import make_scheduler
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings
-from dflash_core.runtime.trainer import load_run_plan
 
 # CPU scenarios: small models whose relative costs put the bottleneck in one stage or the other; wide enough
 # (256) that matrix products, which release the GIL, dominate over Python overhead

@@ -61,7 +61,7 @@ def lognormal_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
 def example_lengths() -> tuple[np.ndarray | None, str]:
     """The tokenized lengths of the built-in example, or None and why not."""
     try:
-        from dflash_core.config import load_config
+        from dflash_app.config import load_config
         from dflash_core.data import read_index, tokenize_dataset
         from dflash_core.example import build_example
     except ImportError as exc:

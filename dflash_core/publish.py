@@ -28,6 +28,7 @@ import fsspec
 
 from dflash_core.atomic_dir import recover, staging_path, swap_in
 from dflash_core.errors import DflashError
+from dflash_core.io import join_uri
 
 STAGE_MARKER = ".dflash-stage.json"
 _RENAME_EXCHANGE = 2
@@ -53,7 +54,7 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 def stage_of(out: str) -> str | None:
     """The stage that published `out` (from its marker), None when there is no marker or no folder."""
     fs, root = fsspec.core.url_to_fs(out)
-    marker = f"{root.rstrip('/')}/{STAGE_MARKER}"
+    marker = join_uri(root, STAGE_MARKER)
     if not fs.exists(marker):
         return None
     try:

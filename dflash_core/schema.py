@@ -1,9 +1,70 @@
-"""The base of every config section: strict pydantic models (unknown keys and wrong types are errors)."""
+"""The base of every config section (strict pydantic models) and reading YAML configs into them."""
 
-from pydantic import BaseModel, ConfigDict
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import fsspec
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dflash_core.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
     """A config section: unknown keys are rejected, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would let the last one win silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str) -> Any:
+    """A YAML file (path or fsspec URI) as Python data; errors name the file and the line."""
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as fh:
+            return yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder; --config takes a YAML file or a preset name") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file; --config takes a YAML file or a preset name") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{path}: invalid YAML: {where}{getattr(exc, 'problem', exc)}") from None
+
+
+def _describe(err: Any) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    if err["type"] == "missing":
+        return f"missing key '{key}'"
+    return f"key '{key}': {err['msg']} (got {err.get('input')!r})"
+
+
+def validate_mapping(model: type[M], raw: Any, source: str) -> M:
+    """Validate a mapping as `model`; errors name the source and every bad key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e) for e in exc.errors())
+        raise ConfigError(f"{source}: {problems}") from None

@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
 from flows import storage, tasks
@@ -24,16 +24,16 @@ def _run_name(explicit: str | None) -> str:
 @flow(name="retrain-drafter", log_prints=True)
 def retrain_drafter(
     config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Retrain a DFlash drafter: tokenize, plan, train, check, evaluate, promote. A failed check fails the flow
     run; a drafter that is not promoted (not better, or a 'warn' verdict) does not.
 
     `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).
+    The config's URIs must be resolved (the application layer resolves example://, see dflash_app.deploy).
     """
     logger = get_run_logger()
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
-    config = tasks.resolve_assets(config)
     root = config.storage.root
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])

@@ -6,10 +6,9 @@ from urllib.parse import quote
 
 import fsspec
 
+from dflash_core.io import join_uri as join  # the one URI join of the project, under the name the flows use
 
-def join(root: str, *parts: str) -> str:
-    """Join path parts under a local path or URI root."""
-    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+__all__ = ["console_url", "display_path", "exists", "join"]
 
 
 def exists(uri: str) -> bool:

@@ -1,32 +1,20 @@
-"""Thin Prefect tasks: I/O plus one call into dflash_core each."""
+"""Thin Prefect tasks: I/O plus one call into dflash_core each (configs come resolved: no example:// here)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
-import time
 from typing import Any
 
-import fsspec
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from dflash_core.config import PipelineConfig, dump_config
+from dflash_core.config import PipelineConfig, write_run_config
 from flows import storage
 from flows.artifacts import TrainingProgress, publish_plan, publish_report
+from flows.progress import LogThrottle, follow_metrics
 from flows.promotion_artifacts import publish_promotion
-
-
-@task(name="resolve-assets", retries=1)
-def resolve_assets(config: PipelineConfig) -> PipelineConfig:
-    """Replace example:// references by the built (or cached) example assets."""
-    from dflash_core.example import resolve_uri
-
-    data = config.data.model_copy(update={"source": resolve_uri(config.data.source),
-                                          "tokenizer": resolve_uri(config.data.tokenizer)})
-    model = config.model.model_copy(update={"target": resolve_uri(config.model.target)})
-    return config.model_copy(update={"data": data, "model": model})
 
 
 @task(name="fingerprint-inputs", retries=2, retry_delay_seconds=5)
@@ -82,50 +70,23 @@ def publish_plan_artifacts(summary: dict[str, Any], plan_dir: str) -> None:
     publish_plan(summary, plan_dir)
 
 
-class _Throttle:
-    """Forward log lines at most `rate` per second; count the rest (the tail is kept for errors anyway)."""
-
-    def __init__(self, emit, rate: float = 20.0) -> None:
-        self.emit, self.interval, self.next_at, self.dropped = emit, 1.0 / rate, 0.0, 0
-
-    def __call__(self, line: str) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.dropped += 1
-            return
-        if self.dropped:
-            self.emit(f"... {self.dropped} log lines not forwarded")
-            self.dropped = 0
-        self.next_at = now + self.interval
-        self.emit(line)
-
-
-def _follow_metrics(progress: TrainingProgress, stop: threading.Event, every_s: float) -> None:
-    """Update the progress artifacts from the records appended to metrics.jsonl until `stop` is set."""
-    while not stop.wait(every_s):
-        progress.poll()
-
-
 @task(name="train")
 def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_steps: int) -> dict[str, Any]:
     """torchrun in its own process group: logs streamed, progress artifact, killed on timeout/cancel."""
+    from dflash_core.promotion.store import resolve_init_from
     from dflash_core.runtime.launch import launch_train
-    from dflash_core.runtime.warm_start import resolve_init_from
 
     logger = get_run_logger()
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    config_path = storage.join(out, "config.yaml")
-    dump_config(resolve_init_from(config), config_path)  # train.init_from: promoted -> a path, before the workers
-    # The trainer stops at train.max_steps when set (runtime/trainer.py load_run_plan): the bar counts to that.
+    config_path = write_run_config(resolve_init_from(config), out)  # init_from: promoted -> a path, for the workers
+    # The trainer stops at train.max_steps when set (runtime/run_plan.py load_run_plan): the bar counts to that.
     total = min(num_steps, config.train.max_steps or num_steps)
     progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"))
     stop = threading.Event()
-    follower = threading.Thread(target=_follow_metrics, daemon=True, args=(progress, stop, 2.0))
+    follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out, config_path=config_path,
-                               nproc_per_node=config.train.nproc_per_node, on_line=_Throttle(logger.info),
+                               nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
                                timeout_s=config.train.timeout_s)
     finally:
         stop.set()

@@ -10,9 +10,9 @@ import re
 
 import numpy as np
 import pytest
+from common.logs import incident_log, write_jsonl
 from matplotlib.figure import Figure
 from PIL import Image
-from synthetic_logs import incident_log, write_jsonl
 from test_plan_io import write_tokenized
 
 from dflash_core.monitor.check import run_check

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow,
 RUN_FLOW = """
 import json, sys
 from pathlib import Path
-from flow_helpers import fast_config
+from common.flows import fast_config
 from flows.retrain import retrain_drafter
 state = retrain_drafter(config=fast_config(Path(sys.argv[1])), run_name="browser", data_source=sys.argv[2],
                         return_state=True)

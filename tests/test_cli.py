@@ -8,16 +8,19 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from dflash_app import cli
+from dflash_core.errors import DflashError, UsageError
+from dflash_core.plan.errors import PlanError
 
 
 def dflash(*args: str, expect: int = 0) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", *args], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == expect, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]) if expect == 0 else {"stderr": proc.stderr}
 
 
+@pytest.mark.slow
 def test_every_stage_through_the_cli(tmp_path, example_assets):
     paths = dflash("example")
     assert paths == {"data": example_assets.data, "tokenizer": example_assets.tokenizer,
@@ -51,6 +54,7 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
     assert ev["instances"] == 2 and 1.0 <= ev["tau"] <= 8.0 and ev["baseline_matches"] == ev["responses"]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):
     missing = dflash("tokenize", "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "t"), expect=2)
     lines = [line for line in missing["stderr"].splitlines() if line.startswith("dflash tokenize: error:")]
@@ -60,14 +64,46 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):
     assert "--buckets" in bad_edges["stderr"]
 
 
+@pytest.mark.slow
 def test_check_exits_1_on_a_failing_log(tmp_path):
     log = tmp_path / "metrics.jsonl"
     records = [{"step": i, "loss": 2.0 - i * 0.01, "grad_norm": 0.5, "clipped": False, "clip": 1.0,
                 "nonfinite": False} for i in range(30)]
     records[10].update(loss=None, grad_norm=None, nonfinite=True)
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "check", "--metrics", str(log), "--out",
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "check", "--metrics", str(log), "--out",
                            str(tmp_path / "r")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["verdict"] == "fail" and "nonfinite_steps" in summary["failed"]
+
+
+class _RunFailed(DflashError):
+    """An expected failure of a run (exit code 1)."""
+
+    exit_code = 1
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (PlanError("plan.json: world_size 2, expected 1"), 2),
+    (UsageError("--buckets expects integers"), 2),
+    (FileNotFoundError(2, "No such file or directory", "nope.jsonl"), 2),
+    (_RunFailed("training failed at step 3"), 1),
+])
+def test_expected_failures_are_one_line_with_their_exit_code(monkeypatch, capsys, exc, code):
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_plan", fail)
+    assert cli.main(["plan", "--tokenized", "t", "--out", "o"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dflash plan: error: {exc}"]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def bug(args):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(cli, "cmd_plan", bug)
+    with pytest.raises(ValueError, match="a bug"):  # not swallowed into one line: the traceback is printed
+        cli.main(["plan", "--tokenized", "t", "--out", "o"])

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from dflash_core.config import ConfigError, PipelineConfig, load_config, parse_config
+from dflash_app.config import load_config, preset_names, resolve_config, resolve_config_path
+from dflash_core.config import ConfigError, PipelineConfig, parse_config
 
 
 def _write(tmp_path, text):
@@ -75,7 +76,7 @@ def test_parse_config_round_trips_through_json():
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     path = _write(tmp_path, MINIMAL + "plan: {max_tokens: -3}\n")
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "plan", "--tokenized", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "plan", "--tokenized", str(tmp_path),
                            "--out", str(tmp_path / "p"), "--config", path], capture_output=True, text=True)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -83,10 +84,28 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 
 
 def test_cli_help_lists_the_stages():
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     for stage in ("example", "tokenize", "plan", "train", "check", "eval", "run", "demo"):
         assert stage in proc.stdout
+
+
+def test_presets_ship_with_the_app_and_paths_pass_through(tmp_path):
+    assert {"tiny-cpu", "qwen3-8b-8gpu"} <= set(preset_names())
+    assert resolve_config_path("tiny-cpu").endswith("dflash_app/presets/tiny-cpu.yaml")
+    path = _write(tmp_path, MINIMAL)
+    assert resolve_config_path(path) == path and resolve_config_path("s3://b/c.yaml") == "s3://b/c.yaml"
+    with pytest.raises(ConfigError, match="no-such-preset: no such config file"):
+        load_config("no-such-preset")
+
+
+def test_example_uris_are_resolved_once_by_the_app(example_assets):
+    cfg = load_config("tiny-cpu")
+    assert cfg.data.source == "example://data"  # loading keeps the URIs; the launchers resolve them
+    resolved = resolve_config(cfg)
+    assert (resolved.data.source, resolved.data.tokenizer, resolved.model.target) == (
+        example_assets.data, example_assets.tokenizer, example_assets.target)
+    assert resolved.plan == cfg.plan and resolved.train == cfg.train
 
 
 def test_bad_overrides_and_files_are_named_precisely(tmp_path):
@@ -104,7 +123,7 @@ def test_bad_overrides_and_files_are_named_precisely(tmp_path):
 
 def test_cli_rejects_a_bad_set_value_and_zero_processes(tmp_path):
     for args, culprit in ((["--set", "train.lr=[1"], "--set train.lr"), (["--nproc-per-node", "0"], "--nproc-per-node")):
-        proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "train", "--tokenized", str(tmp_path),
+        proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "train", "--tokenized", str(tmp_path),
                                "--plan", str(tmp_path), "--out", str(tmp_path / "o"), *args],
                               capture_output=True, text=True)
         assert proc.returncode == 2 and culprit in proc.stderr and "Traceback" not in proc.stderr

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from data_helpers import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
+from common.chat import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,6 +178,7 @@ _lines = st.one_of(
 )
 
 
+@pytest.mark.slow  # 25 hypothesis examples, each a whole tokenize run: ~15 s
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(_lines, max_size=12))
 def test_garbage_never_crashes_and_every_record_is_accounted_for(tmp_path: Path, lines: list[bytes]) -> None:

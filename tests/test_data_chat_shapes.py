@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import data_config, tokenizer_dir, write_jsonl
+from common.chat import data_config, tokenizer_dir, write_jsonl
 from transformers import AutoTokenizer
 
 from dflash_core.data.errors import TemplateError
@@ -262,7 +262,7 @@ def test_cli_names_a_missing_tokenizer_folder_in_one_line(tmp_path: Path) -> Non
     import sys
 
     data = write_jsonl(tmp_path / "d.jsonl", [HERMES])
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "tokenize", "--data", str(data), "--tokenizer",
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "tokenize", "--data", str(data), "--tokenizer",
                            str(tmp_path / "gone" / "tok"), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if "error" in line]

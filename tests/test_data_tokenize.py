@@ -10,7 +10,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_helpers import (
+from common.chat import (
     TEMPLATES,
     TRICKY,
     conversations,
@@ -218,6 +218,7 @@ def _folder_bytes(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
+@pytest.mark.slow  # starts process pools of several sizes: ~15 s
 def test_same_input_gives_byte_identical_output_with_any_process_count(tmp_path: Path) -> None:
     records = [to_sharegpt(c, i) for i, c in enumerate(conversations(40, seed=8))] + ["junk"]
     data = write_jsonl(tmp_path / "d.jsonl", records)

@@ -20,7 +20,7 @@ def test_demo_on_a_fresh_machine_completes_with_verdict_pass(tmp_path: Path) -> 
     env.update(HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", WANDB_MODE="offline")
     work = tmp_path / "work"  # the user's current folder: the demo's ./runs go here
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "demo"], cwd=work, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "demo"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -36,7 +36,7 @@ def test_an_unusable_prefect_home_is_one_line(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(HOME=str(tmp_path), DFLASH_HOME=str(blocker / "sub"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    proc = subprocess.run([sys.executable, "-m", "dflash_core.cli", "demo"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", "demo"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from flow_helpers import EXPECTED_ARTIFACTS, fast_config
+from common.flows import EXPECTED_ARTIFACTS, fast_config
 
-from dflash_core.config import REPO_ROOT
-
+REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash_core.cli import build_parser
+from dflash_app.cli import build_parser
 from dflash_core.model import evaluate as evaluate_module
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.decoding import greedy_generate

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_core.example import EXAMPLE_URIS, ExampleError, build_example, read_metadata, resolve_uri
-from dflash_core.example.corpus import generate_conversations, read_jsonl, to_messages, write_jsonl
+from dflash_core.example.corpus import generate_conversations, read_jsonl, to_messages
 from dflash_core.example.target import TrainSettings, evaluate_loss, train_target
 from dflash_core.example.tokenizer import render, save_tokenizer, train_tokenizer
+from dflash_core.io import write_jsonl
 
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -143,7 +144,7 @@ def test_target_models_held_out_chats_far_better_than_uniform(tokenizer, target,
 
 def test_data_and_tokenizer_are_deterministic(example_assets, tmp_path):
     records = generate_conversations(seed=0)
-    write_jsonl(records, tmp_path / "data.jsonl")
+    write_jsonl(str(tmp_path / "data.jsonl"), records, sort_keys=True)
     assert (tmp_path / "data.jsonl").read_bytes() == Path(example_assets.data).read_bytes()
     save_tokenizer(train_tokenizer(render(to_messages(r)) for r in records), tmp_path / "tok")
     expected = Path(example_assets.tokenizer, "tokenizer.json").read_bytes()

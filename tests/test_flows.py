@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import yaml
-from flow_helpers import (
+from common.flows import (
     EXPECTED_ARTIFACTS,
     artifact_keys,
     fast_config,
@@ -17,9 +18,10 @@ from flow_helpers import (
     worker_processes,
 )
 
-from dflash_core.config import REPO_ROOT, load_config
+from dflash_app.config import load_config
 from flows.retrain import retrain_drafter
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
 

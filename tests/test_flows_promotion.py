@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from flow_helpers import artifact_keys, fast_config, task_states
+from common.flows import artifact_keys, fast_config, task_states
 
 from dflash_core.promotion.store import promoted_drafter
 from flows.promotion_artifacts import promotion_markdown

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
-from model_support import random_batch, tiny_drafter, tiny_target
+from common.models import random_batch, tiny_drafter, tiny_target
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash_core.model import attention as attention_module

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from model_support import MASK_ID, random_batch, tiny_drafter, tiny_target
+from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids

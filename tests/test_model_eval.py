@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from model_support import MASK_ID, tiny_drafter, tiny_qwen3
+from common.models import MASK_ID, tiny_drafter, tiny_qwen3
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from model_support import MASK_ID, random_batch, tiny_drafter, tiny_target
+from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
 from safetensors import safe_open
 from transformers import AutoConfig
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_support import random_batch, tiny_drafter, tiny_target
+from common.models import random_batch, tiny_drafter, tiny_target
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_core.model.flops import (

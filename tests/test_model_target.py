@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_support import tiny_qwen3
+from common.models import tiny_qwen3
 
 from dflash_core.model.target import TargetError, TargetModel, load_target
 

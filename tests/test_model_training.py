@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from model_support import MASK_ID, tiny_drafter, tiny_target
+from common.models import MASK_ID, tiny_drafter, tiny_target
 from transformers import AutoTokenizer
 
 from dflash_core.data.config import DataConfig

@@ -4,7 +4,7 @@ import json
 
 import fsspec
 import pytest
-from synthetic_logs import make_log, write_jsonl
+from common.logs import make_log, write_jsonl
 
 from dflash_core.monitor.baseline import BaselineError
 from dflash_core.monitor.check import run_check

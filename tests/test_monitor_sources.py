@@ -6,7 +6,7 @@ import math
 
 import fsspec
 import pytest
-from synthetic_logs import make_log, write_jsonl
+from common.logs import make_log, write_jsonl
 
 from dflash_core.monitor.sources import (
     MetricsError,

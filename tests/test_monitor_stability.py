@@ -1,10 +1,10 @@
-"""Stability figures on synthetic logs with known ground truth (tests/synthetic_logs.py)."""
+"""Stability figures on synthetic logs with known ground truth (tests/common/logs.py)."""
 
 import math
 
 import numpy as np
 import pytest
-from synthetic_logs import incident_log, make_log
+from common.logs import incident_log, make_log
 
 from dflash_core.monitor import rolling
 from dflash_core.monitor.config import CheckConfig

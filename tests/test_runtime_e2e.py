@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from runtime_fixtures import build_inputs, torchrun, write_config, write_shards
+from common.runs import build_inputs, torchrun, write_config, write_shards
 from safetensors.torch import load_file
 
 from dflash_core.model.export import load_dflash

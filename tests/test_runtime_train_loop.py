@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from runtime_fixtures import BLOCK, MASK_ID, write_shards, write_target
+from common.runs import BLOCK, MASK_ID, write_shards, write_target
 
 from dflash_core.data.shards import ShardError, ShardReader
 from dflash_core.model.config import ModelConfig

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from runtime_fixtures import BLOCK, MASK_ID, build_inputs
+from common.runs import BLOCK, MASK_ID, build_inputs
 
 from dflash_core.data.shards import ShardReader
 from dflash_core.model.config import ModelConfig
@@ -115,9 +115,10 @@ def test_stability_check_sets_validation_records_aside_knowingly(tmp_path):
     assert report["files"]["validation"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_progress_follower_skips_validation_records(tmp_path):
-    from flows.tasks import _last_record
+def test_progress_reader_tells_validation_records_from_steps(tmp_path):
+    from flows.metrics_tail import read_records
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(_train(7)) + "\n" + json.dumps(_val(7)) + "\n")
-    assert _last_record(str(path)) == _train(7)
+    steps, vals = read_records(str(path))
+    assert steps == [_train(7)] and vals == [_val(7)]

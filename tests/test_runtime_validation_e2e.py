@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from runtime_fixtures import build_inputs, torchrun, write_config
+from common.runs import build_inputs, torchrun, write_config
 
 from dflash_core.model.export import load_dflash
 from dflash_core.model.target import load_target

@@ -1,7 +1,9 @@
 """Errors of the tokenize stage: all ValueErrors whose messages say what, where and what to do."""
 
+from dflash_core.errors import InputError
 
-class DataError(ValueError):
+
+class DataError(InputError):
     """Chat data or a tokenizer that the stage cannot use."""
 
 

@@ -85,7 +85,7 @@ class SampleBuilder:
             result = conv if isinstance(conv, Drop) else self._fit(next(encoded))
             if isinstance(result, Drop):
                 outcomes.append(Dropped(rec.record, rec.line, rid, result.reason, result.detail))
-            else:
+            elif not isinstance(conv, Drop):  # always: a dropped conversation's result is its Drop
                 outcomes.append(Sample(rec.record, rec.line, rid, *result, notes=conv.notes))
         return ChunkResult(chunk.file, outcomes)
 

@@ -13,10 +13,13 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from dflash_core.errors import InputError
+from dflash_core.io import join_uri
+
 _CACHED_GROUPS = 64  # decoded row groups kept (LRU); a row group is data.rows_per_group samples
 
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """A tokenized folder that cannot be read: missing or corrupt files; the message names the file."""
 
 
@@ -25,13 +28,9 @@ def part_name(part: int) -> str:
     return f"part-{part:05d}.parquet"
 
 
-def _join(tokenized: str, name: str) -> str:
-    return f"{tokenized.rstrip('/')}/{name}"
-
-
 def read_index(tokenized: str) -> pl.DataFrame:
     """index.parquet: sample_id, part, row, length, n_loss_tokens (one row per sample, sample_id order)."""
-    path = _join(tokenized, "index.parquet")
+    path = join_uri(tokenized, "index.parquet")
     try:
         with fsspec.open(path, "rb") as fh:
             return pl.read_parquet(fh)
@@ -43,7 +42,7 @@ def read_index(tokenized: str) -> pl.DataFrame:
 
 def read_manifest(tokenized: str) -> dict[str, Any]:
     """manifest.json (written last: a folder without it is incomplete)."""
-    path = _join(tokenized, "manifest.json")
+    path = join_uri(tokenized, "manifest.json")
     try:
         with fsspec.open(path, "r", encoding="utf-8") as fh:
             return json.load(fh)
@@ -80,7 +79,7 @@ class ShardReader:
         self.part = index["part"].to_numpy()
         self.row = index["row"].to_numpy()
         if not np.array_equal(index["sample_id"].to_numpy(), np.arange(len(index))):
-            raise ShardError(f"{_join(tokenized, 'index.parquet')}: sample ids are not 0..N-1; re-run tokenize")
+            raise ShardError(f"{join_uri(tokenized, 'index.parquet')}: sample ids are not 0..N-1; re-run tokenize")
         self._lock = threading.Lock()
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray, str, threading.Lock]] = {}
         self._groups: OrderedDict[tuple[int, int], _Group] = OrderedDict()
@@ -108,7 +107,7 @@ class ShardReader:
         return out
 
     def _path(self, part: int) -> str:
-        return _join(self.tokenized, part_name(part))
+        return join_uri(self.tokenized, part_name(part))
 
     def _locate(self, part: int, row: int) -> tuple[_Group, int]:
         pf, starts, path, part_lock = self._open(part)

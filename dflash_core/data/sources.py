@@ -74,8 +74,9 @@ def _compression_suffix(path: str) -> str:
 def list_files(source: str) -> list[SourceFile]:
     """The data files of a file, glob or folder URI, sorted by name (the input order of the samples)."""
     fs, path = fsspec.core.url_to_fs(source)
-    if _GLOB_CHARS.search(path):
-        root = path[: _GLOB_CHARS.search(path).start()].rsplit("/", 1)[0]
+    glob = _GLOB_CHARS.search(path)
+    if glob:
+        root = path[: glob.start()].rsplit("/", 1)[0]
         paths = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):
         root = path.rstrip("/")

@@ -194,7 +194,8 @@ class ChatEncoder:
         skeletons = self._skeletons([(m, kwargs) for (m, _), (_, kwargs) in zip(marked, items, strict=True)])
         located = [self._located(c, msgs, slots, text, skel) for c, (msgs, _), (_, slots), text, skel
                    in zip(convs, items, marked, real, skeletons, strict=True)]
-        texts = [text for text, spans in zip(real, located, strict=True) if not isinstance(spans, Drop)]
+        texts = [text for text, spans in zip(real, located, strict=True)
+                 if isinstance(text, str) and not isinstance(spans, Drop)]  # every failed render is a Drop
         encodings = iter(self._tokenize(texts))
         return [spans if isinstance(spans, Drop) else _masked(next(encodings), spans) for spans in located]
 
@@ -255,10 +256,10 @@ class ChatEncoder:
                 continue
             lo = max((e for i, own in by_message.items() if i < j for _, e in own), default=0)
             hi = min((s for i, own in by_message.items() if i > j for s, _ in own), default=len(text))
-            span = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
-            if span is None:
+            turn = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
+            if turn is None:
                 return Drop("template_mismatch", f"cannot place the tool calls of turn {j} in the rendered text")
-            out.append(span)
+            out.append(turn)
         return out
 
     def _turn_span(self, text: str, own: list[Span], lo: int, hi: int, calls: bool) -> Span | None:
@@ -292,7 +293,8 @@ def _dropped_turn(conv: Conversation, messages: Messages, j: int) -> Drop:
 
 def _marked(messages: Messages) -> tuple[Messages, list[Slot]]:
     """The skeleton of a conversation: every non-blank content and reasoning text replaced by a marker."""
-    out, slots = [], []
+    out: Messages = []
+    slots: list[Slot] = []
     for j, m in enumerate(messages):
         m = dict(m)
         for f in ("reasoning_content", "content"):

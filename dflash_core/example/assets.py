@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_core.example.corpus import NUM_CONVERSATIONS, generate_conversations, to_messages, write_jsonl
+from dflash_core.errors import InputError
+from dflash_core.example.corpus import NUM_CONVERSATIONS, generate_conversations, to_messages
+from dflash_core.io import write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ ACCURACY_PROMPTS = 16
 LENGTH_BANDS = ((0, 64), (64, 128), (128, 256), (256, 512), (512, None))
 
 
-class ExampleError(ValueError):
+class ExampleError(InputError):
     """A bad example:// URI or an unusable example cache folder."""
 
 
@@ -116,7 +118,7 @@ def _build_into(out: Path, seed: int, target_steps: int | None) -> None:
     from dflash_core.example.tokenizer import render, save_tokenizer, train_tokenizer
 
     records = generate_conversations(NUM_CONVERSATIONS, seed)
-    write_jsonl(records, out / "data.jsonl")
+    write_jsonl(str(out / "data.jsonl"), records, sort_keys=True)  # sorted keys: bytes depend only on records
     save_tokenizer(train_tokenizer(render(to_messages(r)) for r in records), out / "tokenizer")
     # Load it back through the same path real tokenizers take.
     tokenizer = AutoTokenizer.from_pretrained(str(out / "tokenizer"))

@@ -11,7 +11,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,14 +278,7 @@ def to_messages(record: dict) -> list[dict[str, str]]:
     return [{"role": ROLES[t["from"]], "content": t["value"]} for t in record["conversations"]]
 
 
-def write_jsonl(records: Iterable[dict], path: str | Path) -> None:
-    """Write records one JSON object per line (sorted keys, so the bytes depend only on the records)."""
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n")
-
-
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Read the records written by write_jsonl."""
+    """Read the records written by dflash_core.io.write_jsonl."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -17,12 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from dflash_core.errors import InputError
+
 AttentionKind = Literal["auto", "flex", "sdpa"]
 # FlexAttention's tile: the mask lookups are padded to it, so the kernel never indexes past them
 _TILE = 128
 
 
-class AttentionError(ValueError):
+class AttentionError(InputError):
     """An attention setting that cannot run here (FlexAttention training on CPU)."""
 
 

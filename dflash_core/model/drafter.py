@@ -8,6 +8,7 @@ visibility").
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflash_core.errors import InputError
 from dflash_core.model.attention import (
     AttentionKind,
     attend,
@@ -31,7 +33,7 @@ from dflash_core.model.target import TargetModel
 ARCHITECTURE = "DFlashDraftModel"
 
 
-class DrafterError(ValueError):
+class DrafterError(InputError):
     """Drafter settings or inputs that do not fit (layer ids, mask token, context longer than the anchor)."""
 
 
@@ -60,6 +62,12 @@ def drafter_config(
         "rope_type": "default",
         "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
     }
+    # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
+    dflash_fields: dict[str, Any] = {
+        "block_size": block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]},
+    }
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=int(target_config.hidden_size),
@@ -77,12 +85,7 @@ def drafter_config(
         tie_word_embeddings=False,
         layer_types=["full_attention"] * num_layers,
         architectures=[ARCHITECTURE],
-        block_size=block_size,
-        num_target_layers=num_target_layers,
-        dflash_config={
-            "mask_token_id": int(mask_token_id),
-            "target_layer_ids": [int(i) for i in target_layer_ids],
-        },
+        **dflash_fields,
     )
 
 
@@ -96,8 +99,9 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.head_dim = config.head_dim
-        heads, kv_heads, width = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+        heads, width = config.num_attention_heads, config.hidden_size
+        kv_heads = config.num_key_value_heads or heads  # Qwen3Config's own default for a missing value
+        self.head_dim: int = config.head_dim or width // heads
         self.q_proj = nn.Linear(width, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)

@@ -13,6 +13,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
+from dflash_core.errors import InputError
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter
 from dflash_core.model.target import TargetModel
 
@@ -21,13 +22,14 @@ WEIGHTS_FILE = "model.safetensors"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A drafter folder that cannot be loaded; the message names the file and what is wrong."""
 
 
 def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The config.json mapping (DFLASH_SPEC.md "Checkpoint that serving engines load")."""
     c = drafter.config
+    rope = dict(c.rope_parameters or {})
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -39,8 +41,8 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "head_dim": c.head_dim,
         "hidden_act": c.hidden_act,
         "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_parameters.get("rope_theta"),
-        "rope_parameters": dict(c.rope_parameters),
+        "rope_theta": rope.get("rope_theta"),
+        "rope_parameters": rope,
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
         "vocab_size": c.vocab_size,

@@ -16,9 +16,10 @@ from typing import Any
 import fsspec
 
 from dflash_core.data.formats import DEFAULT_ROLES, MESSAGE_KEYS
+from dflash_core.errors import InputError
 
 
-class EvalDataError(ValueError):
+class EvalDataError(InputError):
     """Evaluation prompts that cannot be read; the message names the file and the record."""
 
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dflash_core.errors import InputError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TargetError(ValueError):
+class TargetError(InputError):
     """A target model that cannot be used (bad path, bad layer ids, unsupported layout)."""
 
 
@@ -26,8 +29,8 @@ class TargetModel:
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval().requires_grad_(False)
         self.config = model.config
-        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
-        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.embed_tokens = cast(nn.Embedding, model.get_input_embeddings())
+        self.lm_head = cast(nn.Linear, model.get_output_embeddings())
         self._layers = _decoder_layers(model)
         # forward hooks are module-global: two threads capturing at once would mix their outputs
         self._lock = threading.Lock()
@@ -94,7 +97,7 @@ class TargetModel:
 
     def _hook(self, index: int, last: int, outputs: dict[int, torch.Tensor]):
         def hook(_module: nn.Module, _args: object, output: object) -> None:
-            outputs[index] = output[0] if isinstance(output, tuple) else output
+            outputs[index] = cast(torch.Tensor, output[0] if isinstance(output, tuple) else output)
             if index == last:
                 raise _StopForward
 
@@ -135,4 +138,5 @@ def load_target(
         )
     except (OSError, ValueError) as exc:
         raise TargetError(f"cannot load the target model from '{path}': {exc}") from exc
-    return TargetModel(model.to(device))
+    # nn.Module.to moves in place; transformers' decorated `to` has a signature type checkers misread
+    return TargetModel(model.to(device))  # type: ignore[arg-type]

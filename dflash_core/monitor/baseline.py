@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 import fsspec
 
+from dflash_core.errors import InputError
 from dflash_core.monitor.stability import figure
 
 
-class BaselineError(ValueError):
+class BaselineError(InputError):
     """A baseline that cannot be used; the message names the file and what to do."""
 
 
@@ -57,5 +58,5 @@ def baseline_figure(figures: dict[str, dict], baseline: dict[str, Any], uri: str
     return figure(len(found), 0, severity, summary, baseline=uri, tolerance=tolerance, regressions=found)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -22,7 +22,7 @@ def run_check(metrics: str, out: str, cfg: CheckConfig, wandb_run: str | None = 
     log = read_metrics(metrics, wandb_run)
     analysis = analyze(metrics_frame(log), cfg)
     analysis.notes[:0] = log.notes
-    if earlier is not None:
+    if baseline and earlier is not None:
         analysis.figures["baseline_regressions"] = baseline_figure(
             analysis.figures, earlier, baseline, cfg.baseline_tolerance, cfg.baseline_severity)
     report = build_report(analysis, log.source, cfg)

@@ -103,7 +103,7 @@ def _mark(ax: Axes, steps: np.ndarray, values: np.ndarray, at: np.ndarray, marke
         return
     idx = np.searchsorted(steps, at)
     y = values[idx]
-    style = {"facecolors": "none", "edgecolors": color} if hollow else {"color": color}
+    style: dict[str, Any] = {"facecolors": "none", "edgecolors": color} if hollow else {"color": color}
     ax.scatter(at, np.where(np.isfinite(y), y, np.nan), marker=marker, s=45, zorder=3,
                label=f"{label} ({len(at)})", **style)
 

@@ -41,8 +41,8 @@ def trailing_median_mad(x: np.ndarray, window: int, min_periods: int) -> tuple[n
     an exact rolling MAD over 100k+ steps costs minutes).
     """
     min_periods = max(min_periods, 2)
-    med = pl.Series(x, dtype=pl.Float64).rolling_median(window, min_samples=min_periods).shift(1)
-    med = med.fill_null(np.nan).to_numpy()
+    rolled = pl.Series(x, dtype=pl.Float64).rolling_median(window, min_samples=min_periods).shift(1)
+    med = rolled.fill_null(np.nan).to_numpy()
     mad = np.full(len(x), np.nan)
     for t in range(min_periods, min(window, len(x))):  # the start: windows still growing, every step exact
         mad[t] = np.median(np.abs(x[:t] - med[t]))

@@ -11,7 +11,7 @@ import os
 import posixpath
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -130,7 +130,7 @@ def scrub_secrets(config: Any) -> Any:
     return "<redacted>" if key and isinstance(config, str) and key in config else config
 
 
-def wandb_mode(cfg: WandbConfig) -> str:
+def wandb_mode(cfg: WandbConfig) -> Literal["online", "offline", "disabled"]:
     """The mode W&B actually runs in: online only when asked for AND a key is configured."""
     if not cfg.enabled or cfg.mode == "disabled":
         return "disabled"

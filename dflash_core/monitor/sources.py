@@ -14,6 +14,8 @@ from typing import Any
 import fsspec
 import polars as pl
 
+from dflash_core.errors import InputError
+
 REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
 FLOATS = ("loss", "grad_norm", "clip", "lr")
 FLAGS = ("clipped", "nonfinite", "skipped")
@@ -26,7 +28,7 @@ def record_kind(record: dict[str, Any]) -> str:
     return VAL_KIND if record.get("kind") == VAL_KIND or "val_loss" in record else "train"
 
 
-class MetricsError(ValueError):
+class MetricsError(InputError):
     """Metrics that cannot be read; the message names the source, the line and what to do."""
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 
 from dflash_core.data.shards import read_index, read_manifest
+from dflash_core.io import join_uri
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.errors import PlanError
 from dflash_core.plan.planner import make_plan
@@ -44,10 +45,6 @@ _SUMMARY_KEYS = (
 )
 
 
-def _join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}"
-
-
 def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False) -> dict[str, Any]:
     """Plan a tokenized folder into `out` (val.parquet, plan.parquet, plan.json; published whole); CLI summary."""
     check_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite)
@@ -59,18 +56,18 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False)
     try:
         plan = make_plan(index["length"].to_numpy(), index["sample_id"].to_numpy(), cfg, loss)
     except PlanError as exc:
-        raise PlanError(f"{_join(tokenized, 'index.parquet')}: {exc}") from None
+        raise PlanError(f"{join_uri(tokenized, 'index.parquet')}: {exc}") from None
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
     with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite) as staging:
         if val.height:
             batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens)
-            with fsspec.open(_join(staging, VAL_FILE), "wb") as fh:
+            with fsspec.open(join_uri(staging, VAL_FILE), "wb") as fh:
                 batches.write_parquet(fh, statistics=True)
             summary["val"] = {"file": VAL_FILE, "samples": val.height, "batches": batches.height,
                               "tokens": int(val["length"].sum())}
-        with fsspec.open(_join(staging, PLAN_FILE), "wb") as fh:
+        with fsspec.open(join_uri(staging, PLAN_FILE), "wb") as fh:
             plan.batches.write_parquet(fh, statistics=True)
-        with fsspec.open(_join(staging, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+        with fsspec.open(join_uri(staging, SUMMARY_FILE), "w", encoding="utf-8") as fh:
             fh.write(json.dumps(summary, indent=2) + "\n")
     return {**cli_summary(summary, out), "plan": summary}
 
@@ -96,7 +93,7 @@ def cli_summary(summary: dict[str, Any], out: str) -> dict[str, Any]:
 
 def _load_index(tokenized: str) -> pl.DataFrame:
     index = read_index(tokenized)
-    path = _join(tokenized, "index.parquet")
+    path = join_uri(tokenized, "index.parquet")
     for name, dtype in _INDEX_COLUMNS.items():
         if name not in index.columns:
             raise PlanError(f"{path}: no column {name!r} (has {index.columns}); re-run `dflash tokenize`")
@@ -116,8 +113,8 @@ def _load_index(tokenized: str) -> pl.DataFrame:
 
 def read_plan(plan_dir: str) -> tuple[pl.DataFrame, dict[str, Any]]:
     """plan.parquet and plan.json, validated: columns, row layout (step, rank, micro) and counts."""
-    summary = _read_summary(_join(plan_dir, SUMMARY_FILE))
-    path = _join(plan_dir, PLAN_FILE)
+    summary = _read_summary(join_uri(plan_dir, SUMMARY_FILE))
+    path = join_uri(plan_dir, PLAN_FILE)
     try:
         with fsspec.open(path, "rb") as fh:
             plan = pl.read_parquet(fh)
@@ -133,7 +130,7 @@ def read_val(plan_dir: str, summary: dict[str, Any]) -> pl.DataFrame | None:
     """val.parquet's batches (batch, sample_ids, n_samples, max_len, n_tokens), or None without a val slice."""
     if not summary.get("val"):
         return None
-    path = _join(plan_dir, summary["val"]["file"])
+    path = join_uri(plan_dir, summary["val"]["file"])
     try:
         with fsspec.open(path, "rb") as fh:
             val = pl.read_parquet(fh)

@@ -8,16 +8,22 @@ previous promoted drafter and its record, or the new ones.
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 from typing import Any
 
 import fsspec
 
 from dflash_core.atomic_dir import recover, replace_dir
+from dflash_core.config import PipelineConfig
+from dflash_core.model.export import WEIGHTS_FILE
+from dflash_core.runtime.warm_start import PROMOTED
 
 PROMOTED_DIR, DRAFTER_DIR, RECORD_FILE = "promoted", "drafter", "promoted.json"
 # the serving format's files (dflash_core.model.export), named here so reading the store needs no torch
 DRAFTER_FILES = ("config.json", "model.safetensors")
+
+log = logging.getLogger(__name__)
 
 
 def _join(*parts: str) -> str:
@@ -61,3 +67,18 @@ def copy_file(src_fs: fsspec.AbstractFileSystem, src: str, dst_fs: fsspec.Abstra
     with src_fs.open(src, "rb") as fin, dst_fs.open(dst, "wb") as fout:
         while chunk := fin.read(16 << 20):
             fout.write(chunk)
+
+
+def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
+    """The config with train.init_from 'promoted' replaced by the promoted drafter's path (None if none yet)."""
+    if cfg.train.init_from != PROMOTED:
+        return cfg
+    path = promoted_drafter(cfg.storage.root)
+    fs, root = fsspec.core.url_to_fs(path)
+    if fs.exists(posixpath.join(root, WEIGHTS_FILE)):
+        log.info("train.init_from: promoted -> %s", path)
+        resolved: str | None = path
+    else:
+        log.info("train.init_from: promoted, but nothing is promoted under %s yet: training from scratch", path)
+        resolved = None
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": resolved})})

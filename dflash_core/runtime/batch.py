@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_core.errors import InputError
 
-class BatchError(ValueError):
+
+class BatchError(InputError):
     """Token rows that cannot be collated (the message names the sample and plan step)."""
 
 

@@ -19,18 +19,19 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_core.errors import InputError
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint folder that cannot be loaded; the message names it."""
 
 
@@ -46,7 +47,7 @@ class Checkpoint:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, numpy, python) in a weights_only-loadable form."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -1,10 +1,21 @@
-"""Config of the training runtime."""
+"""Config of the training runtime, and the sections of the pipeline config a training run reads."""
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
-from dflash_core.schema import StrictModel
+from dflash_core.data.config import DataConfig
+from dflash_core.model.config import ModelConfig
+from dflash_core.monitor.config import WandbConfig
+from dflash_core.schema import StrictModel, read_yaml, validate_mapping
 
 
 class TrainConfig(StrictModel):
@@ -48,3 +59,23 @@ class TrainConfig(StrictModel):
         description="dense bf16 peak TFLOP/s of one device for the mfu metric; None = a table of known GPUs by "
         "name (dflash_core/runtime/efficiency.py), null mfu on CPU or an unknown GPU",
     )
+
+
+class RunConfig(BaseModel):
+    """The sections of the pipeline config (dflash_core.config) that one training run reads.
+
+    The other sections (plan, check, storage, ...) belong to the launcher, which validated the whole file
+    before writing it into the run folder; they are kept as they are so the W&B run config shows them all.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+def load_run_config(path: str) -> RunConfig:
+    """The run's sections of a config file written by a launcher (its URIs already resolved)."""
+    return validate_mapping(RunConfig, read_yaml(path), path)

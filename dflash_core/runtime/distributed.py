@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_core.errors import InputError
 
-class DeviceError(ValueError):
+
+class DeviceError(InputError):
     """A device setting that this machine or this launch cannot satisfy."""
 
 
@@ -28,7 +30,7 @@ class DistEnv:
     @classmethod
     def from_env(cls) -> DistEnv:
         """Read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (torchrun sets them)."""
-        get = lambda key, default: int(os.environ.get(key, default))  # noqa: E731
+        get = lambda key, default: int(os.environ.get(key) or default)  # noqa: E731
         launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ
         return cls(get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", 1), launched)
 

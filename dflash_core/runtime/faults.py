@@ -15,6 +15,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from dflash_core.errors import InputError
+
 KINDS = ("prefetch", "target", "drafter", "nan", "kill", "crash_in_checkpoint")
 
 
@@ -22,7 +24,7 @@ class InjectedFault(RuntimeError):
     """The exception a test asked for (DFLASH_FAULT)."""
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(InputError):
     """DFLASH_FAULT holds something that is not `kind@step[:rank]`."""
 
 

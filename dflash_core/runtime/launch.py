@@ -8,10 +8,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import TextIO
 
 import fsspec
 
-from dflash_core.errors import DflashError
+from dflash_core.errors import DflashError, UsageError
+from dflash_core.io import join_uri
 from dflash_core.publish import check_output, output_lock
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
 
@@ -34,7 +36,7 @@ def torchrun_command(
     cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
     cmd += ["--nnodes", str(nnodes), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
     if rdzv_endpoint is None and str(nnodes) != "1":
-        raise ValueError(f"nnodes={nnodes}: a multi-node run needs rdzv_endpoint (host:port of the rendezvous)")
+        raise UsageError(f"nnodes={nnodes}: a multi-node run needs rdzv_endpoint (host:port of the rendezvous)")
     if rdzv_endpoint is None:
         cmd.append("--standalone")  # a private rendezvous on a free port: parallel runs never collide
     else:
@@ -110,6 +112,7 @@ class TrainingFailed(DflashError):
     """A training run that failed: the first line is the failing rank's own error, the full log is on disk."""
 
     exit_code = 1
+    tail: list[str] | None = None  # torchrun's last lines, for callers that show more than the message
 
     @classmethod
     def from_process(cls, exc: ProcessFailed, rank_error: dict | None, log_path: str | None) -> TrainingFailed:
@@ -131,8 +134,8 @@ class RunLog:
     def __init__(self, out: str) -> None:
         fs, root = fsspec.core.url_to_fs(out)
         self.local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        self.path = f"{root.rstrip('/')}/train.log" if self.local else None
-        self.fh = None
+        self.path = join_uri(root, "train.log") if self.local else None
+        self.fh: TextIO | None = None
 
     def __enter__(self) -> RunLog:
         if self.path:

@@ -24,7 +24,10 @@ from dflash_core.runtime.threads import stage_thread
 class Replica(Protocol):
     """What the loop needs from a target replica (dflash_core.model.target.TargetModel)."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device:
+        """Where the replica's weights are."""
+        ...
 
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
         """Concatenated hidden states of the given layers, [B, S, K*H]."""

@@ -22,10 +22,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_core.model.loss import simulated_acceptance_length, slot_accuracy
 from dflash_core.runtime.batch import MicroBatch
@@ -204,10 +206,11 @@ class DrafterTrainLoop:
             self.faults.maybe_raise("drafter", batch.step)
         dev = self.s.device
         gen = anchor_generator(self.s.seed, batch.step, batch.micro, self.s.rank, dev)
-        sync = contextlib.nullcontext() if last or self.s.world_size == 1 else self.model.no_sync()
+        sync = contextlib.nullcontext() if last or self.s.world_size == 1 else cast(DDP, self.model).no_sync()
         autocast = (
             torch.autocast(dev.type, dtype=self.s.autocast_dtype) if self.s.autocast_dtype else contextlib.nullcontext()
         )
+        assert batch.features is not None, "the target loop fills features before the drafter sees a batch"
         with sync:
             with autocast:
                 out = self.model(

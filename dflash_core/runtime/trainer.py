@@ -10,7 +10,6 @@ import inspect
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_core.atomic_dir import replace_dir
-from dflash_core.config import PipelineConfig
 from dflash_core.model.drafter import DFlashDrafter, build_drafter
 from dflash_core.model.export import save_dflash
 from dflash_core.model.target import TargetModel, load_target
 from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink, WandbSink, wandb_mode
-from dflash_core.runtime.batch import MicroBatch, PlanRow
+from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel, fail_all
 from dflash_core.runtime.checkpoint import CheckpointManager, rng_state, set_rng_state
+from dflash_core.runtime.config import RunConfig
 from dflash_core.runtime.distributed import (
     DistEnv,
     broadcast_int,
@@ -39,75 +38,12 @@ from dflash_core.runtime.distributed import (
 from dflash_core.runtime.efficiency import FlopMeter, SteadyRate
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.prefetch import BatchPrefetcher
+from dflash_core.runtime.run_plan import RunPlan
 from dflash_core.runtime.schedule import make_scheduler
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
 from dflash_core.runtime.validate import BestTracker, Validator
 from dflash_core.runtime.warm_start import load_warm_start
-
-
-class PlanMismatchError(ValueError):
-    """The plan does not fit this launch or these token shards (checked before any work)."""
-
-
-@dataclass
-class RunPlan:
-    """What this rank trains: its plan rows from `start` on, and the step-level facts of the plan."""
-
-    table: pl.DataFrame
-    meta: dict[str, Any]
-    grad_accum: int
-    num_steps: int  # steps this run trains in total (plan steps, capped by train.max_steps)
-    buckets: list[int]
-
-    def rank_rows(self, rank: int, start: int) -> list[PlanRow]:
-        """This rank's micro-batches of steps start..num_steps-1, in (step, micro) order."""
-        part = self.table.filter(
-            (pl.col("rank") == rank) & (pl.col("step") >= start) & (pl.col("step") < self.num_steps)
-        ).sort("step", "micro")
-        rows = [
-            PlanRow(int(r["step"]), int(r["micro"]), int(r["bucket"]), tuple(int(i) for i in r["sample_ids"]))
-            for r in part.iter_rows(named=True)
-        ]
-        expected = max(0, self.num_steps - start) * self.grad_accum
-        if len(rows) != expected:
-            raise PlanMismatchError(
-                f"plan: rank {rank} has {len(rows)} micro-batches in steps {start}..{self.num_steps - 1}, expected "
-                f"{expected} (grad_accum {self.grad_accum} per step); re-run `dflash plan`"
-            )
-        return rows
-
-    def epoch(self, step: int) -> int:
-        """The epoch a plan step belongs to (plan.parquet's epoch column when it has one)."""
-        if "epoch" in self.table.columns:
-            row = step * int(self.meta["world_size"]) * self.grad_accum  # rows sorted by (step, rank, micro)
-            return int(self.table["epoch"][row])
-        total, epochs = int(self.meta.get("num_steps", self.num_steps)), int(self.meta.get("epochs", 1))
-        return min(epochs - 1, step * epochs // max(1, total))
-
-
-def check_plan(meta: dict[str, Any], plan_dir: str, world_size: int, fingerprint: str, tokenized: str) -> None:
-    """Refuse a plan made for another world size or other token shards (before any work)."""
-    if int(meta["world_size"]) != world_size:
-        raise PlanMismatchError(
-            f"{plan_dir}/plan.json was made for world_size {meta['world_size']}, but this launch has {world_size} "
-            f"processes; re-run `dflash plan --world-size {world_size}` or launch {meta['world_size']} processes"
-        )
-    planned = meta.get("tokenized_fingerprint")
-    if planned != fingerprint:
-        raise PlanMismatchError(
-            f"{plan_dir}/plan.json was made for token shards with fingerprint {planned!r}, but {tokenized} has "
-            f"{fingerprint!r}; re-run `dflash plan --tokenized {tokenized}`"
-        )
-
-
-def load_run_plan(table: pl.DataFrame, meta: dict[str, Any], max_steps: int | None) -> RunPlan:
-    """The plan as this run uses it."""
-    num_steps = int(meta["num_steps"]) if "num_steps" in meta else int(table["step"].max()) + 1
-    if max_steps is not None:
-        num_steps = min(num_steps, max_steps)
-    buckets = sorted(int(b) for b in table["bucket"].unique().to_list())
-    return RunPlan(table, meta, int(meta["grad_accum"]), num_steps, buckets)
 
 
 def wrap_ddp(drafter: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -123,7 +59,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: PipelineConfig,
+        cfg: RunConfig,
         plan: RunPlan,
         reader,
         out: str,
@@ -155,7 +91,7 @@ class Trainer:
         if t.init_from:  # a resumed checkpoint below overrides these weights
             load_warm_start(self.drafter, t.init_from)
         self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            self.drafter.parameters(), lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay
         )
         self.scheduler = make_scheduler(self.optimizer, self.plan.num_steps, t.warmup_ratio, t.schedule, t.min_lr_ratio)
         self.loop_state: dict[str, Any] | None = None

@@ -14,39 +14,23 @@ import posixpath
 import fsspec
 from safetensors.torch import load as load_safetensors
 
-from dflash_core.config import PipelineConfig
+from dflash_core.errors import InputError
 from dflash_core.model.drafter import DFlashDrafter
 from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE
-from dflash_core.promotion.store import promoted_drafter
 
 log = logging.getLogger(__name__)
-PROMOTED = "promoted"
+PROMOTED = "promoted"  # train.init_from: the drafter the promotion gate last promoted
 
 
-class WarmStartError(ValueError):
+class WarmStartError(InputError):
     """train.init_from names a drafter that cannot seed the configured one; the message says which tensor."""
-
-
-def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
-    """The config with train.init_from 'promoted' replaced by the promoted drafter's path (None if none yet)."""
-    if cfg.train.init_from != PROMOTED:
-        return cfg
-    path = promoted_drafter(cfg.storage.root)
-    fs, root = fsspec.core.url_to_fs(path)
-    if fs.exists(posixpath.join(root, WEIGHTS_FILE)):
-        log.info("train.init_from: promoted -> %s", path)
-        resolved: str | None = path
-    else:
-        log.info("train.init_from: promoted, but nothing is promoted under %s yet: training from scratch", path)
-        resolved = None
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": resolved})})
 
 
 def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
     """Copy an exported drafter's weights into `drafter`; WarmStartError names the first mismatch."""
     if uri == PROMOTED:
         raise WarmStartError("train.init_from: 'promoted' must be resolved to a path before the workers start "
-                             "(runtime.warm_start.resolve_init_from)")
+                             "(promotion.store.resolve_init_from)")
     fs, root = fsspec.core.url_to_fs(uri)
     try:
         with fs.open(posixpath.join(root, WEIGHTS_FILE), "rb") as fh:

@@ -16,15 +16,17 @@ import traceback
 import torch
 from transformers.utils import logging as transformers_logging
 
-from dflash_core.config import PipelineConfig, load_config
+from dflash_core.errors import InputError
+from dflash_core.runtime.config import RunConfig, load_run_config
 from dflash_core.runtime.distributed import DistEnv, resolve_device
 from dflash_core.runtime.efficiency import intra_op_threads
 from dflash_core.runtime.faults import FaultPlan
 from dflash_core.runtime.process import die_with_parent, rank_error_line
-from dflash_core.runtime.trainer import Trainer, check_plan, load_run_plan, summary_line
+from dflash_core.runtime.run_plan import read_run_plan
+from dflash_core.runtime.trainer import Trainer, summary_line
 
 
-class MaskTokenError(ValueError):
+class MaskTokenError(InputError):
     """No mask token id: neither model.mask_token_id nor the tokenizer's mask token."""
 
 
@@ -34,26 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenized", required=True, help="folder written by `dflash tokenize`")
     p.add_argument("--plan", required=True, help="folder written by `dflash plan`")
     p.add_argument("--out", required=True, help="run folder: metrics.jsonl, checkpoints/, drafter/")
-    p.add_argument("--config", required=True, help="pipeline config (YAML path or preset name)")
+    p.add_argument("--config", required=True, help="pipeline config file with resolved URIs (launchers write one)")
     return p.parse_args(argv)
 
 
-def resolve_uri(uri: str) -> str:
-    """example://... -> the built example assets (dflash_core.example); anything else unchanged."""
-    if not uri.startswith("example://"):
-        return uri
-    from dflash_core.example import resolve_uri as resolve_example
-
-    return resolve_example(uri)
-
-
-def mask_token_id(cfg: PipelineConfig) -> int:
+def mask_token_id(cfg: RunConfig) -> int:
     """model.mask_token_id, else the tokenizer's mask token."""
     if cfg.model.mask_token_id is not None:
         return cfg.model.mask_token_id
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_uri(cfg.data.tokenizer))
+    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
     if tok.mask_token_id is None:
         raise MaskTokenError(
             f"tokenizer {cfg.data.tokenizer} has no mask token; set model.mask_token_id to an id whose embedding "
@@ -65,22 +58,18 @@ def mask_token_id(cfg: PipelineConfig) -> int:
 def run(args: argparse.Namespace, env: DistEnv) -> dict:
     """Check the inputs, then train this rank; returns the summary."""
     from dflash_core.data.shards import ShardReader
-    from dflash_core.plan.io import read_plan, read_val
-    from dflash_core.runtime.warm_start import resolve_init_from
+    from dflash_core.plan.io import read_val
 
-    cfg = resolve_init_from(load_config(args.config))  # launchers resolve it already; direct torchrun too
+    cfg = load_run_config(args.config)  # written by a launcher: URIs and train.init_from already resolved
     device = resolve_device(cfg.train.device, env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(intra_op_threads(
         cfg.train.torch_threads, device.type, env.local_world_size, os.environ.get("OMP_NUM_THREADS"), cores
     ))
-    table, meta = read_plan(args.plan)
     reader = ShardReader(args.tokenized)
-    check_plan(meta, args.plan, env.world_size, reader.fingerprint, args.tokenized)
-    plan = load_run_plan(table, meta, cfg.train.max_steps)
-    cfg.model.target = resolve_uri(cfg.model.target)
+    plan = read_run_plan(args.plan, env.world_size, reader.fingerprint, args.tokenized, cfg.train.max_steps)
     faults = FaultPlan.from_env(env.rank)
-    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), faults, read_val(args.plan, meta))
+    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), faults, read_val(args.plan, plan.meta))
     return trainer.setup().train()
 
 

@@ -9,7 +9,6 @@ incident's homogeneous batches where runs of long-bucket steps blow up the gradi
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 import numpy as np
 from scipy.signal import lfilter
+
+from dflash_core import io
 
 BUCKET_LOSS = (0.85, 0.95, 1.1, 1.6)  # loss of each bucket relative to the run's average (short -> long)
 BUCKET_P = (0.3, 0.25, 0.25, 0.2)  # share of micro-batches per bucket
@@ -85,8 +86,5 @@ def _record(step: int, loss: float, base: float, grad: float, mix: np.ndarray, n
 
 
 def write_jsonl(records: list[dict[str, Any]], path: str | Path) -> str:
-    """Write records as metrics.jsonl (non-finite floats as null, like the runtime's sink)."""
-    with open(path, "w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, allow_nan=False) + "\n")
-    return str(path)
+    """Write records as metrics.jsonl (the records hold null, never NaN, like the runtime's sink)."""
+    return io.write_jsonl(str(path), records)

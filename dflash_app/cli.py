@@ -7,18 +7,16 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from dflash_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, DflashError, UsageError
+
+if TYPE_CHECKING:
+    from dflash_core.config import PipelineConfig
+
 log = logging.getLogger("dflash")
-
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
-
-
-class UsageError(ValueError):
-    """Bad command-line input; the message says what to pass instead."""
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -39,17 +37,23 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
-    from dflash_core.config import load_config
+def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> PipelineConfig:
+    from dflash_app.config import load_config
 
     overrides = {**_overrides(getattr(args, "set", None) or []), **(extra or {})}
     return load_config(args.config, overrides)
 
 
 def _resolve(uri: str) -> str:
-    from dflash_core.example import resolve_uri
+    from dflash_core.example import resolve_uri  # example:// is resolved here, in the application, only
 
     return resolve_uri(uri)
+
+
+def _resolved(cfg: PipelineConfig) -> PipelineConfig:
+    from dflash_app.config import resolve_config
+
+    return resolve_config(cfg)
 
 
 def cmd_example(args: argparse.Namespace) -> int:
@@ -68,8 +72,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                        ("max_length", args.max_length)):
         if value is not None:
             extra[f"data.{key}"] = value
-    cfg = _config(args, extra)
-    summary = tokenize_dataset(_resolve(cfg.data.source), _resolve(cfg.data.tokenizer), args.out, cfg.data,
+    cfg = _resolved(_config(args, extra))
+    summary = tokenize_dataset(cfg.data.source, cfg.data.tokenizer, args.out, cfg.data,
                                block_size=cfg.model.block_size)
     _print_summary(summary)
     return 0
@@ -100,22 +104,14 @@ def _edges(text: str) -> list[int]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dflash_core.config import dump_config, resolve_config_path
+    from dflash_core.config import write_run_config
+    from dflash_core.promotion.store import resolve_init_from
     from dflash_core.runtime.launch import launch_train
-    from dflash_core.runtime.warm_start import resolve_init_from
 
-    given = _config(args)
-    cfg = resolve_init_from(given)  # train.init_from: promoted -> the promoted drafter's path, before any worker
-    config_path = resolve_config_path(args.config)
-    if args.set or cfg is not given:  # the workers read a file: write the overridden config beside the run
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(args.out)
-        fs.makedirs(root, exist_ok=True)
-        config_path = args.out.rstrip("/") + "/config.yaml"
-        dump_config(cfg, config_path)
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    cfg = resolve_init_from(_resolved(_config(args)))  # init_from: promoted -> a path, before any worker
+    config_path = write_run_config(cfg, args.out)  # the workers read this file; the run keeps it
     summary = launch_train(
         tokenized=args.tokenized, plan=args.plan, out=args.out, config_path=config_path,
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,
@@ -169,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _resolved(_config(args))
     from flows.retrain import retrain_drafter
 
     state = retrain_drafter(config=cfg, run_name=args.run_name, return_state=True)
@@ -180,20 +176,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flows.demo import DemoSetupError, run_demo
+    from dflash_app.demo import run_demo
 
-    try:
-        summary = run_demo(run_name=args.run_name)
-    except DemoSetupError as exc:
-        print(f"dflash demo: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    summary = run_demo(run_name=args.run_name)  # a DemoSetupError is one line, exit 1 (see main)
     _print_summary(summary)
     return 0 if summary.get("state") == "COMPLETED" else EXIT_FAILED
 
 
 def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") -> None:
     p.add_argument("--config", default=default,
-                   help=f"YAML config file or preset name in infra/configs (default: {default})")
+                   help=f"YAML config file, or the name of a shipped preset (default: {default})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. train.lr=1e-3")
 
 
@@ -279,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(command: str, exc: BaseException, code: int) -> int:
+    print(f"dflash {command}: error: {exc}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dflash` console script."""
     args = build_parser().parse_args(argv)
@@ -289,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
-        print(f"dflash {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except DflashError as exc:  # an expected failure: one clear line, no traceback; anything else keeps it
+        return _fail(args.command, exc, exc.exit_code)
+    except OSError as exc:  # a missing or unreadable input file
+        return _fail(args.command, exc, EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print(f"dflash {args.command}: interrupted", file=sys.stderr)
         return 130

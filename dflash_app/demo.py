@@ -6,11 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash_core.errors import EXIT_FAILED, DflashError
 from dflash_core.example.assets import default_home
 
 
-class DemoSetupError(RuntimeError):
-    """The demo could not set up its Prefect home or reach Prefect's temporary server."""
+class DemoSetupError(DflashError):
+    """The demo could not set up its Prefect home or reach Prefect's temporary server (one line, exit 1)."""
+
+    exit_code = EXIT_FAILED
 
 
 def demo_prefect_home() -> Path:
@@ -45,11 +48,12 @@ def run_demo(run_name: str | None = None) -> dict[str, Any]:
     # 2-core machine (seen: "Timed out while attempting to connect to ephemeral Prefect API server").
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("WANDB_MODE", "offline")
-    from dflash_core.config import load_config
+    from dflash_app.config import load_config, resolve_config
     from flows.retrain import retrain_drafter
 
+    config = resolve_config(load_config("tiny-cpu"))
     try:
-        state = retrain_drafter(config=load_config("tiny-cpu"), run_name=run_name, return_state=True)
+        state = retrain_drafter(config=config, run_name=run_name, return_state=True)
     except RuntimeError as exc:  # Prefect's temporary server did not come up: say so in one line
         if "server" not in str(exc).lower():
             raise

@@ -15,16 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from common.models import save_tiny_qwen3
 from dflash_core.data.samples import Sample
 from dflash_core.data.writer import ShardWriter
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.io import run_plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
 MASK_ID = VOCAB - 1
 BLOCK = 4
@@ -41,15 +40,9 @@ class RunInputs:
 
 
 def write_target(out: Path, seed: int = 0, hidden: int = 32, layers: int = 2) -> str:
-    """A random-init tiny Qwen3ForCausalLM saved with save_pretrained (safetensors)."""
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+    """The runtime's target: the tiny Qwen3 (hidden 32, 2 layers, the usual 0.02 init) saved under `out`."""
+    return save_tiny_qwen3(out, seed=seed, layers=layers, vocab=VOCAB, init_std=0.02, hidden=hidden,
+                           max_positions=1024)
 
 
 def write_shards(out: Path, n_samples: int, seed: int = 0, max_len: int = 96, rows_per_part: int = 16) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import random
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from dflash_core import io
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -73,10 +73,8 @@ def to_sharegpt(conv: list[dict[str, str]], i: int) -> dict[str, Any]:
 
 
 def write_jsonl(path: Path, records: list[Any], gz: bool = False) -> Path:
-    """Records as JSON lines (gzip when gz)."""
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
-    return path
+    """Records as JSON lines (gzip when gz), written by the project's own writer."""
+    return Path(io.write_jsonl(str(path), records, gz=gz))
 
 
 @functools.cache

@@ -1,6 +1,9 @@
-"""Tiny random Qwen3 targets and drafters shared by the tests/test_model_*.py files (no tests here)."""
+"""The one tiny random Qwen3 factory of the tests: in memory (model tests) or saved as a target (runtime tests)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -13,23 +16,30 @@ VOCAB = 100
 MASK_ID = 99
 
 
-def tiny_qwen3(seed: int = 0, layers: int = 4, vocab: int = VOCAB, init_std: float = 0.2) -> Qwen3ForCausalLM:
-    """4 layers, hidden 64, 4 heads, 2 kv heads, head_dim 16: a real Qwen3ForCausalLM, random weights."""
+def tiny_qwen3(seed: int = 0, layers: int = 4, vocab: int = VOCAB, init_std: float = 0.2, hidden: int = 64,
+               max_positions: int = 512) -> Qwen3ForCausalLM:
+    """A real Qwen3ForCausalLM with random weights: 4 heads, 2 kv heads, head_dim hidden/4 (default 4 x 64)."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
+        head_dim=hidden // 4,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
-        # a wider init than the usual 0.02 gives decisive greedy choices (no float near-ties)
+        # the model tests use a wider init than the usual 0.02: decisive greedy choices (no float near-ties)
         initializer_range=init_std,
     )
     return Qwen3ForCausalLM(config).eval()
+
+
+def save_tiny_qwen3(out: Path, **kw: Any) -> str:
+    """tiny_qwen3(**kw) saved with save_pretrained (safetensors), loadable as a target; its path."""
+    tiny_qwen3(**kw).save_pretrained(out)
+    return str(out)
 
 
 def tiny_target(seed: int = 0, init_std: float = 0.2) -> TargetModel:

@@ -1,28 +1,24 @@
 """Tokenize-stage throughput vs a naive per-turn loop and vs raw batch encoding of the same texts (JSON out).
 
-python bench/tokenize.py [--conversations 4000] [--num-proc 1,2] [--naive-limit 400] [--repeat 2]
+python -m bench.tokenize_bench [--conversations 4000] [--num-proc 1,2] [--naive-limit 400] [--repeat 2]
 
 Data: generated multi-turn chats (system prompt, 1-6 user/assistant exchanges, prose, code and numbers);
 tokenizer: a byte-level BPE trained here on that data, ChatML template. Goals (issue 3): the stage at least
 3x the naive loop and at least 50% of the raw batch-encode rate.
 """
 
+import argparse
+import json
 import os
-import sys
+import random
+import resource
+import tempfile
+import time
+from collections.abc import Callable
 
-# This file's name shadows the stdlib `tokenize` for modules imported from its folder: drop the folder.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import numpy as np
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import resource  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import numpy as np  # noqa: E402
+from dflash_core.io import write_jsonl
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -49,16 +45,16 @@ def make_data(path: str, n: int, seed: int = 0) -> list[list[dict[str, str]]]:
     """n ShareGPT conversations written as JSONL; returns them as OpenAI-style message lists."""
     rng = random.Random(seed)
     vocab = _words(rng, 3000)
-    convs = []
-    with open(path, "w", encoding="utf-8") as fh:
-        for i in range(n):
-            turns = [{"from": "system", "value": _text(rng, vocab, 2)}]
-            for _ in range(rng.randint(1, 6)):
-                turns.append({"from": "human", "value": _text(rng, vocab, rng.randint(1, 5))})
-                turns.append({"from": "gpt", "value": _text(rng, vocab, rng.randint(3, 12))})
-            fh.write(json.dumps({"id": f"conv-{i}", "conversations": turns}) + "\n")
-            role = {"system": "system", "human": "user", "gpt": "assistant"}
-            convs.append([{"role": role[t["from"]], "content": t["value"]} for t in turns])
+    convs, records = [], []
+    role = {"system": "system", "human": "user", "gpt": "assistant"}
+    for i in range(n):
+        turns = [{"from": "system", "value": _text(rng, vocab, 2)}]
+        for _ in range(rng.randint(1, 6)):
+            turns.append({"from": "human", "value": _text(rng, vocab, rng.randint(1, 5))})
+            turns.append({"from": "gpt", "value": _text(rng, vocab, rng.randint(3, 12))})
+        records.append({"id": f"conv-{i}", "conversations": turns})
+        convs.append([{"role": role[t["from"]], "content": t["value"]} for t in turns])
+    write_jsonl(path, records)
     return convs
 
 

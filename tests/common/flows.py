@@ -15,18 +15,19 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
 )
 
-from dflash_core.config import PipelineConfig, load_config
+from dflash_app.config import load_config, resolve_config
+from dflash_core.config import PipelineConfig
 
 EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "training-progress", "training-live",
                       "stability-report", "run-summary", "promotion"}
 
 
 def fast_config(root: Path, **overrides) -> PipelineConfig:
-    """The tiny CPU preset, a few optimizer steps, outputs under `root`."""
+    """The tiny CPU preset (example:// resolved, as the application passes it), a few steps, outputs under `root`."""
     base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled",
             "train.eval_every": 2, "eval.limit": 2, "eval.max_new_tokens": 16,
             "check.fail_unjudged": False}  # 4 steps are too few to judge; the flow tests test the flow
-    return load_config("tiny-cpu", {**base, **overrides})
+    return resolve_config(load_config("tiny-cpu", {**base, **overrides}))
 
 
 def artifact_keys(flow_run_id: UUID) -> set[str]:

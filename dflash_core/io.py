@@ -1,0 +1,23 @@
+"""Small file helpers shared by every stage: joining paths under a local or fsspec-URI root, writing JSONL."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import fsspec
+
+
+def join_uri(root: str, *parts: str) -> str:
+    """Join path parts under a local path or URI root (`s3://b/x` + `y/` -> `s3://b/x/y`)."""
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def write_jsonl(path: str, records: Iterable[Any], *, sort_keys: bool = False, gz: bool = False) -> str:
+    """Write records one JSON object per line (UTF-8; gzip when gz) to a path or fsspec URI; returns the path."""
+    data = "".join(json.dumps(r, sort_keys=sort_keys, ensure_ascii=False) + "\n" for r in records).encode()
+    with fsspec.open(path, "wb") as fh:
+        fh.write(gzip.compress(data, mtime=0) if gz else data)
+    return path

@@ -1,0 +1,49 @@
+"""From the metrics table to the series the figures read: deduplicated steps, bucket shares, gaps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from dflash_core.monitor.sources import REQUIRED, bucket_ids
+from dflash_core.monitor.stability.figures import Series, figure
+
+
+def dedupe(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
+    # A resumed run repeats the steps after its checkpoint: the later records are the ones training kept.
+    steps = frame["step"].to_numpy()
+    behind = int((steps[1:] <= np.maximum.accumulate(steps)[:-1]).sum()) if len(steps) > 1 else 0
+    resumes = int((np.diff(steps) <= 0).sum()) if len(steps) > 1 else 0
+    clean = frame.unique(subset="step", keep="last", maintain_order=True).sort("step")
+    first, last = int(clean["step"][0]), int(clean["step"][-1])
+    repeated, missing = frame.height - clean.height, (last - first + 1) - clean.height
+    summary = (f"{behind} records out of order or repeated (restarts: {resumes}, repeated steps: {repeated}, "
+               f"the later records kept); {missing} steps missing between {first} and {last}")
+    fig = figure(behind, 0, "info", summary, repeated=repeated, restarts=resumes, missing=missing,
+                 first_step=first, last_step=last, records=frame.height, steps=clean.height)
+    return clean, fig
+
+
+def make_series(clean: pl.DataFrame) -> Series:
+    ids = bucket_ids(clean)
+    shares = clean.select([f"mix:{b}" for b in ids]).to_numpy().astype(float).reshape(clean.height, len(ids))
+    known = ~np.isnan(shares).any(axis=1) & (len(ids) > 0)
+    # Dominant bucket: the largest share; a tie goes to the longer bucket (the one that pushes harder).
+    dominant = len(ids) - 1 - np.argmax(np.nan_to_num(shares[:, ::-1], nan=-1.0), axis=1) if ids else None
+    return Series(
+        steps=clean["step"].to_numpy(),
+        loss=clean["loss"].to_numpy().astype(float),
+        grad_norm=clean["grad_norm"].to_numpy().astype(float),
+        grad_logged=bool(clean["grad_norm"].is_not_null().any()),
+        buckets=ids,
+        shares=shares,
+        dominant=np.where(known, dominant, -1) if dominant is not None else np.full(clean.height, -1),
+    )
+
+
+def missing_fields(clean: pl.DataFrame) -> list[str]:
+    missing = [name for name in REQUIRED if name != "step" and clean[name].is_null().all()]
+    return [f"required field '{name}' is missing from every record; the figures that need it are n/a"
+            for name in missing]

@@ -1,0 +1,122 @@
+"""The flow's tasks one by one through `.fn()` (no flow run, no Prefect server), and the progress helpers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from common.chat import conversations, to_sharegpt, tokenizer_dir, write_jsonl
+from common.logs import make_log
+from common.logs import write_jsonl as write_metrics
+from prefect.logging import disable_run_logger
+
+from dflash_core.config import PipelineConfig, parse_config
+from dflash_core.data.fingerprint import input_fingerprint
+from dflash_core.plan import read_plan
+from flows import tasks
+from flows.progress import LogThrottle, follow_metrics
+
+
+def _config(tmp_path: Path, n: int = 40, **sections) -> PipelineConfig:
+    data = write_jsonl(tmp_path / "chats.jsonl", [to_sharegpt(c, i) for i, c in enumerate(conversations(n))])
+    raw = {"data": {"source": str(data), "tokenizer": tokenizer_dir("chatml"), "num_proc": 1},
+           "model": {"target": "unused", "block_size": 4},
+           "plan": {"max_tokens": 1024, "num_buckets": 2, "grad_accum": 1}, **sections}
+    return parse_config(raw, "test")
+
+
+def test_fingerprint_follows_content_and_parameters(tmp_path):
+    cfg = _config(tmp_path)
+    first = tasks.fingerprint_inputs.fn(cfg)
+    assert first == tasks.fingerprint_inputs.fn(cfg)
+    assert first == input_fingerprint(cfg.data.source, cfg.data.tokenizer, cfg.data, cfg.model.block_size)
+    longer = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 64})})
+    assert tasks.fingerprint_inputs.fn(longer) != first
+    Path(cfg.data.source).write_text(Path(cfg.data.source).read_text().replace("a", "b", 1))
+    assert tasks.fingerprint_inputs.fn(cfg) != first
+
+
+def test_plan_fingerprint_depends_on_tokens_and_plan_section_only(tmp_path):
+    cfg = _config(tmp_path)
+    key = tasks.plan_fingerprint("tok-1", cfg)
+    assert key == tasks.plan_fingerprint("tok-1", cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"lr": 0.5})}))
+    assert key != tasks.plan_fingerprint("tok-2", cfg)
+    assert key != tasks.plan_fingerprint("tok-1", cfg.model_copy(update={"plan": cfg.plan.model_copy(
+        update={"seed": 9})}))
+
+
+def test_tokenize_then_plan_write_their_folders(tmp_path):
+    cfg = _config(tmp_path)
+    fp = tasks.fingerprint_inputs.fn(cfg)
+    tokenized = str(tmp_path / "tok")
+    with disable_run_logger():
+        summary = tasks.tokenize.fn(cfg, fp, tokenized)
+    assert summary["read"] == 40 and summary["kept"] > 0
+    manifest = json.loads((tmp_path / "tok" / "manifest.json").read_text())
+    assert manifest["fingerprint"] == fp  # the cache key is the fingerprint the stage itself writes
+
+    plan_dir = str(tmp_path / "plan")
+    plan_summary = tasks.plan.fn(cfg, tokenized, "unused", plan_dir)
+    assert plan_summary == read_plan(plan_dir)[1] and plan_summary["num_steps"] >= 1
+
+
+def test_cached_refreshes_when_the_output_is_gone(tmp_path):
+    out = tmp_path / "out"
+    assert tasks.cached(tasks.plan, str(out), "plan.json") is not tasks.plan  # nothing there: refresh_cache
+    assert tasks.cached(tasks.plan, str(out), "plan.json").refresh_cache is True
+    out.mkdir()
+    (out / "plan.json").write_text("{}")
+    assert tasks.cached(tasks.plan, str(out), "plan.json") is tasks.plan
+
+
+def test_check_writes_the_report_and_publishes_it(tmp_path, monkeypatch):
+    published = []
+    monkeypatch.setattr(tasks, "publish_report", lambda report, out, drafter: published.append((report, out)))
+    metrics = write_metrics(make_log(300, 0), tmp_path / "metrics.jsonl")
+    cfg = _config(tmp_path, check={"spike_window": 50})
+    report = tasks.check.fn(cfg, metrics, str(tmp_path / "report"), str(tmp_path / "drafter"))
+    assert report["verdict"] in ("pass", "warn")
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["verdict"] == report["verdict"]
+    assert published == [(report, str(tmp_path / "report"))]
+
+
+def test_log_throttle_forwards_at_the_rate_and_counts_the_rest(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("flows.progress.time.monotonic", lambda: now[0])
+    lines: list[str] = []
+    throttle = LogThrottle(lines.append, rate=2.0)  # one line per 0.5 s
+    for i in range(5):
+        throttle(f"line {i}")
+    now[0] += 0.6
+    throttle("line 5")
+    assert lines == ["line 0", "... 4 log lines not forwarded", "line 5"]
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.polls = 0
+        self.seen = threading.Event()
+
+    def poll(self, final: bool = False) -> None:
+        self.polls += 1
+        if self.polls >= 3:
+            self.seen.set()
+
+
+@pytest.mark.timeout(30)
+def test_follow_metrics_polls_until_stopped():
+    recorder, stop = _Recorder(), threading.Event()
+    follower = threading.Thread(target=follow_metrics, args=(recorder, stop, 0.01))
+    follower.start()
+    try:
+        assert recorder.seen.wait(10)
+    finally:
+        stop.set()
+        follower.join(10)
+    polls = recorder.polls
+    time.sleep(0.1)
+    assert not follower.is_alive() and recorder.polls == polls  # no poll after stop
