@@ -10,7 +10,7 @@ import base64
 import io
 import math
 import time
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import fsspec
@@ -184,10 +184,11 @@ class TrainingProgress:
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
         self.picture, self.plotted_at, self.finished = "", -math.inf, False
-        self.bar_id = create_progress_artifact(0.0, key="training-progress",
-                                               description=f"0 / {self.num_steps} optimizer steps")
-        self.page_id = create_markdown_artifact(self.page(), key="training-live",
-                                                description="Live training figures and curves")
+        # Called from a synchronous task, so these return the ids themselves, not coroutines.
+        self.bar_id = cast(UUID, create_progress_artifact(0.0, key="training-progress",
+                                                          description=f"0 / {self.num_steps} optimizer steps"))
+        self.page_id = cast(UUID, create_markdown_artifact(self.page(), key="training-live",
+                                                           description="Live training figures and curves"))
 
     def poll(self, final: bool = False) -> None:
         """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves."""

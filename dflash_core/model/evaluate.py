@@ -255,4 +255,4 @@ class _Run:
             )
             response = replace(response, baseline_tokens=ref.shape[1] - ids.shape[0], baseline_seconds=base_seconds,
                                matches_baseline=torch.equal(ref, out))
-        return response, self.tokenizer.decode(new.tolist(), skip_special_tokens=True)
+        return response, str(self.tokenizer.decode(new.tolist(), skip_special_tokens=True))

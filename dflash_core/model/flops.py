@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -39,12 +40,13 @@ class FlopShape:
     def of(cls, drafter: nn.Module) -> FlopShape:
         """The shape of a DFlashDrafter (or a DDP wrapper around one)."""
         drafter = getattr(drafter, "module", drafter)
-        c = drafter.config
+        c: Any = drafter.config
+        layer_ids: list[int] = list(drafter.target_layer_ids)  # type: ignore[arg-type]  # a transformers config (nn.Module's attribute typing knows only tensors/modules)
         return cls(
             hidden=int(c.hidden_size), heads=int(c.num_attention_heads), kv_heads=int(c.num_key_value_heads),
             head_dim=int(c.head_dim), intermediate=int(c.intermediate_size), vocab=int(c.vocab_size),
-            draft_layers=int(c.num_hidden_layers), target_layers_run=max(drafter.target_layer_ids) + 1,
-            num_features=len(drafter.target_layer_ids), block_size=int(drafter.block_size),
+            draft_layers=int(c.num_hidden_layers), target_layers_run=max(layer_ids) + 1,
+            num_features=len(layer_ids), block_size=int(drafter.block_size),  # type: ignore[arg-type]
         )
 
 

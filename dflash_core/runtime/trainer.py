@@ -219,6 +219,8 @@ class Trainer:
 
     def _validate(self, step: int, sink: MetricSink) -> None:
         """Score the val slice; a new best validation acceptance length is exported as drafter-best/."""
+        if self.validator is None:  # no validation slice in this plan
+            return
         self.last_val = self.validator.run(step)
         sink.log(self.last_val)
         if self.best.offer(self.last_val) and self.env.is_main:
