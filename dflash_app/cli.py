@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             extra[f"data.{key}"] = value
     cfg = _resolved(_config(args, extra))
     summary = tokenize_dataset(cfg.data.source, cfg.data.tokenizer, args.out, cfg.data,
-                               block_size=cfg.model.block_size)
+                               block_size=cfg.model.block_size, overwrite=args.overwrite)
     _print_summary(summary)
     return 0
 
@@ -90,7 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _config(args, extra)
     from dflash_core.plan import format_summary_table, run_plan
 
-    summary = run_plan(args.tokenized, args.out, cfg.plan)
+    summary = run_plan(args.tokenized, args.out, cfg.plan, overwrite=args.overwrite)
     print(format_summary_table(summary["plan"] if "plan" in summary else summary), file=sys.stderr)
     _print_summary({k: v for k, v in summary.items() if k != "plan"})
     return 0
@@ -198,7 +199,7 @@ def _positive_int(value: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `dflash` and its subcommands."""
     parser = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks behind errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("example", help="build (or reuse) the built-in example assets and print their paths")
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=["auto", "sharegpt", "openai"])
     p.add_argument("--max-length", type=int)
+    p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a tokenize output")
     _add_config(p)
     p.set_defaults(func=cmd_tokenize)
 
@@ -224,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int)
     p.add_argument("--epochs", type=int)
     p.add_argument("--seed", type=int)
+    p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a plan output")
     _add_config(p)
     p.set_defaults(func=cmd_plan)
 
@@ -271,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(command: str, exc: BaseException, code: int) -> int:
-    print(f"dflash {command}: error: {exc}", file=sys.stderr)
+def _fail(command: str, exc: BaseException, code: int, verbose: bool = False) -> int:
+    """One line naming what was wrong (the first line of the message); the traceback only with --verbose."""
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    text = str(exc).strip() or type(exc).__name__
+    print(f"dflash {command}: error: {text}", file=sys.stderr)
     return code
 
 
@@ -287,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except DflashError as exc:  # an expected failure: one clear line, no traceback; anything else keeps it
-        return _fail(args.command, exc, exc.exit_code)
-    except OSError as exc:  # a missing or unreadable input file
-        return _fail(args.command, exc, EXIT_BAD_INPUT)
+        return _fail(args.command, exc, exc.exit_code, args.verbose)
+    except OSError as exc:  # a missing or unreadable file, a read-only folder, a model or tokenizer that won't load
+        return _fail(args.command, exc, EXIT_BAD_INPUT, args.verbose)
     except KeyboardInterrupt:
         print(f"dflash {args.command}: interrupted", file=sys.stderr)
         return 130

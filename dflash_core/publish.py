@@ -68,9 +68,16 @@ def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrit
     """Refuse an existing `out` that is a file, or a non-empty folder that this stage did not write."""
     fs, root = fsspec.core.url_to_fs(out)
     root = root.rstrip("/")
+    if fs.exists(root + ".lock"):  # a live writer: fail at once, before any slow set-up
+        holder = _read_lock(fs, root + ".lock")
+        if not _is_stale(holder):
+            raise OutputLockedError(_locked_message(out, root + ".lock", holder))
     if fs.exists(root) and not fs.isdir(root):
         raise OutputError(f"--out {out} is an existing file, not a folder; choose a folder path")
-    if overwrite or not fs.exists(root):
+    if not fs.exists(root):
+        _creatable_parent(fs, root, out)
+        return
+    if overwrite:
         return
     names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
     owner = stage_of(out)
@@ -79,6 +86,17 @@ def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrit
         what = f"the output of `{owner}`" if owner else f"not a `{stage}` output ({len(names)} entries)"
         raise OutputError(f"--out {out} already holds files and is {what}; pick an empty or new folder, "
                           "or pass --overwrite to replace it")
+
+
+def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> None:
+    """Fail before any work when the folder that will hold `out` cannot be created or written."""
+    parent = root.rsplit("/", 1)[0] if "/" in root else "."
+    try:
+        fs.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
+    if _is_local(fs) and not os.access(parent, os.W_OK):
+        raise OutputError(f"--out {out}: {parent} is not writable")
 
 
 @contextlib.contextmanager
@@ -119,14 +137,16 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
             return
         holder = _read_lock(fs, lock)
         if not _is_stale(holder):
-            raise OutputLockedError(
-                f"--out {out} is being written by another process (pid {holder.get('pid')} on "
-                f"{holder.get('host')}, stage {holder.get('stage')}, since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}); wait for it, "
-                f"or delete {lock} if that process is gone")
+            raise OutputLockedError(_locked_message(out, lock, holder))
         with contextlib.suppress(OSError):
             fs.rm(lock)
     raise OutputLockedError(f"--out {out}: could not take the lock {lock}; another writer raced for it")
+
+
+def _locked_message(out: str, lock: str, holder: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    return (f"--out {out} is being written by another process (pid {holder.get('pid')} on {holder.get('host')}, "
+            f"stage {holder.get('stage')}, since {since}); wait for it, or delete {lock} if that process is gone")
 
 
 def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
