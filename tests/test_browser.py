@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 from browser_helpers import CHROMIUM, Browser
-from test_deployment import Stack
-
-from dflash_core.config import REPO_ROOT
+from test_deployment import REPO_ROOT, Stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (.ci/run installs it)")]
