@@ -107,7 +107,8 @@ def record_id(record: Any) -> str | None:
     return None
 
 
-def to_turns(record: Any, schema: Schema, roles: Mapping[str, str]) -> list[Turn] | Drop:
+def to_turns(record: Any, schema: Schema, roles: Mapping[str, str],
+             require_assistant: bool = True) -> list[Turn] | Drop:
     """A parsed record -> [(canonical role, content)], or the Drop that says what is wrong with it."""
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
@@ -126,7 +127,7 @@ def to_turns(record: Any, schema: Schema, roles: Mapping[str, str]) -> list[Turn
         if isinstance(turn, Drop):
             return turn
         turns.append(turn)
-    if not any(role == "assistant" for role, _ in turns):
+    if require_assistant and not any(role == "assistant" for role, _ in turns):
         return Drop("no_assistant_turn", f"roles: {', '.join(sorted({r for r, _ in turns}))}")
     return turns
 

@@ -1,0 +1,9 @@
+"""Errors of the regenerate stage (ValueErrors: the CLI prints them as one line and exits non-zero)."""
+
+
+class RegenerateError(ValueError):
+    """The stage cannot go on: a server that does not start or answer, an output folder of another run."""
+
+
+class EndpointError(RegenerateError):
+    """An endpoint that is unreachable or keeps failing; the message names it."""
