@@ -55,7 +55,7 @@ def direct_reply(url: str, model: str, messages: list[dict], max_tokens: int) ->
 
 def data_config(source: str, **regenerate) -> DataConfig:
     """A data section for the tests: short replies kept even when cut, quick retries."""
-    base = {"max_tokens": 48, "keep_truncated": True, "backoff_s": 0.2, "retries": 1, "concurrency": 4}
+    base = {"max_tokens": 24, "keep_truncated": True, "backoff_s": 0.2, "retries": 1, "concurrency": 4}
     return DataConfig(source=source, tokenizer="unused", regenerate=RegenerateConfig(**{**base, **regenerate}))
 
 

@@ -72,7 +72,7 @@ def test_greedy_replies_are_the_servers_own(target_server, example_slice, tmp_pa
     for rec in records:
         *prompt, reply = rec["messages"]
         assert reply["role"] == "assistant"
-        assert reply["content"] == direct_reply(target_server.url, target_server.model, prompt, 48)
+        assert reply["content"] == direct_reply(target_server.url, target_server.model, prompt, 24)
         turns = originals[rec["source"]["record"]]["conversations"]
         assert [m["content"] for m in prompt if m["role"] != "assistant"] == \
             [t["value"] for t in turns if t["from"] != "gpt"]  # system and user turns verbatim
@@ -90,13 +90,13 @@ def test_second_turns_answer_the_targets_own_first_reply(target_server, tmp_path
     regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[target_server.url]))
     multi, open_ended = output_records(tmp_path / "out")
     url, model = target_server.url, target_server.model
-    first = direct_reply(url, model, [{"role": "user", "content": u1}], 48)
+    first = direct_reply(url, model, [{"role": "user", "content": u1}], 24)
     second = direct_reply(url, model, [{"role": "user", "content": u1}, {"role": "assistant", "content": first},
-                                       {"role": "user", "content": u2}], 48)
+                                       {"role": "user", "content": u2}], 24)
     assert [m["content"] for m in multi["messages"]] == [u1, first, u2, second]
     assert "ORIGINAL" not in json.dumps(multi)
     assert open_ended["messages"][-1] == {"role": "assistant", "content": direct_reply(
-        url, model, open_ended["messages"][:-1], 48)}
+        url, model, open_ended["messages"][:-1], 24)}
 
 
 def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
@@ -120,9 +120,12 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
     dropped = summary["dropped"]
     assert dropped.get("unparsable") == 1 and dropped.get("empty_conversation") == 1
     assert dropped.get("no_user_turn") == 1 and dropped.get("unknown_role") == 1
-    assert dropped.get("rejected_by_server", 0) + dropped.get("server_error", 0) == 1  # the overlong prompt
     kept = {rec["source"]["record"]: rec["messages"] for rec in output_records(tmp_path / "out")}
-    assert sorted(kept) == [4, 5, 6, 8]
+    # transformers serve does not enforce the context length: past the target's 1024 positions it answers
+    # (often with nothing); vLLM / SGLang answer 400 (rejected_by_server). Either way it is accounted for.
+    overlong = set(dropped) - {"unparsable", "empty_conversation", "no_user_turn", "unknown_role"}
+    assert overlong <= {"empty_reply", "rejected_by_server", "server_error"} and len(kept) + len(overlong) == 5
+    assert {4, 5, 6, 8} <= set(kept)
     assert kept[4][0] == {"role": "system", "content": "You are a helpful assistant."}
     assert [m["role"] for m in kept[6]] == ["user", "assistant", "tool", "assistant"]
     assert kept[6][2]["content"] == "{\"result\": 3}"
@@ -141,7 +144,7 @@ def _journaled(out: Path) -> int:
 
 def test_kill_9_then_resume_equals_an_uninterrupted_run(target_server, example_slice, tmp_path):
     source = example_slice(9)
-    common = ["--data", source, "--endpoint", target_server.url, "--max-tokens", "48", "--concurrency", "1",
+    common = ["--data", source, "--endpoint", target_server.url, "--max-tokens", "24", "--concurrency", "1",
               "--set", "data.regenerate.records_per_shard=3", "--set", "data.regenerate.keep_truncated=true"]
     whole = subprocess.run(_cli(*common, "--out", str(tmp_path / "whole")), capture_output=True, text=True,
                            timeout=600)
@@ -255,3 +258,24 @@ def test_the_server_process_group_is_stopped_and_a_failed_start_shows_the_log(tm
     with pytest.raises(RegenerateError, match="(?s)code 3.*model not found"):
         failing.wait_ready(30)
     failing.stop()
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_flow_regenerates_first_shard_by_shard_then_from_the_cache(target_server, tmp_path, example_assets):
+    from flows.retrain import retrain_drafter
+    from tests.flow_helpers import artifact_keys, fast_config, task_states
+
+    regen = {"enabled": True, "endpoints": [target_server.url], "limit": 24, "records_per_shard": 12,
+             "max_tokens": 32, "keep_truncated": True, "task_per_shard": True}
+    cfg = fast_config(tmp_path / "store", **{f"data.regenerate.{k}": v for k, v in regen.items()})
+    state = retrain_drafter(config=cfg, run_name="first", return_state=True)
+    assert state.is_completed(), state.message
+    regenerated = next((tmp_path / "store" / "regenerated").iterdir())
+    manifest = json.loads((regenerated / "manifest.json").read_text())
+    assert manifest["read"] == 24 and len(list(regenerated.glob("shard-*.jsonl"))) == 2
+    tokenized = json.loads(Path(state.result()["tokenized"], "manifest.json").read_text())
+    assert tokenized["read"] == manifest["kept"]  # tokenize read the regenerated shards, nothing else
+    assert {"regenerate-progress", "regenerate-counts"} <= artifact_keys(state.state_details.flow_run_id)
+    again = retrain_drafter(config=cfg, run_name="second", return_state=True)
+    states = task_states(again.state_details.flow_run_id)
+    assert states["regenerate"] == "Cached" and states["tokenize"] == "Cached"

@@ -9,6 +9,7 @@ journaled records of the others; a line torn by kill -9 is cut off. The hidden `
 from __future__ import annotations
 
 import json
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -50,8 +51,10 @@ class OutputDir:
                     f"{self.out} holds the output of another regenerate run (other input, target or sampling "
                     f"settings); use a new --out folder or delete this one")
             return
-        with self.fs.open(path, "w") as fh:
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # parallel shard task runs may claim at once: never half a file
+        with self.fs.open(tmp, "w") as fh:
             json.dump(state, fh, indent=2)
+        self.fs.mv(tmp, path)
 
     def shard_done(self, shard: int) -> bool:
         """Whether the shard's file was written (it is written only complete)."""

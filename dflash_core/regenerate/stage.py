@@ -165,6 +165,10 @@ class _Run:
         try:
             listed = await asyncio.gather(*(e.models() for e in endpoints))
             self.model = self.cfg.model or listed[0][0]
+            for endpoint, models in zip(endpoints, listed, strict=True):
+                if self.model not in models:  # every request would be refused: not a per-record drop
+                    raise EndpointError(f"endpoint {endpoint.url} serves {models}, not {self.model!r}; "
+                                        f"fix --model (data.regenerate.model) or the endpoint")
             self.start = time.monotonic()
             await self._pump(items, endpoints, only)
             return self.model, time.monotonic() - self.start
