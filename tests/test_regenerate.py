@@ -101,13 +101,17 @@ def test_second_turns_answer_the_targets_own_first_reply(target_server, tmp_path
 
 def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
     long_prompt = " ".join(["lion"] * 1500)  # past the example target's 1024 positions
-    source = write_jsonl(tmp_path / "odd.jsonl", [
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a-sharegpt.jsonl", [
         '{"conversations": [{"from": "human", "value": "broken',
+        {"conversations": [{"from": "human", "value": "Count from 1 to 5."}, {"from": "gpt", "value": "1 2 3 4 5"}],
+         "system": "You are a helpful assistant."},
+    ])
+    write_jsonl(folder / "b-openai.jsonl", [
         {"messages": []},
         {"messages": [{"role": "system", "content": "only a system prompt"}]},
         {"messages": [{"role": "narrator", "content": "hi"}, {"role": "user", "content": "hi"}]},
-        {"conversations": [{"from": "human", "value": "Count from 1 to 5."}, {"from": "gpt", "value": "1 2 3 4 5"}],
-         "system": "You are a helpful assistant."},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "Please work out 5 minus 3."}]},
                       {"role": "assistant", "content": "2"}]},
         {"messages": [{"role": "user", "content": "Look up 3."}, {"role": "assistant", "content": "calling"},
@@ -115,22 +119,26 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
         {"messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "x"}]},
         {"messages": [{"role": "user", "content": "Repeat this list: a b c"}]},
     ])
-    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[target_server.url]))
+    summary = regenerate_dataset(str(folder), str(tmp_path / "out"),
+                                 data_config(str(folder), endpoints=[target_server.url]))
     assert summary["read"] == 9 and summary["kept"] + sum(summary["dropped"].values()) == 9
     dropped = summary["dropped"]
     assert dropped.get("unparsable") == 1 and dropped.get("empty_conversation") == 1
     assert dropped.get("no_user_turn") == 1 and dropped.get("unknown_role") == 1
-    kept = {rec["source"]["record"]: rec["messages"] for rec in output_records(tmp_path / "out")}
+    kept = {(r["source"]["file"], r["source"]["record"]): r["messages"] for r in output_records(tmp_path / "out")}
     # transformers serve does not enforce the context length: past the target's 1024 positions it answers
     # (often with nothing); vLLM / SGLang answer 400 (rejected_by_server). Either way it is accounted for.
     overlong = set(dropped) - {"unparsable", "empty_conversation", "no_user_turn", "unknown_role"}
     assert overlong <= {"empty_reply", "rejected_by_server", "server_error"} and len(kept) + len(overlong) == 5
-    assert {4, 5, 6, 8} <= set(kept)
-    assert kept[4][0] == {"role": "system", "content": "You are a helpful assistant."}
-    assert [m["role"] for m in kept[6]] == ["user", "assistant", "tool", "assistant"]
-    assert kept[6][2]["content"] == "{\"result\": 3}"
+    b = "b-openai.jsonl"
+    assert {("a-sharegpt.jsonl", 1), (b, 3), (b, 4), (b, 6)} <= set(kept)
+    assert kept[("a-sharegpt.jsonl", 1)][0] == {"role": "system", "content": "You are a helpful assistant."}
+    assert kept[(b, 3)][0]["content"] == "Please work out 5 minus 3."
+    assert [m["role"] for m in kept[(b, 4)]] == ["user", "assistant", "tool", "assistant"]
+    assert kept[(b, 4)][2]["content"] == "{\"result\": 3}"
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["drop_examples"]["unknown_role"][0]["record"] == 3
+    assert manifest["drop_examples"]["unknown_role"][0] == {
+        "file": b, "record": 2, "line": 3, "detail": manifest["drop_examples"]["unknown_role"][0]["detail"]}
 
 
 def _cli(*args: str) -> list[str]:
