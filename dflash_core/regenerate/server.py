@@ -141,6 +141,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def warm_up(url: str) -> None:
+    """One 1-token request before the real load. `transformers serve` sizes its continuous-batching scheduler
+    from the first request it gets; measured on the example target (2 CPU cores, 32 requests in flight): 1064
+    tokens/s after this warm-up, 57 when the first request is already a 96-token one of the real load."""
+    model = httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
+    httpx.post(f"{url}/chat/completions", timeout=600, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0.0,
+    }).raise_for_status()
+
+
 @contextmanager
 def local_server(kind: str, model: str, extra: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
     """Serve `model` for the duration of the block; yields its base URL; stopped on exit, error or cancel."""
@@ -148,6 +158,8 @@ def local_server(kind: str, model: str, extra: list[str], log_path: Path, timeou
     server = LocalServer(server_command(kind, model, port, extra), port, log_path)
     try:
         server.wait_ready(timeout_s)
+        if kind == "transformers":
+            warm_up(server.url)
         yield server.url
     finally:
         server.stop()
