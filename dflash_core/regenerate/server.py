@@ -142,9 +142,10 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def warm_up(url: str) -> None:
-    """One 1-token request before the real load. `transformers serve` sizes its continuous-batching scheduler
-    from the first request it gets; measured on the example target (2 CPU cores, 32 requests in flight): 1064
-    tokens/s after this warm-up, 57 when the first request is already a 96-token one of the real load."""
+    """One 1-token request before the real load: `transformers serve` builds its continuous-batching cache on
+    the first request (110 s measured with the default cache share), which then no real request's timeout pays.
+    The scheduler is also sized from that first request: once measured 1064 tokens/s at 32 in flight after a
+    4-token first request vs 57 without, not reproduced with the stage's own settings (see README)."""
     model = httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
     httpx.post(f"{url}/chat/completions", timeout=600, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0.0,
