@@ -2,7 +2,8 @@
 
 python -m bench.regenerate [--records 48] [--max-tokens 64] [--concurrency 16] [--naive-records 16]
 
-One server (continuous batching, as the stage starts it) serves three clients in one run, on the same records:
+One server (continuous batching, warmed up, as the stage starts it) serves three clients in one run, each on its
+own third of the single-turn records (the server caches prompt prefixes: shared prompts would favour the later):
 - naive: one request at a time, each turn of each record in order (what a plain loop over the data does);
 - stage: `regenerate_dataset` with --concurrency requests in flight;
 - ceiling: a bare load generator, every first-turn request of the records at once (--records in flight), no
@@ -93,19 +94,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # The stage regenerates whole conversations; single-turn records make its requests the same as the others'.
         single = [r for r in records if sum(t["from"] == "gpt" for t in r["conversations"]) == 1]
+        # Three disjoint thirds: the server caches prompt prefixes, so a client re-sending prompts that another
+        # client sent before would run faster for that reason alone.
+        naive_set, stage_set, ceiling_set = single[0::3], single[1::3], single[2::3]
         source = Path(tmp, "data.jsonl")
-        source.write_text("".join(json.dumps(r) + "\n" for r in single))
-        prompts = _first_turns(single)
+        source.write_text("".join(json.dumps(r) + "\n" for r in stage_set))
         start = time.monotonic()
         with local_server("transformers", assets.target, [], Path(tmp, "server.log"), 900) as url:
             ready = time.monotonic() - start
             model = httpx.get(f"{url}/models").json()["data"][0]["id"]
-            naive(url, model, prompts[:2], args.max_tokens)  # warm-up: continuous batching starts on first use
             result = {"server": "transformers serve --continuous-batching (example target, CPU)",
                       "server_ready_s": round(ready, 1), "max_tokens": args.max_tokens,
-                      "naive": naive(url, model, prompts[:args.naive_records], args.max_tokens),
+                      "naive": naive(url, model, _first_turns(naive_set)[:args.naive_records], args.max_tokens),
                       "stage": stage(url, str(source), str(Path(tmp, "out")), args.max_tokens, args.concurrency),
-                      "ceiling": asyncio.run(_ceiling(url, model, prompts, args.max_tokens))}
+                      "ceiling": asyncio.run(_ceiling(url, model, _first_turns(ceiling_set), args.max_tokens))}
     result["stage_vs_naive"] = round(result["stage"]["tokens_per_s"] / result["naive"]["tokens_per_s"], 2)
     result["stage_vs_ceiling"] = round(result["stage"]["tokens_per_s"] / result["ceiling"]["tokens_per_s"], 3)
     print(json.dumps(result, indent=2))
