@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(PIP_LINKS) torch==2.13.0
-	$(PY) -m pip install -q $(PIP_LINKS) -e '.[dev]'
+	$(PY) -m pip install -q $(PIP_LINKS) -e '.[dev,serving]'
 	touch $(STAMP)
 
 demo: $(STAMP)

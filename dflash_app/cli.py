@@ -80,6 +80,24 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    extra = {f"data.regenerate.{key}": value for key, value in (
+        ("endpoints", args.endpoint), ("model", args.model), ("max_tokens", args.max_tokens),
+        ("temperature", args.temperature), ("concurrency", args.concurrency), ("limit", args.limit))
+        if value is not None}
+    if args.data is not None:
+        extra["data.source"] = args.data
+    from dflash_core.publish import output_lock
+
+    cfg = _resolved(_config(args, extra))
+    with output_lock(args.out, "regenerate"):  # one writer per folder (the flow's per-shard tasks share one)
+        _print_summary(regenerate_dataset(cfg.data.source, args.out, cfg.data, cfg.model.target,
+                                          cfg.data.tokenizer, progress=lambda p: log.info("regenerate: %s", p)))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     for key, value in (("max_tokens", args.max_tokens), ("world_size", args.world_size),
@@ -216,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a tokenize output")
     _add_config(p)
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("regenerate", help="the target re-answers every assistant turn (OpenAI-compatible servers)")
+    p.add_argument("--data", help="chat data: file, glob, folder or fsspec URI (default: the config's)")
+    p.add_argument("--out", required=True, help="output folder; running the same command again resumes it")
+    p.add_argument("--endpoint", action="append", help="base URL such as http://host:8000/v1 (repeatable); "
+                   "none: start a local server for model.target (data.regenerate.serve)")
+    p.add_argument("--model", help="model id in requests (default: the server's first, GET /v1/models)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--concurrency", type=int, help="requests in flight per endpoint")
+    p.add_argument("--limit", type=int, help="only the first N records")
+    _add_config(p)
+    p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("plan", help="length buckets, token-budget batches, interleaved order, rank balance")
     p.add_argument("--tokenized", required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, unmapped
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
@@ -19,6 +19,18 @@ def _run_name(explicit: str | None) -> str:
         return explicit
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{flow_run.get_name() or 'local'}"
+
+
+def _regenerated(config: PipelineConfig, root: str) -> PipelineConfig:
+    """Regenerate the chat data (one task run per shard when data.regenerate.task_per_shard); the config
+    then points tokenize at the regenerated shards."""
+    fingerprint = tasks.fingerprint_regenerate(config)
+    out = storage.join(root, "regenerated", fingerprint[:16])
+    if config.data.regenerate.task_per_shard:
+        shards = [[s] for s in range(tasks.count_regenerate_shards(config))]
+        tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards).result()
+    tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
+    return config.model_copy(update={"data": config.data.model_copy(update={"source": out})})
 
 
 @flow(name="retrain-drafter", log_prints=True)
@@ -35,6 +47,8 @@ def retrain_drafter(
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
+    if config.data.regenerate.enabled:
+        config = _regenerated(config, root)
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
     data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)

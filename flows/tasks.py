@@ -48,6 +48,42 @@ def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, An
     return summary
 
 
+def _regenerate_key(context: TaskRunContext, params: dict[str, Any]) -> str:
+    """Content key of a regenerate task run: the run's fingerprint and the shards it does."""
+    return f"{context.task.name}-{params['fingerprint']}-{params.get('shards')}"
+
+
+@task(name="fingerprint-regenerate", retries=2, retry_delay_seconds=5)
+def fingerprint_regenerate(config: PipelineConfig) -> str:
+    """Content fingerprint of the chat data, the target and the sampling settings."""
+    from dflash_core.regenerate.stage import regenerate_fingerprint
+
+    return regenerate_fingerprint(config.data.source, config.data, config.model.target)
+
+
+@task(name="count-regenerate-shards")
+def count_regenerate_shards(config: PipelineConfig) -> int:
+    """How many shards (task runs) the chat data makes."""
+    from dflash_core.regenerate.stage import count_shards
+
+    return count_shards(config.data.source, config.data)
+
+
+@task(name="regenerate", retries=1, retry_delay_seconds=10, cache_key_fn=_regenerate_key, persist_result=True)
+def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[int] | None = None) -> dict[str, Any]:
+    """The target re-answers the chat data into `out` (resumes a partial `out`; all shards unless given)."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+    from flows.regenerate_artifacts import RegenerateProgress, publish_regenerate
+
+    progress = RegenerateProgress()
+    summary = regenerate_dataset(config.data.source, out, config.data, config.model.target, config.data.tokenizer,
+                                 shards=shards, progress=progress.update)
+    progress.finish(summary)
+    publish_regenerate(summary)
+    get_run_logger().info("regenerated: %s", json.dumps(summary))
+    return summary
+
+
 def plan_fingerprint(tokenized_fingerprint: str, config: PipelineConfig) -> str:
     """The plan depends only on the tokenized content and the plan parameters."""
     blob = json.dumps([tokenized_fingerprint, config.plan.model_dump(mode="json")], sort_keys=True)

@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator
 
+from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.schema import StrictModel
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -32,6 +33,8 @@ class DataConfig(StrictModel):
         256, description="parquet row-group size: the unit ShardReader decodes for a random read"
     )
     max_examples: PositiveInt = Field(5, description="examples kept per drop reason in manifest.json")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig,
+                                         description="the optional stage before tokenize: the target re-answers")
 
     @field_validator("role_map")
     @classmethod

@@ -144,11 +144,12 @@ def record_id(record: Any) -> str | None:
     return None
 
 
-def to_conversation(record: Any, schema: Schema | None = None,
-                    roles: Mapping[str, str] | None = None) -> Conversation | Drop:
+def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[str, str] | None = None,
+                    require_assistant: bool = True) -> Conversation | Drop:
     """Any supported chat record -> one OpenAI-style Conversation, or the Drop that says what is wrong with it.
 
-    `schema` None detects the format per record; `roles` defaults to DEFAULT_ROLES (see role_table)."""
+    `schema` None detects the format per record; `roles` defaults to DEFAULT_ROLES (see role_table).
+    `require_assistant` False keeps prompts without replies (regenerate answers them)."""
     schema, roles = schema or Schema(), roles if roles is not None else DEFAULT_ROLES
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
@@ -170,7 +171,7 @@ def to_conversation(record: Any, schema: Schema | None = None,
         problem = _add_turn(conv, raw, i, schema.format, roles)
         if problem is not None:
             return problem
-    return _checked(conv)
+    return _checked(conv) if require_assistant else conv
 
 
 def _system_prefix(record: dict[str, Any], schema: Schema) -> Conversation:

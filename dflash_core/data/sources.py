@@ -32,6 +32,8 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
 _DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
+# A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data.
+_NOT_DATA = frozenset({"manifest.json"})
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def list_files(source: str) -> list[SourceFile]:
 
 def _hidden(relative: str) -> bool:
     # .cache/, .ipynb_checkpoints/ and the like are not data
-    return any(part.startswith(".") for part in relative.split("/"))
+    return any(part.startswith(".") for part in relative.split("/")) or posixpath.basename(relative) in _NOT_DATA
 
 
 def _relative(path: str, root: str) -> str:

@@ -1,0 +1,125 @@
+"""An async client of OpenAI-compatible chat-completions servers (vLLM, SGLang, `transformers serve`).
+
+One `Endpoint` per base URL: bounded concurrency (a semaphore), a per-request timeout, retries with
+exponential backoff on 5xx and connection errors. A 4xx is the server refusing this request (too long for
+its context, a role it does not accept): the caller drops the record, the endpoint stays in use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.errors import EndpointError
+
+log = logging.getLogger(__name__)
+_PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One completion: its text, why it ended (stop|length|tool_calls|...), tokens generated."""
+
+    content: str
+    finish_reason: str
+    tokens: int
+    reasoning: str | None = None
+
+
+class Rejected(Exception):
+    """The server answered 4xx: this request cannot be served (the record is dropped, not retried)."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+class Unavailable(Exception):
+    """Every retry of a request failed with 5xx, a timeout or a connection error."""
+
+
+def sampling_body(cfg: RegenerateConfig, enable_thinking: bool) -> dict[str, Any]:
+    """The request fields that set sampling (the same in every request of a run)."""
+    body: dict[str, Any] = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+                            "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
+    return body
+
+
+class Endpoint:
+    """One server: `chat()` sends a conversation and returns the Reply, at most `concurrency` at a time."""
+
+    def __init__(self, url: str, cfg: RegenerateConfig) -> None:
+        self.url, self.cfg = url.rstrip("/"), cfg
+        limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+        self.http = httpx.AsyncClient(base_url=self.url, limits=limits,
+                                      timeout=httpx.Timeout(cfg.timeout_s, connect=_PROBE_TIMEOUT_S))
+        self.slots = asyncio.Semaphore(cfg.concurrency)
+        self.alive = True
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.http.aclose()
+
+    async def models(self) -> list[str]:
+        """The model ids the server lists (GET /models); EndpointError, within seconds, when it cannot."""
+        try:
+            resp = await self.http.get("/models", timeout=_PROBE_TIMEOUT_S)
+            resp.raise_for_status()
+            ids = [m["id"] for m in resp.json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise EndpointError(f"endpoint {self.url}: unreachable or not an OpenAI-compatible server "
+                                f"(GET /models: {_describe(exc)}); check the URL (it ends in /v1) and the server") \
+                from None
+        if not ids:
+            raise EndpointError(f"endpoint {self.url}: GET /models lists no model; pass --model")
+        return ids
+
+    async def responsive(self) -> bool:
+        """Whether the server still answers GET /models (tells a bad request from a dead server)."""
+        try:
+            await self.models()
+            return True
+        except EndpointError:
+            return False
+
+    async def chat(self, body: dict[str, Any]) -> Reply:
+        """POST /chat/completions with retries; Rejected on 4xx, Unavailable when every try failed."""
+        delay, last = self.cfg.backoff_s, ""
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                await asyncio.sleep(delay)
+                delay *= 2
+            try:
+                async with self.slots:
+                    resp = await self.http.post("/chat/completions", json=body)
+            except httpx.TransportError as exc:  # connect/read errors and timeouts
+                last = _describe(exc)
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code >= 400:
+                raise Rejected(resp.status_code, resp.text[:300])
+            return _reply(resp.json(), self.url)
+        raise Unavailable(f"endpoint {self.url}: {self.cfg.retries + 1} tries failed, last: {last}")
+
+
+def _reply(data: dict[str, Any], url: str) -> Reply:
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        return Reply(message.get("content") or "", choice.get("finish_reason") or "unknown", tokens,
+                     message.get("reasoning_content") or message.get("reasoning"))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {str(data)[:200]}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

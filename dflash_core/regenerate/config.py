@@ -1,0 +1,46 @@
+"""Config of the regenerate stage: where the target is served, how it samples, how the output is sharded."""
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+
+from dflash_core.schema import StrictModel
+
+
+class RegenerateConfig(StrictModel):
+    """`data.regenerate`: the target re-answers every assistant turn of the chat data before tokenize."""
+
+    enabled: bool = Field(False, description="run the stage in the retrain-drafter flow (the CLI always runs it)")
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="OpenAI-compatible base URLs (http://10.0.0.5:8000/v1); empty = start a local server")
+    serve: Literal["transformers", "vllm", "sglang"] = Field(
+        "transformers", description="the local server started for model.target when no endpoint is given")
+    serve_args: list[str] = Field(default_factory=list, description="extra command-line flags of that server")
+    model: str | None = Field(None, description="model id sent in requests; None = the server's first (/v1/models)")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: PositiveInt = Field(1024, description="per reply; longer replies end with finish_reason=length")
+    keep_truncated: bool = Field(False, description="keep replies cut by max_tokens (counted either way)")
+    enable_thinking: bool = Field(
+        False, description="reasoning switch sent as chat_template_kwargs.enable_thinking, used only when "
+                           "the data section has no `thinking` setting (thinking: keep turns it on)")
+    concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
+    timeout_s: PositiveFloat = Field(600.0, description="per request")
+    retries: NonNegativeInt = Field(3, description="retries of a request on 5xx / connection errors, with backoff")
+    backoff_s: PositiveFloat = Field(1.0, description="first retry delay; doubles every retry")
+    startup_timeout_s: PositiveFloat = Field(900.0, description="how long a local server may take to be healthy")
+    records_per_shard: PositiveInt = Field(
+        1000, description="input records per output shard: the unit of resume and of Prefect task runs")
+    task_per_shard: bool = Field(
+        False, description="flow: one Prefect task run per shard, for a work pool or a Dask/Ray task runner to "
+                           "spread over machines (give endpoints: each task run would start its own server)")
+    limit: PositiveInt | None = Field(None, description="regenerate only the first N input records")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http(cls, value: list[str]) -> list[str]:
+        bad = [u for u in value if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"endpoints must be http(s) base URLs such as http://10.0.0.5:8000/v1; got {bad}")
+        return [u.rstrip("/") for u in value]

@@ -1,0 +1,149 @@
+"""The output folder: JSONL shards, their journals (the resume state) and manifest.json.
+
+A record's outcome is appended to `.work/shard-NNNNN.journal.jsonl` (flushed) as soon as it is known, in
+completion order. When every record of a shard has an outcome, `shard-NNNNN.jsonl` is written in input order
+under a temporary name and renamed: a shard file exists only complete. A re-run skips finished shards and the
+journaled records of the others; a line torn by kill -9 is cut off. The hidden `.work/` folder is not read by
+`dflash tokenize --data DIR`, and manifest.json (written last) only when every shard is done."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from typing import Any
+
+import fsspec
+
+from dflash_core.data.accounting import DropLog
+from dflash_core.regenerate.errors import RegenerateError
+
+FORMAT = "dflash-regenerated-v1"
+WORK = ".work"
+MANIFEST = "manifest.json"
+
+
+def shard_name(shard: int) -> str:
+    """The output file of a shard."""
+    return f"shard-{shard:05d}.jsonl"
+
+
+class OutputDir:
+    """The output folder of one run (any fsspec URI whose filesystem can append, e.g. local or NFS)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.out)
+        self.fs.makedirs(f"{self.root}/{WORK}", exist_ok=True)
+
+    def path(self, name: str) -> str:
+        """A path inside the folder."""
+        return f"{self.root}/{name}"
+
+    def claim(self, state: dict[str, Any]) -> None:
+        """Record the run's identity in .work/run.json, or refuse a folder that holds a different run."""
+        path = self.path(f"{WORK}/run.json")
+        if self.fs.exists(path):
+            with self.fs.open(path, "r") as fh:
+                old = json.load(fh)
+            if old.get("fingerprint") != state["fingerprint"]:
+                raise RegenerateError(
+                    f"{self.out} holds the output of another regenerate run (other input, target or sampling "
+                    f"settings); use a new --out folder or delete this one")
+            return
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # parallel shard task runs may claim at once: never half a file
+        with self.fs.open(tmp, "w") as fh:
+            json.dump(state, fh, indent=2)
+        self.fs.mv(tmp, path)
+
+    def shard_done(self, shard: int) -> bool:
+        """Whether the shard's file was written (it is written only complete)."""
+        return self.fs.exists(self.path(shard_name(shard)))
+
+    def journal(self, shard: int) -> ShardJournal:
+        """The shard's journal, opened for appending after the outcomes already in it."""
+        return ShardJournal(self, shard)
+
+    def read_journal(self, shard: int) -> list[dict[str, Any]]:
+        """The complete lines of a shard's journal (a torn last line is ignored)."""
+        path = self.path(f"{WORK}/{shard_name(shard).replace('.jsonl', '.journal.jsonl')}")
+        if not self.fs.exists(path):
+            return []
+        lines = []
+        with self.fs.open(path, "rb") as fh:
+            for raw in fh.read().split(b"\n"):
+                try:
+                    lines.append(json.loads(raw))
+                except ValueError:  # the torn tail of a killed run (or the empty string after the last \n)
+                    continue
+        return lines
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        """manifest.json, written last: its presence says the output is complete."""
+        with self.fs.open(self.path(MANIFEST), "w") as fh:
+            json.dump(manifest, fh, indent=2)
+
+    def remove_manifest(self) -> None:
+        """A run that starts (or resumes) is not complete until it ends."""
+        if self.fs.exists(self.path(MANIFEST)):
+            self.fs.rm(self.path(MANIFEST))
+
+
+class ShardJournal:
+    """Append-only outcomes of one shard; `finish()` writes the shard file in input order."""
+
+    def __init__(self, out: OutputDir, shard: int) -> None:
+        self.out, self.shard = out, shard
+        self.lines = {line["i"]: line for line in out.read_journal(shard)}
+        self.path = out.path(f"{WORK}/{shard_name(shard).replace('.jsonl', '.journal.jsonl')}")
+        with out.fs.open(self.path, "wb") as fh:  # rewrite the good prefix: an append after a torn line breaks
+            fh.write(b"".join(_line(v) for v in self.lines.values()))
+        self.fh = out.fs.open(self.path, "ab")
+
+    def add(self, line: dict[str, Any]) -> None:
+        """Journal one outcome and flush it (it survives a kill -9 of this process)."""
+        self.lines[line["i"]] = line
+        self.fh.write(_line(line))
+        self.fh.flush()
+
+    def finish(self) -> None:
+        """Write shard-NNNNN.jsonl (kept records, input order) under a temporary name, then rename it."""
+        self.fh.close()
+        final = self.out.path(shard_name(self.shard))
+        tmp = self.out.path(f"{WORK}/{shard_name(self.shard)}.tmp")
+        with self.out.fs.open(tmp, "wb") as fh:
+            for i in sorted(self.lines):
+                if "messages" in self.lines[i]:
+                    kept = self.lines[i]
+                    fh.write(_line({"messages": kept["messages"], "source": kept["source"]}))
+        self.out.fs.mv(tmp, final)
+
+    def close(self) -> None:
+        """Close the journal (an unfinished shard resumes from it)."""
+        self.fh.close()
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def tally(out: OutputDir, shards: int, max_examples: int) -> dict[str, Any]:
+    """Counts over every journal: read, kept, drops by reason (with examples), finish reasons, tokens."""
+    drops, finish = DropLog(max_examples), Counter[str]()
+    read = kept = tokens = 0
+    per_shard = []
+    for shard in range(shards):
+        lines = out.read_journal(shard)
+        shard_kept = sum("messages" in line for line in lines)
+        per_shard.append({"file": shard_name(shard), "records": len(lines), "kept": shard_kept})
+        for line in lines:
+            read += 1
+            kept += "messages" in line
+            tokens += line.get("tokens", 0)
+            finish.update(line.get("finish", []))
+            if "drop" in line:
+                src = line["source"]
+                drops.add(line["drop"], src["file"], src["record"], line.get("line"), line.get("id"), line["detail"])
+    return {"read": read, "kept": kept, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
+            "tokens_generated": tokens, "shards": per_shard,
+            "drop_examples": {r: drops.examples[r] for r in sorted(drops.examples)}}

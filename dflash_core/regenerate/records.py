@@ -1,0 +1,78 @@
+"""What is regenerated: chat records -> OpenAI messages, and the on-policy multi-turn re-answering of one."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_core.data.formats import Drop, Schema, to_conversation
+from dflash_core.regenerate.client import Reply
+
+Messages = list[dict[str, str]]
+Send = Callable[[Messages], Awaitable[Reply]]
+
+
+def record_messages(record: Any, schema: Schema, roles: Mapping[str, str]) -> Messages | Drop:
+    """A parsed chat record -> OpenAI-style [{role, content}] through the tokenize stage's normaliser (every
+    shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts); tool results pass through verbatim."""
+    conv = to_conversation(record, schema, roles, require_assistant=False)
+    if isinstance(conv, Drop):
+        return conv
+    if not any(m["role"] == "user" for m in conv.messages):
+        return Drop("no_user_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
+    return [_plain(m) for m in conv.messages]
+
+
+def _plain(message: dict[str, Any]) -> dict[str, str]:
+    """Role and text; a tool result keeps the id and name that tie it to its call."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    if message["role"] == "tool":
+        out.update({k: str(message[k]) for k in ("tool_call_id", "name") if message.get(k)})
+    return out
+
+
+@dataclass
+class Regenerated:
+    """A conversation re-answered by the target, or why it was dropped; finish reasons and tokens either way."""
+
+    messages: Messages | None = None
+    drop: Drop | None = None
+    finish: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+
+def reply_text(reply: Reply, keep_thinking: bool) -> str:
+    """The assistant turn as training text: the reasoning in <think> tags first when thinking is kept."""
+    if keep_thinking and reply.reasoning:
+        return f"<think>\n{reply.reasoning.strip()}\n</think>\n\n{reply.content.lstrip()}"
+    return reply.content
+
+
+async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_thinking: bool) -> Regenerated:
+    """Replace every assistant turn by the target's reply to the conversation so far, whose earlier assistant
+    turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
+    System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
+    prompt text (a greeting answers nothing)."""
+    out: Messages = []
+    result = Regenerated()
+    seen_user = False
+    turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
+    for turn in turns:
+        seen_user = seen_user or turn["role"] == "user"
+        if turn["role"] != "assistant" or not seen_user:
+            out.append(turn)
+            continue
+        reply = await send(out)
+        result.finish.append(reply.finish_reason)
+        result.tokens += reply.tokens
+        if reply.finish_reason == "length" and not keep_truncated:
+            result.drop = Drop("truncated", f"reply to turn {len(out)} reached max_tokens ({reply.tokens} tokens)")
+            return result
+        if not reply.content.strip():
+            result.drop = Drop("empty_reply", f"the server's reply to turn {len(out)} is empty "
+                                              f"(finish_reason {reply.finish_reason})")
+            return result
+        out.append({"role": "assistant", "content": reply_text(reply, keep_thinking)})
+    result.messages = out
+    return result

@@ -1,0 +1,166 @@
+"""A local OpenAI-compatible server for the target: started as its own process group, stopped whatever happens.
+
+`transformers serve` runs the example target on a CPU (tests, demo); `vllm serve` and SGLang run real
+targets on GPUs. The server is ready when GET /v1/models answers (all three load the model before that)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from dflash_core.regenerate.errors import RegenerateError
+
+HOST = "127.0.0.1"
+# The stage always sends many requests at once, so `transformers serve` runs with continuous batching. Its KV
+# cache is sized as a share of free memory, 90% by default: on a CPU that is most of the RAM (14 GB for the
+# 8 MB example target). Measured on the example target (2 shared CPU cores, tokens/s at 1 / 32 requests in
+# flight): 5% -> 33 / 80, 10% -> 198 / 1064 (2.7 GB RSS), no batching -> 36 / 36. serve_args come after
+# these flags; a repeated flag's last value wins (on a GPU, raise the share).
+DEFAULT_ARGS = {"transformers": ["--continuous-batching", "--cb-max-memory-percent", "0.1"], "vllm": [],
+                "sglang": []}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model: str, port: int, extra: list[str]) -> list[str]:
+    """The command line that serves `model` on 127.0.0.1:`port` with the OpenAI API under /v1."""
+    args = [*DEFAULT_ARGS[kind], *extra]
+    if kind == "transformers":
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", model,
+                "--host", HOST, "--port", str(port), *args]
+    if kind == "vllm":
+        exe = Path(sys.executable).with_name("vllm")
+        return [str(exe) if exe.exists() else "vllm", "serve", model, "--host", HOST, "--port", str(port), *args]
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", HOST,
+            "--port", str(port), *args]
+
+
+def servable_model(target: str, tokenizer: str, workdir: Path) -> str:
+    """`target` itself when it has tokenizer files (or is a hub id); else a folder of links to the target's
+    files plus the tokenizer's, since the servers load the tokenizer from the model folder."""
+    if not os.path.isdir(target) or any(os.path.isfile(os.path.join(target, n)) for n in TOKENIZER_FILES):
+        return target
+    if not os.path.isdir(tokenizer):
+        raise RegenerateError(f"{target}: the target folder has no tokenizer files and the tokenizer "
+                              f"{tokenizer!r} is not a local folder; copy the tokenizer files into the target")
+    folder = workdir / "served-model"
+    folder.mkdir(parents=True, exist_ok=True)
+    for src in (tokenizer, target):  # the target's own files win over the tokenizer's
+        for name in os.listdir(src):
+            link = folder / name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(os.path.abspath(os.path.join(src, name)))
+    return str(folder)
+
+
+def _die_with_parent() -> None:
+    # Linux: the server gets SIGKILL when the stage's process dies, even by kill -9 (no orphaned server).
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class LocalServer:
+    """A server process group; `url` is its OpenAI base URL once `wait_ready()` returned."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.url = f"http://{HOST}:{port}/v1"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        except OSError as exc:
+            self._log.close()
+            raise RegenerateError(f"cannot start the server ({' '.join(cmd[:4])} ...): {exc}; "
+                                  f"install it (e.g. pip install 'transformers[serving]')") from None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll GET /v1/models until the model is listed; RegenerateError with the log tail otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RegenerateError(f"the local server exited with code {self.proc.returncode} while starting "
+                                      f"({' '.join(self.cmd)}); log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RegenerateError(f"the local server was not ready after {timeout_s:.0f} s "
+                              f"(data.regenerate.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines of the server's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL after a grace period; idempotent."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived their parent
+        self.proc.wait()
+        self._log.close()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def warm_up(url: str) -> None:
+    """One 1-token request before the real load: `transformers serve` builds its continuous-batching cache on
+    the first request (110 s measured with the default cache share), which then no real request's timeout pays.
+    The scheduler is also sized from that first request: once measured 1064 tokens/s at 32 in flight after a
+    4-token first request vs 57 without, not reproduced with the stage's own settings (see README)."""
+    model = httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
+    httpx.post(f"{url}/chat/completions", timeout=600, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0.0,
+    }).raise_for_status()
+
+
+@contextmanager
+def local_server(kind: str, model: str, extra: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
+    """Serve `model` for the duration of the block; yields its base URL; stopped on exit, error or cancel."""
+    port = free_port()
+    server = LocalServer(server_command(kind, model, port, extra), port, log_path)
+    try:
+        server.wait_ready(timeout_s)
+        if kind == "transformers":
+            warm_up(server.url)
+        yield server.url
+    finally:
+        server.stop()

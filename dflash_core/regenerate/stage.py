@@ -1,0 +1,313 @@
+"""The regenerate stage: every assistant turn of the chat data re-answered by the target (see DESIGN.md).
+
+Records are read in input order and numbered; record g belongs to shard g // records_per_shard. Requests go
+to every endpoint at once (data parallel), `concurrency` conversations in flight per endpoint. A record whose
+endpoint dies goes back in the queue for the others; when none is left the stage fails, naming them."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any, cast
+
+from fsspec.implementations.local import LocalFileSystem
+
+from dflash_core.data.config import DataConfig
+from dflash_core.data.fingerprint import files_digest
+from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
+from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampling_body
+from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.errors import EndpointError, RegenerateError
+from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
+from dflash_core.regenerate.records import Messages, Regenerated, record_messages, regenerate
+from dflash_core.regenerate.server import local_server, servable_model
+
+log = logging.getLogger(__name__)
+Progress = Callable[[dict[str, Any]], None]
+_DETECT_HEAD = 32
+_PROGRESS_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input record: its shard, position in the shard, provenance and its messages (or why not)."""
+
+    shard: int
+    index: int
+    source: dict[str, Any]
+    extra: dict[str, Any]
+    messages: Messages | Drop
+
+
+def thinking_enabled(data: DataConfig) -> bool:
+    """The reasoning switch: `data.thinking: keep` where the data section has it, else regenerate's own."""
+    thinking = getattr(data, "thinking", None)
+    return thinking == "keep" if thinking is not None else data.regenerate.enable_thinking
+
+
+def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
+    """Everything besides the input bytes that changes the output (the cache key's other half)."""
+    cfg = data.regenerate
+    return {"format": FORMAT, "target": target, "model": cfg.model,
+            "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
+            "records_per_shard": cfg.records_per_shard, "limit": cfg.limit,
+            "reader": data.model_dump(mode="json", include={"format", "messages_key", "role_map"})}
+
+
+def regenerate_fingerprint(source: str, data: DataConfig, target: str | None) -> str:
+    """Content fingerprint of a run: input bytes + target + sampling and sharding settings."""
+    return _fingerprint(list_files(source), data, target)
+
+
+def _fingerprint(files: list[SourceFile], data: DataConfig, target: str | None) -> str:
+    blob = json.dumps([files_digest(files), settings(data, target)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
+    """Every input record in order (up to data.regenerate.limit) with its shard and messages."""
+    roles, per_shard = role_table(data.role_map), data.regenerate.records_per_shard
+    g = 0
+    for file in files:
+        records = iter(FileRecords(file))
+        head = list(islice(records, _DETECT_HEAD))
+        parsed_head = [p for p in (parse_payload(r.payload) for r in head) if not isinstance(p, Drop)]
+        schema = detect_schema(parsed_head, data.format, data.messages_key)
+        for raw in chain(head, records):
+            if data.regenerate.limit is not None and g >= data.regenerate.limit:
+                return
+            parsed = parse_payload(raw.payload)
+            messages = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles)
+            extra = {k: v for k, v in (("line", raw.line), ("id", record_id(parsed))) if v is not None}
+            yield Item(g // per_shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, messages)
+            g += 1
+
+
+def count_shards(source: str, data: DataConfig) -> int:
+    """How many shards the input makes (the unit a Prefect task run regenerates)."""
+    count = sum(1 for _ in read_items(list_files(source), data))
+    return -(-count // data.regenerate.records_per_shard)
+
+
+def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | None = None,
+                       tokenizer: str | None = None, shards: Collection[int] | None = None,
+                       progress: Progress | None = None) -> dict[str, Any]:
+    """Regenerate the chat data under `source` into `out` (resuming what an earlier run left); returns the
+    summary. `shards` restricts the run to those shards (one Prefect task run each); manifest.json is written
+    when every shard is done. No server is started when nothing is left to do."""
+    cfg = data.regenerate
+    files = list_files(source)
+    output = OutputDir(out)
+    fingerprint = _fingerprint(files, data, target)
+    output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
+    output.remove_manifest()
+    total_shards = count_shards(source, data)
+    todo = {s for s in range(total_shards) if (shards is None or s in shards) and not output.shard_done(s)}
+    run = _Run(output, data, progress)
+    model, seconds = cfg.model, 0.0
+    if todo:
+        with ExitStack() as stack:
+            urls = cfg.endpoints or [stack.enter_context(_serve(cfg, target, tokenizer, output))]
+            model, seconds = asyncio.run(run.execute(read_items(files, data), urls, todo))
+    counts = tally(output, total_shards, data.max_examples)
+    complete = all(output.shard_done(s) for s in range(total_shards))
+    summary = {"read": counts["read"], "kept": counts["kept"], "dropped": counts["dropped"],
+               "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
+               "model": model, "out": out, "complete": complete, "shards": total_shards,
+               "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint}
+    if complete:
+        output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
+                               "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"],
+                               "sampling": settings(data, target)["sampling"], "keep_truncated": cfg.keep_truncated,
+                               "sources": [{"file": f.name, "bytes": f.size} for f in files]})
+    return summary
+
+
+def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, output: OutputDir):
+    """The local server of the target (data.regenerate.serve), its log under .work/."""
+    if target is None:
+        raise RegenerateError("no endpoint and no target: give --endpoint URL (or data.regenerate.endpoints) "
+                              "or model.target for a local server")
+    local = isinstance(output.fs, LocalFileSystem)
+    workdir = Path(output.root, WORK) if local else Path(tempfile.mkdtemp(prefix="dflash-regenerate-"))
+    model = servable_model(target, tokenizer or target, workdir)
+    log.info("starting a local %s server for %s", cfg.serve, model)
+    return local_server(cfg.serve, model, cfg.serve_args, workdir / "server.log", cfg.startup_timeout_s)
+
+
+class _Run:
+    """One execution: the work queue, the workers of every endpoint, the journals, the counts."""
+
+    def __init__(self, output: OutputDir, data: DataConfig, progress: Progress | None) -> None:
+        self.output, self.cfg, self.progress = output, data.regenerate, progress
+        self.keep_thinking = thinking_enabled(data)
+        self.body = sampling_body(self.cfg, self.keep_thinking)
+        self.journals: dict[int, ShardJournal] = {}
+        self.sizes: dict[int, int] = {}
+        self.last_shard = -1
+        self.done = self.tokens = self.total = 0
+        self.failure: BaseException | None = None
+        self.start = self.last_progress = time.monotonic()
+
+    async def execute(self, items: Iterator[Item], urls: list[str], only: Collection[int] | None) -> tuple[str, float]:
+        """Check every endpoint, then regenerate; returns the model id and the seconds spent generating."""
+        endpoints = [Endpoint(u, self.cfg) for u in urls]
+        try:
+            listed = await asyncio.gather(*(e.models() for e in endpoints))
+            self.model = self.cfg.model or listed[0][0]
+            for endpoint, models in zip(endpoints, listed, strict=True):
+                if self.model not in models:  # every request would be refused: not a per-record drop
+                    raise EndpointError(f"endpoint {endpoint.url} serves {models}, not {self.model!r}; "
+                                        f"fix --model (data.regenerate.model) or the endpoint")
+            self.start = time.monotonic()
+            await self._pump(items, endpoints, only)
+            return self.model, time.monotonic() - self.start
+        finally:
+            for journal in self.journals.values():
+                journal.close()
+            await asyncio.gather(*(e.close() for e in endpoints))
+
+    async def _pump(self, items: Iterator[Item], endpoints: list[Endpoint], only: Collection[int] | None) -> None:
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.room = asyncio.Semaphore(2 * self.cfg.concurrency * len(endpoints))  # the reader stays close
+        self.idle = asyncio.Event()
+        self.pending = 0
+        self.endpoints = endpoints
+        workers = [asyncio.create_task(self._worker(e)) for e in endpoints for _ in range(self.cfg.concurrency)]
+        try:
+            for item in items:
+                self._new_record(item)
+                if (only is not None and item.shard not in only) or self._known(item):
+                    continue
+                if isinstance(item.messages, Drop):
+                    self._record(item, Regenerated(drop=item.messages))
+                    continue
+                await self.room.acquire()
+                self._raise_failure()
+                self.pending += 1
+                self.idle.clear()
+                self.queue.put_nowait(item)
+            self._close_sizes()
+            while self.pending and self.failure is None:
+                await self.idle.wait()
+            self._raise_failure()
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    def _new_record(self, item: Item) -> None:
+        """Track shard sizes: a shard is full once the reader has moved past it."""
+        self.total += 1
+        if item.shard != self.last_shard:
+            if self.last_shard >= 0:
+                self._set_size(self.last_shard, self.cfg.records_per_shard)
+            self.last_shard = item.shard
+
+    def _close_sizes(self) -> None:
+        if self.last_shard >= 0:
+            self._set_size(self.last_shard, (self.total - 1) % self.cfg.records_per_shard + 1)
+
+    def _set_size(self, shard: int, size: int) -> None:
+        self.sizes[shard] = size
+        self._maybe_finish(shard)
+
+    def _known(self, item: Item) -> bool:
+        """Done in an earlier run: the shard is written, or the record's outcome is journaled."""
+        if item.shard in self.journals:
+            return item.index in self.journals[item.shard].lines
+        if self.output.shard_done(item.shard):
+            return True
+        self.journals[item.shard] = self.output.journal(item.shard)
+        return item.index in self.journals[item.shard].lines
+
+    async def _worker(self, endpoint: Endpoint) -> None:
+        try:
+            while True:
+                item = await self.queue.get()
+                if not endpoint.alive:
+                    self.queue.put_nowait(item)
+                    return
+                try:
+                    messages = cast(Messages, item.messages)  # dropped records are journaled, never queued
+                    result = await regenerate(messages, lambda m: self._send(endpoint, m),
+                                              self.cfg.keep_truncated, self.keep_thinking)
+                except Rejected as exc:
+                    result = Regenerated(drop=Drop("rejected_by_server", str(exc)))
+                except Unavailable as exc:
+                    if await endpoint.responsive():  # the server is fine: only this request fails
+                        result = Regenerated(drop=Drop("server_error", str(exc)))
+                    else:
+                        self.queue.put_nowait(item)  # another endpoint regenerates it
+                        self._endpoint_down(endpoint, exc)
+                        return
+                self._record(item, result)
+                self.pending -= 1
+                self.room.release()
+                if not self.pending:
+                    self.idle.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug must stop the run, not vanish with its task
+            self._fail(exc)
+            raise
+
+    async def _send(self, endpoint: Endpoint, messages: Messages):
+        return await endpoint.chat({"model": self.model, "messages": messages, **self.body})
+
+    def _endpoint_down(self, endpoint: Endpoint, exc: Exception) -> None:
+        endpoint.alive = False
+        log.warning("endpoint %s stopped answering (%s); the others take its records", endpoint.url, exc)
+        if not any(e.alive for e in self.endpoints):
+            names = ", ".join(e.url for e in self.endpoints)
+            self._fail(EndpointError(f"every endpoint failed ({names}); last: {exc}. Finished shards and "
+                                     f"journaled records are kept: run the same command again to resume"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        self.idle.set()
+        for _ in range(len(self.endpoints) * self.cfg.concurrency + 1):
+            self.room.release()  # wake the reader so it sees the failure
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _record(self, item: Item, result: Regenerated) -> None:
+        line: dict[str, Any] = {"i": item.index, "source": item.source, **item.extra,
+                                "finish": result.finish, "tokens": result.tokens}
+        if result.drop is None:
+            line["messages"] = result.messages
+        else:
+            line.update(drop=result.drop.reason, detail=result.drop.detail)
+        self.journals[item.shard].add(line)
+        self.done += 1
+        self.tokens += result.tokens
+        self._maybe_finish(item.shard)
+        self._report()
+
+    def _maybe_finish(self, shard: int) -> None:
+        journal = self.journals.get(shard)
+        if journal is not None and shard in self.sizes and len(journal.lines) >= self.sizes[shard] \
+                and not self.output.shard_done(shard):
+            journal.finish()
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if self.progress is None or now - self.last_progress < _PROGRESS_EVERY_S:
+            return
+        self.last_progress = now
+        elapsed = max(now - self.start, 1e-9)
+        self.progress({"records_done": self.done, "records_read": self.total, "tokens": self.tokens,
+                       "tokens_per_s": round(self.tokens / elapsed, 1), "elapsed_s": round(elapsed, 1)})

@@ -1,0 +1,71 @@
+"""The regenerate stage's pure parts: config section, request body, record shapes, the turn-by-turn logic."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dflash_app.config import load_config
+from dflash_core.config import ConfigError
+from dflash_core.data.formats import Drop, Schema, role_table
+from dflash_core.regenerate.client import Reply, sampling_body
+from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.records import record_messages, regenerate, reply_text
+from dflash_core.regenerate.stage import thinking_enabled
+
+
+def test_the_section_has_defaults_and_names_bad_keys():
+    cfg = load_config("tiny-cpu")
+    assert cfg.data.regenerate.enabled is False and cfg.data.regenerate.temperature == 0.0
+    with pytest.raises(ConfigError, match="data.regenerate.concurency"):
+        load_config("tiny-cpu", {"data.regenerate.concurency": 4})
+    with pytest.raises(ConfigError, match="endpoints"):
+        load_config("tiny-cpu", {"data.regenerate.endpoints": ["10.0.0.5:8000"]})
+
+
+def test_the_request_carries_sampling_and_the_reasoning_switch():
+    cfg = load_config("tiny-cpu", {"data.regenerate.enable_thinking": True, "data.regenerate.top_p": 0.9}).data
+    assert thinking_enabled(cfg)
+    body = sampling_body(cfg.regenerate, thinking_enabled(cfg))
+    assert body == {"max_tokens": 1024, "temperature": 0.0, "top_p": 0.9,
+                    "chat_template_kwargs": {"enable_thinking": True}}
+    assert reply_text(Reply("42", "stop", 3, reasoning="add them"), True) == "<think>\nadd them\n</think>\n\n42"
+    assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"
+
+
+def test_record_shapes_become_openai_messages():
+    roles = role_table({})
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}], "system": "be brief"}
+    assert record_messages(sharegpt, Schema("sharegpt", "conversations"), roles) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    no_user = {"messages": [{"role": "assistant", "content": "hello"}]}
+    assert record_messages(no_user, Schema(), roles).reason == "no_user_turn"
+
+
+def _scripted(replies: list[Reply], seen: list[list[dict]]):
+    async def send(messages):
+        seen.append(list(messages))
+        return replies[len(seen) - 1]
+    return send
+
+
+def test_a_greeting_stays_and_a_truncated_reply_drops_the_record_unless_kept():
+    convo = [{"role": "assistant", "content": "Hi! Ask me."}, {"role": "user", "content": "1+1?"},
+             {"role": "assistant", "content": "old"}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "old"}]
+    seen: list = []
+    cut = [Reply("2", "stop", 1), Reply("4 4 4", "length", 8)]
+    result = asyncio.run(regenerate(convo, _scripted(cut, seen), keep_truncated=False, keep_thinking=False))
+    assert result.drop == Drop("truncated", result.drop.detail) and result.finish == ["stop", "length"]
+    assert seen[0] == convo[:2] and seen[1][2] == {"role": "assistant", "content": "2"}
+    kept = asyncio.run(regenerate(convo, _scripted(cut, []), keep_truncated=True, keep_thinking=False))
+    assert [m["content"] for m in kept.messages] == ["Hi! Ask me.", "1+1?", "2", "2+2?", "4 4 4"]
+    assert kept.tokens == 9
+
+
+def test_the_config_refuses_bad_values():
+    with pytest.raises(ValueError):
+        RegenerateConfig(concurrency=0)
+    with pytest.raises(ValueError):
+        RegenerateConfig(serve="ollama")
