@@ -11,6 +11,7 @@ import pytest
 from dflash_core.data.samples import Sample
 from dflash_core.data.shards import ShardError, ShardReader, read_index, read_manifest
 from dflash_core.data.writer import ShardWriter
+from dflash_core.publish import staged_output
 
 
 def _sample(sid: int) -> Sample:
@@ -112,10 +113,13 @@ def test_incomplete_folder_is_an_error(tmp_path: Path) -> None:
 
 
 def test_a_rerun_with_fewer_samples_leaves_no_stale_parts(tmp_path: Path) -> None:
-    _write(tmp_path, 25)
-    _write(tmp_path, 4)
-    assert [p.name for p in tmp_path.glob("part-*")] == ["part-00000.parquet"]
-    assert len(ShardReader(str(tmp_path))) == 4
+    # The stage writes into a fresh staging folder that replaces the old output whole (dflash_core/publish.py).
+    out = tmp_path / "tok"
+    for n in (25, 4):
+        with staged_output(str(out), "tokenize") as staging:
+            _write(Path(staging), n)
+    assert [p.name for p in out.glob("part-*")] == ["part-00000.parquet"]
+    assert len(ShardReader(str(out))) == 4
 
 
 def test_an_empty_run_writes_a_readable_empty_folder(tmp_path: Path) -> None:

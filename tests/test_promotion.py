@@ -6,8 +6,8 @@ import uuid
 import fsspec
 import pytest
 
+from dflash_app.config import load_config
 from dflash_core import atomic_dir
-from dflash_core.config import load_config
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
 from dflash_core.promotion.store import promoted_drafter, read_promoted

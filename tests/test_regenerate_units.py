@@ -25,7 +25,7 @@ def test_the_section_has_defaults_and_names_bad_keys():
 
 
 def test_the_request_carries_sampling_and_the_reasoning_switch():
-    cfg = load_config("tiny-cpu", {"data.regenerate.enable_thinking": True, "data.regenerate.top_p": 0.9}).data
+    cfg = load_config("tiny-cpu", {"data.thinking": "keep", "data.regenerate.top_p": 0.9}).data
     assert thinking_enabled(cfg)
     body = sampling_body(cfg.regenerate, thinking_enabled(cfg))
     assert body == {"max_tokens": 1024, "temperature": 0.0, "top_p": 0.9,

@@ -5,7 +5,7 @@ import torch
 from common.models import tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
-from dflash_core.config import load_config
+from dflash_app.config import load_config
 from dflash_core.model.export import save_dflash
 from dflash_core.promotion.store import promote, promoted_drafter, resolve_init_from
 from dflash_core.runtime.warm_start import WarmStartError, load_warm_start

@@ -22,9 +22,6 @@ class RegenerateConfig(StrictModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: PositiveInt = Field(1024, description="per reply; longer replies end with finish_reason=length")
     keep_truncated: bool = Field(False, description="keep replies cut by max_tokens (counted either way)")
-    enable_thinking: bool = Field(
-        False, description="reasoning switch sent as chat_template_kwargs.enable_thinking, used only when "
-                           "the data section has no `thinking` setting (thinking: keep turns it on)")
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
     timeout_s: PositiveFloat = Field(600.0, description="per request")
     retries: NonNegativeInt = Field(3, description="retries of a request on 5xx / connection errors, with backoff")

@@ -50,9 +50,8 @@ class Item:
 
 
 def thinking_enabled(data: DataConfig) -> bool:
-    """The reasoning switch: `data.thinking: keep` where the data section has it, else regenerate's own."""
-    thinking = getattr(data, "thinking", None)
-    return thinking == "keep" if thinking is not None else data.regenerate.enable_thinking
+    """The reasoning switch, shared with tokenize and eval: `data.thinking: keep` turns it on."""
+    return data.thinking == "keep"
 
 
 def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
