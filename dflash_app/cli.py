@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench", action="append", help="gsm8k|math500|humaneval|mbpp|mt-bench (repeatable, a,b)")
     p.add_argument("--limit", type=_positive_int, default=None, help="the first N instances of each suite")
     p.add_argument("--max-new-tokens", type=_positive_int, default=2048)
-    p.add_argument("--thinking", choices=["on", "off"], default="off", help="enable_thinking in the template")
+    p.add_argument("--thinking", choices=["on", "off"], default="off",
+                   help="enable_thinking in the template (off, as the public drafters; match data.thinking)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
     p.set_defaults(func=cmd_eval)
 

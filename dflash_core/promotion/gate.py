@@ -32,7 +32,8 @@ def _tau(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
 
     prompts = eval_set(cfg)
     return evaluate(target=cfg.model.target, drafter_dir=drafter_dir, tokenizer=cfg.data.tokenizer,
-                    data=prompts["data"], limit=prompts["limit"], max_new_tokens=prompts["max_new_tokens"])
+                    data=prompts["data"], limit=prompts["limit"], max_new_tokens=prompts["max_new_tokens"],
+                    thinking=cfg.data.thinking == "keep")  # evaluated as it was trained
 
 
 def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
