@@ -241,8 +241,8 @@ class Trainer:
         self.ckpts.save(step, self.drafter.state_dict(), state)
 
     def _export(self) -> None:
-        if self.env.is_main:
-            save_dflash(self.drafter, str(self.out / "drafter"))
+        if self.env.is_main:  # swapped in whole: a crash mid-export never leaves a half drafter to serve
+            replace_dir(str(self.out / "drafter"), lambda staged: save_dflash(self.drafter, staged))
         shutdown(self.env)
 
     def _summary(self, last: dict[str, Any], loop: DrafterTrainLoop, tokens: int, elapsed: float) -> dict[str, Any]:
