@@ -24,7 +24,7 @@ TEST_ENV := DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} PREFECT_SERVER_
 test: lint
 	# The example assets the tests use: built once (all cores), then reused from $$DFLASH_HOME.
 	$(TEST_ENV) $(VENV)/bin/dflash example > /dev/null
-	$(TEST_ENV) $(PY) -m pytest -m "not gpu" -q
+	$(TEST_ENV) $(PY) -m pytest -m "not gpu" -q --durations=15
 
 # The fast lane: unit tests only (no torchrun, no Prefect server runs), under two minutes on 2 cores.
 test-fast: $(STAMP)
