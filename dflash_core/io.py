@@ -21,3 +21,8 @@ def write_jsonl(path: str, records: Iterable[Any], *, sort_keys: bool = False, g
     with fsspec.open(path, "wb") as fh:
         fh.write(gzip.compress(data, mtime=0) if gz else data)
     return path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether an fsspec filesystem is the local disk (renames are atomic, os calls work on its paths)."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))

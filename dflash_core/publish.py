@@ -28,7 +28,7 @@ import fsspec
 
 from dflash_core.atomic_dir import recover, staging_path, swap_in
 from dflash_core.errors import DflashError
-from dflash_core.io import join_uri
+from dflash_core.io import is_local, join_uri
 
 STAGE_MARKER = ".dflash-stage.json"
 _RENAME_EXCHANGE = 2
@@ -45,10 +45,6 @@ class OutputLockedError(DflashError):
     """Another live process is writing the same output folder."""
 
     exit_code = 2
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
 def stage_of(out: str) -> str | None:
@@ -95,7 +91,7 @@ def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> Non
         fs.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
-    if _is_local(fs) and not os.access(parent, os.W_OK):
+    if is_local(fs) and not os.access(parent, os.W_OK):
         raise OutputError(f"--out {out}: {parent} is not writable")
 
 
@@ -120,7 +116,7 @@ def output_lock(out: str, stage: str) -> Iterator[None]:
 
 def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str) -> None:
     for _ in range(2):  # the second try follows the removal of a stale lock
-        if _is_local(fs):
+        if is_local(fs):
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -181,7 +177,7 @@ def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwri
         tmp = staging_path(root)
         fs.makedirs(tmp, exist_ok=True)
         try:
-            yield fs.unstrip_protocol(tmp) if not _is_local(fs) else tmp
+            yield fs.unstrip_protocol(tmp) if not is_local(fs) else tmp
             with fs.open(f"{tmp}/{STAGE_MARKER}", "w", encoding="utf-8") as fh:
                 json.dump({"stage": stage}, fh)  # no time: same input, same bytes
             _publish(fs, tmp, root)
@@ -193,7 +189,7 @@ def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwri
 
 def _publish(fs: fsspec.AbstractFileSystem, tmp: str, root: str) -> None:
     """One atomic exchange where the kernel offers it; else atomic_dir's move-aside, move-in, delete-old."""
-    if _is_local(fs) and os.path.exists(root) and _exchange(tmp, root):
+    if is_local(fs) and os.path.exists(root) and _exchange(tmp, root):
         shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old folder
         return
     swap_in(fs, tmp, root)

@@ -13,7 +13,7 @@ from typing import TextIO
 import fsspec
 
 from dflash_core.errors import DflashError, UsageError
-from dflash_core.io import join_uri
+from dflash_core.io import is_local, join_uri
 from dflash_core.publish import check_output, output_lock
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
 
@@ -133,8 +133,7 @@ class RunLog:
 
     def __init__(self, out: str) -> None:
         fs, root = fsspec.core.url_to_fs(out)
-        self.local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        self.path = join_uri(root, "train.log") if self.local else None
+        self.path = join_uri(root, "train.log") if is_local(fs) else None
         self.fh: TextIO | None = None
 
     def __enter__(self) -> RunLog:
