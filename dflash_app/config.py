@@ -36,4 +36,5 @@ def resolve_config(cfg: PipelineConfig) -> PipelineConfig:
     data = cfg.data.model_copy(update={"source": resolve_uri(cfg.data.source),
                                        "tokenizer": resolve_uri(cfg.data.tokenizer)})
     model = cfg.model.model_copy(update={"target": resolve_uri(cfg.model.target)})
-    return cfg.model_copy(update={"data": data, "model": model})
+    evaluation = cfg.eval.model_copy(update={"data": cfg.eval.data and resolve_uri(cfg.eval.data)})
+    return cfg.model_copy(update={"data": data, "model": model, "eval": evaluation})

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_core.example import EXAMPLE_URIS, ExampleError, build_example, read_metadata, resolve_uri
+from dflash_core.example.assets import _assets
 from dflash_core.example.corpus import generate_conversations, read_jsonl, to_messages
 from dflash_core.example.target import TrainSettings, evaluate_loss, train_target
 from dflash_core.example.tokenizer import render, save_tokenizer, train_tokenizer
@@ -178,6 +180,7 @@ def test_resolve_uri_maps_example_uris_and_passes_others_through(example_assets)
         example_assets.data,
         example_assets.tokenizer,
         example_assets.target,
+        example_assets.heldout,
     ]
     assert resolve_uri("s3://bucket/chats.jsonl") == "s3://bucket/chats.jsonl"
     with pytest.raises(ExampleError, match="example://data"):
@@ -216,3 +219,18 @@ def test_concurrent_builds_build_once_and_a_damaged_cache_is_rebuilt(tmp_path):
     data.write_bytes(original + b"\n")
     assert build_example(str(tmp_path), target_steps=2).data == str(data)
     assert data.read_bytes() == original
+
+
+def test_held_out_prompts_are_not_in_the_training_data_and_come_back_when_missing(example_assets, tmp_path):
+    def opening(record):
+        return next(t["value"] for t in record["conversations"] if t["from"] == "human")
+
+    asked = {t["value"] for line in open(example_assets.data)
+             for t in json.loads(line)["conversations"] if t["from"] == "human"}
+    held_out = [json.loads(line) for line in open(example_assets.heldout)]
+    assert len(held_out) > 100 and not any(opening(r) in asked for r in held_out)
+    old_cache = tmp_path / "example-v1-seed0"  # a cache built before heldout.jsonl existed (other tests share ours)
+    old_cache.mkdir()
+    shutil.copy(example_assets.data, old_cache / "data.jsonl")
+    assert _assets(old_cache, seed=0).heldout == str(old_cache / "heldout.jsonl")
+    assert (old_cache / "heldout.jsonl").read_bytes() == Path(example_assets.heldout).read_bytes()

@@ -1,7 +1,7 @@
 """The built-in example: a seeded chat corpus, a BPE tokenizer with a chat template and a tiny trained Qwen3.
 
 `build_example()` builds them once into $DFLASH_HOME (or ~/.cache/dflash-pipeline) and reuses them after;
-`resolve_uri("example://data" | "example://tokenizer" | "example://target")` gives their paths.
+`resolve_uri("example://data" | "example://tokenizer" | "example://target" | "example://heldout")` gives their paths.
 """
 
 from dflash_core.example.assets import (

@@ -2,7 +2,10 @@
 
 Layout of `<home>/example-v1-seed<S>/`: data.jsonl (ShareGPT chats), tokenizer/ (transformers fast tokenizer),
 target/ (tiny Qwen3, safetensors, tokenizer files alongside), example.json (build metadata: target losses,
-length statistics), done.json (sha256 of every file; written last, so its presence means complete).
+length statistics), done.json (sha256 of every file; written last, so its presence means complete), and
+heldout.jsonl: conversations of the same generator under another seed, none of them in data.jsonl (the
+prompts the promotion gate evaluates on; the target's held-out loss is measured on them too). Caches built
+before it existed get it on first use: it is a pure function of the seed.
 """
 
 import contextlib
@@ -26,10 +29,11 @@ from dflash_core.io import write_jsonl
 logger = logging.getLogger(__name__)
 
 VERSION = "v1"
-EXAMPLE_URIS = ("example://data", "example://tokenizer", "example://target")
+EXAMPLE_URIS = ("example://data", "example://tokenizer", "example://target", "example://heldout")
 HELD_OUT_CONVERSATIONS = 200
 HELD_OUT_SEED_OFFSET = 1_000_003
 ACCURACY_PROMPTS = 16
+HELD_OUT_FILE = "heldout.jsonl"
 LENGTH_BANDS = ((0, 64), (64, 128), (128, 256), (256, 512), (512, None))
 
 
@@ -39,12 +43,14 @@ class ExampleError(InputError):
 
 @dataclass(frozen=True)
 class ExampleAssets:
-    """Paths of the built example: data (JSONL file), tokenizer (dir), target (dir), home (the asset folder)."""
+    """Paths of the built example: data (JSONL file), tokenizer (dir), target (dir), home (the asset folder),
+    heldout (JSONL file of conversations not in data)."""
 
     data: str
     tokenizer: str
     target: str
     home: str
+    heldout: str
 
 
 def default_home() -> Path:
@@ -66,12 +72,12 @@ def build_example(
     """Build the example assets into home (default: $DFLASH_HOME or ~/.cache/dflash-pipeline), or reuse them."""
     final = asset_dir(home, seed, target_steps)
     if _complete(final):
-        return _assets(final)
+        return _assets(final, seed)
     final.parent.mkdir(parents=True, exist_ok=True)
     with _locked(final.parent / f".{final.name}.lock"):
         # Another process may have finished the build while this one waited for the lock.
         if _complete(final):
-            return _assets(final)
+            return _assets(final, seed)
         for stale in final.parent.glob(f".{final.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
@@ -83,7 +89,7 @@ def build_example(
             logger.warning("replacing the incomplete or modified example folder %s", final)
             shutil.rmtree(final)
         os.rename(tmp, final)
-    return _assets(final)
+    return _assets(final, seed)
 
 
 def resolve_uri(uri: str) -> str:
@@ -100,13 +106,36 @@ def read_metadata(assets: ExampleAssets) -> dict:
     return json.loads((Path(assets.home) / "example.json").read_text())
 
 
-def _assets(folder: Path) -> ExampleAssets:
+def _assets(folder: Path, seed: int) -> ExampleAssets:
+    heldout = folder / HELD_OUT_FILE
+    if not heldout.is_file():  # a cache built before heldout.jsonl existed: written once, atomically
+        _write_held_out(folder, seed)
     return ExampleAssets(
         data=str(folder / "data.jsonl"),
         tokenizer=str(folder / "tokenizer"),
         target=str(folder / "target"),
         home=str(folder),
+        heldout=str(heldout),
     )
+
+
+def held_out_conversations(seed: int) -> list[dict]:
+    """The held-out conversations of the example built with `seed` (another seed of the same generator)."""
+    return generate_conversations(HELD_OUT_CONVERSATIONS, seed + HELD_OUT_SEED_OFFSET)
+
+
+def _write_held_out(folder: Path, seed: int) -> None:
+    """heldout.jsonl: the held-out conversations whose opening question is not asked anywhere in data.jsonl
+    (short arithmetic questions can coincide by chance), written under a temporary name then renamed."""
+    asked: set[str] = set()
+    with open(folder / "data.jsonl") as f:
+        for line in f:
+            asked.update(t["value"] for t in json.loads(line)["conversations"] if t["from"] == "human")
+    fresh = [r for r in held_out_conversations(seed)
+             if next(t["value"] for t in r["conversations"] if t["from"] == "human") not in asked]
+    tmp = folder / f".{HELD_OUT_FILE}.tmp-{os.getpid()}"
+    write_jsonl(str(tmp), fresh, sort_keys=True)
+    os.replace(tmp, folder / HELD_OUT_FILE)
 
 
 def _build_into(out: Path, seed: int, target_steps: int | None) -> None:
@@ -125,8 +154,9 @@ def _build_into(out: Path, seed: int, target_steps: int | None) -> None:
     settings = (
         TrainSettings(seed=seed) if target_steps is None else TrainSettings(seed=seed, steps=target_steps)
     )
-    held_out = generate_conversations(HELD_OUT_CONVERSATIONS, seed + HELD_OUT_SEED_OFFSET)
+    held_out = held_out_conversations(seed)
     target = build_target(tokenizer, records, held_out, settings, out / "target", ACCURACY_PROMPTS)
+    _write_held_out(out, seed)
     meta = {
         "version": VERSION,
         "seed": seed,
