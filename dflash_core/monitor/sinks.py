@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
+from dflash_core.io import is_local
 from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sources import record_kind
 
@@ -79,7 +79,7 @@ class JsonlSink(MetricSink):
         return keys
 
     def _cut_partial_line(self, complete: bytes) -> None:
-        if isinstance(self._fs, LocalFileSystem):
+        if is_local(self._fs):
             with open(self._path, "r+b") as fh:
                 fh.truncate(len(complete))
         else:

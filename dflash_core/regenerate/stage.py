@@ -19,12 +19,11 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any, cast
 
-from fsspec.implementations.local import LocalFileSystem
-
 from dflash_core.data.config import DataConfig
 from dflash_core.data.fingerprint import files_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.io import is_local
 from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
@@ -137,7 +136,7 @@ def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, out
     if target is None:
         raise RegenerateError("no endpoint and no target: give --endpoint URL (or data.regenerate.endpoints) "
                               "or model.target for a local server")
-    local = isinstance(output.fs, LocalFileSystem)
+    local = is_local(output.fs)
     workdir = Path(output.root, WORK) if local else Path(tempfile.mkdtemp(prefix="dflash-regenerate-"))
     model = servable_model(target, tokenizer or target, workdir)
     log.info("starting a local %s server for %s", cfg.serve, model)
