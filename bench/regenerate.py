@@ -1,6 +1,9 @@
-"""Regenerate-stage throughput against a real `transformers serve` of the example target (JSON out).
+"""The regenerate stage on the example, against a real `transformers serve` of its target (JSON out).
 
-python -m bench.regenerate [--records 48] [--max-tokens 64] [--concurrency 16] [--naive-records 16]
+python -m bench.regenerate [throughput] [--records 48] [--max-tokens 64] [--concurrency 16] [--naive-records 16]
+python -m bench.regenerate tau [--regen DIR] [--work DIR] [--limit 32] [--max-new-tokens 256]
+
+`throughput` (the default) measures tokens per second:
 
 One server (continuous batching, warmed up, as the stage starts it) serves three clients in one run, each on its
 own third of the single-turn records (the server caches prompt prefixes: shared prompts would favour the later):
@@ -10,6 +13,11 @@ own third of the single-turn records (the server caches prompt prefixes: shared 
   journaling or bookkeeping: what the server reaches when the load is all its own.
 Figures are generated tokens per second (usage.completion_tokens over wall time). Goals (issue 11): stage at
 least 3x naive, and at least 90% of the ceiling.
+
+`tau` measures why the stage exists: two drafters trained with the tiny-cpu preset from scratch for the same
+number of steps, one on the example's original replies, one on the target's own (`dflash regenerate` of the
+whole example, or --regen DIR from an earlier run), each through `dflash tokenize`, `plan` and `train`; then
+tau of both on the same held-out prompts (example://heldout, none of them in the training data).
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -81,13 +92,8 @@ def stage(url: str, source: str, out: str, max_tokens: int, concurrency: int) ->
             "seconds": round(seconds, 2), "tokens_per_s": round(summary["tokens_generated"] / seconds, 1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=48)
-    parser.add_argument("--naive-records", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
-    args = parser.parse_args()
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Naive client, stage and bare load generator against one server, on disjoint records."""
     assets = build_example()
     lines = open(assets.data).read().splitlines()[:args.records]
     records = [json.loads(line) for line in lines]
@@ -110,7 +116,72 @@ def main() -> None:
                       "ceiling": asyncio.run(_ceiling(url, model, _first_turns(ceiling_set), args.max_tokens))}
     result["stage_vs_naive"] = round(result["stage"]["tokens_per_s"] / result["naive"]["tokens_per_s"], 2)
     result["stage_vs_ceiling"] = round(result["stage"]["tokens_per_s"] / result["ceiling"]["tokens_per_s"], 3)
-    print(json.dumps(result, indent=2))
+    return result
+
+
+def _dflash(*args: str, cwd: Path) -> dict[str, Any]:
+    """One `dflash` command as a user runs it; its summary (the last stdout line)."""
+    proc = subprocess.run([sys.executable, "-m", "dflash_app.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
+    if proc.returncode:
+        raise SystemExit(f"dflash {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tau(args: argparse.Namespace) -> dict[str, Any]:
+    """Original vs regenerated replies: same preset, same steps, tau on the same held-out prompts."""
+    from dflash_core.model.evaluate import evaluate
+
+    assets = build_example()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-regenerate-tau-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    regen = Path(args.regen).resolve() if args.regen else work / "regenerated"
+    result: dict[str, Any] = {"preset": "tiny-cpu", "work": str(work)}
+    if not (regen / "manifest.json").is_file():  # a finished regeneration has its manifest
+        start = time.monotonic()
+        summary = _dflash("regenerate", "--out", str(regen), cwd=work)
+        result["regenerate"] = {**{k: summary[k] for k in ("read", "kept", "dropped", "tokens_generated")},
+                                "seconds": round(time.monotonic() - start, 1), "tokens_per_s": summary["tokens_per_s"]}
+    arms = {"original": assets.data, "regenerated": str(regen)}
+    plans = {}
+    for name, data in arms.items():
+        tokenized = _dflash("tokenize", "--data", data, "--out", f"tok-{name}", "--overwrite", cwd=work)
+        plans[name] = _dflash("plan", "--tokenized", f"tok-{name}", "--out", f"plan-{name}", "--overwrite", cwd=work)
+        result[name] = {"records_kept": tokenized["kept"], "supervised_tokens": tokenized["supervised_tokens"],
+                        "planned_steps": plans[name]["steps"]}
+    steps = min(p["steps"] for p in plans.values())  # the same number of optimizer steps for both
+    result["steps"] = steps
+    for name in arms:
+        trained = _dflash("train", "--tokenized", f"tok-{name}", "--plan", f"plan-{name}", "--out", f"run-{name}",
+                          "--set", "train.init_from=null", "--set", f"train.max_steps={steps}",
+                          "--set", "wandb.mode=disabled", cwd=work)
+        result[name].update(train_accept_len=round(trained["accept_len"], 3), final_loss=round(trained["final_loss"], 3))
+    for name in arms:
+        scores = evaluate(target=assets.target, drafter_dir=str(work / f"run-{name}" / "drafter"),
+                          tokenizer=assets.tokenizer, data=assets.heldout, limit=args.limit,
+                          max_new_tokens=args.max_new_tokens, device="cpu")
+        result[name].update(tau=round(scores["tau"], 3), tau_pooled=round(scores["tau_pooled"], 3),
+                            eval_responses=scores["responses"])
+    result["held_out"] = {"data": "example://heldout", "instances": args.limit, "max_new_tokens": args.max_new_tokens}
+    result["tau_ratio"] = round(result["regenerated"]["tau"] / result["original"]["tau"], 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode")
+    for p in (parser, sub.add_parser("throughput", help="tokens/s: naive client, stage, ceiling")):
+        p.add_argument("--records", type=int, default=48)
+        p.add_argument("--naive-records", type=int, default=16)
+        p.add_argument("--max-tokens", type=int, default=64)
+        p.add_argument("--concurrency", type=int, default=16)
+    p = sub.add_parser("tau", help="tau of drafters trained on original vs regenerated replies")
+    p.add_argument("--regen", help="a finished `dflash regenerate` of the example to reuse (default: run it)")
+    p.add_argument("--work", help="folder for the runs (default: a new temporary folder, kept)")
+    p.add_argument("--limit", type=int, default=32, help="held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    print(json.dumps(tau(args) if args.mode == "tau" else throughput(args), indent=2))
 
 
 if __name__ == "__main__":
