@@ -21,16 +21,17 @@ def _run_name(explicit: str | None) -> str:
     return f"{stamp}-{flow_run.get_name() or 'local'}"
 
 
-def _regenerated(config: PipelineConfig, root: str) -> PipelineConfig:
+def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dict[str, Any]]:
     """Regenerate the chat data (one task run per shard when data.regenerate.task_per_shard); the config
-    then points tokenize at the regenerated shards."""
+    then points tokenize at the regenerated shards. Returns it and the stage's counts."""
     fingerprint = tasks.fingerprint_regenerate(config)
     out = storage.join(root, "regenerated", fingerprint[:16])
     if config.data.regenerate.task_per_shard:
         shards = [[s] for s in range(tasks.count_regenerate_shards(config))]
         tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards).result()
-    tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
-    return config.model_copy(update={"data": config.data.model_copy(update={"source": out})})
+    summary = tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
+    counts = {key: summary.get(key) for key in ("read", "kept", "dropped", "tokens_generated", "out")}
+    return config.model_copy(update={"data": config.data.model_copy(update={"source": out})}), counts
 
 
 @flow(name="retrain-drafter", log_prints=True)
@@ -47,8 +48,9 @@ def retrain_drafter(
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
+    regenerated = None
     if config.data.regenerate.enabled:
-        config = _regenerated(config, root)
+        config, regenerated = _regenerated(config, root)
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
     data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
@@ -63,7 +65,8 @@ def retrain_drafter(
     report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
     result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
               "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
-              "best_step": train_summary.get("best_step"), "drafter_best": train_summary.get("drafter_best")}
+              "best_step": train_summary.get("best_step"), "drafter_best": train_summary.get("drafter_best"),
+              **({"regenerated": regenerated} if regenerated else {})}
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
     # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact.
     summary = {"data": data_summary, "plan": plan_summary, "train": train_summary, "report": report, "run_dir": run_dir}

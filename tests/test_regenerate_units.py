@@ -16,8 +16,9 @@ from dflash_core.regenerate.stage import thinking_enabled
 
 
 def test_the_section_has_defaults_and_names_bad_keys():
-    cfg = load_config("tiny-cpu")
-    assert cfg.data.regenerate.enabled is False and cfg.data.regenerate.temperature == 0.0
+    cfg = load_config("tiny-cpu")  # the demo's preset regenerates, greedily, with the target's own server
+    assert cfg.data.regenerate.enabled is True and cfg.data.regenerate.endpoints == []
+    assert cfg.data.regenerate.temperature == 0.0 and cfg.data.regenerate.max_tokens == 256
     with pytest.raises(ConfigError, match="data.regenerate.concurency"):
         load_config("tiny-cpu", {"data.regenerate.concurency": 4})
     with pytest.raises(ConfigError, match="endpoints"):
@@ -28,7 +29,7 @@ def test_the_request_carries_sampling_and_the_reasoning_switch():
     cfg = load_config("tiny-cpu", {"data.thinking": "keep", "data.regenerate.top_p": 0.9}).data
     assert thinking_enabled(cfg)
     body = sampling_body(cfg.regenerate, thinking_enabled(cfg))
-    assert body == {"max_tokens": 1024, "temperature": 0.0, "top_p": 0.9,
+    assert body == {"max_tokens": 256, "temperature": 0.0, "top_p": 0.9,
                     "chat_template_kwargs": {"enable_thinking": True}}
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), True) == "<think>\nadd them\n</think>\n\n42"
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"

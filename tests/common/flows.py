@@ -26,7 +26,8 @@ def fast_config(root: Path, **overrides) -> PipelineConfig:
     """The tiny CPU preset (example:// resolved, as the application passes it), a few steps, outputs under `root`."""
     base = {"storage.root": str(root), "train.max_steps": 4, "train.checkpoint_every": 2, "wandb.mode": "disabled",
             "train.eval_every": 2, "eval.limit": 2, "eval.max_new_tokens": 16,
-            "check.fail_unjudged": False}  # 4 steps are too few to judge; the flow tests test the flow
+            "check.fail_unjudged": False,  # 4 steps are too few to judge; the flow tests test the flow
+            "data.regenerate.enabled": False}  # the preset regenerates the whole example (minutes); see test_regenerate
     return resolve_config(load_config("tiny-cpu", {**base, **overrides}))
 
 
@@ -45,8 +46,9 @@ def task_states(flow_run_id: UUID) -> dict[str, str]:
     return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
 
 
-def worker_processes() -> list[int]:
-    """Pids of live training worker or torchrun processes (for orphan checks)."""
+def worker_processes(under: Path) -> list[int]:
+    """Pids of live training workers whose command line names a path under `under` (for orphan checks; tests
+    running beside this one have workers of their own)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -55,7 +57,7 @@ def worker_processes() -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "dflash_core.runtime.worker" in cmd and int(entry.name) != os.getpid():
+        if "dflash_core.runtime.worker" in cmd and str(under) in cmd and int(entry.name) != os.getpid():
             pids.append(int(entry.name))
     return pids
 
