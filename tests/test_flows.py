@@ -91,7 +91,7 @@ def test_training_timeout_kills_every_process(tmp_path, example_assets):
     assert state.is_failed()
     assert time.monotonic() - started < 120
     time.sleep(1.0)
-    leftover = worker_processes()
+    leftover = worker_processes(tmp_path)
     kill_all(leftover)
     assert leftover == [], f"orphaned training processes: {leftover}"
 
