@@ -284,6 +284,8 @@ def test_the_flow_regenerates_first_shard_by_shard_then_from_the_cache(target_se
     assert manifest["read"] == 24 and len(list(regenerated.glob("shard-*.jsonl"))) == 2
     tokenized = json.loads(Path(state.result()["tokenized"], "manifest.json").read_text())
     assert tokenized["read"] == manifest["kept"]  # tokenize read the regenerated shards, nothing else
+    assert state.result()["regenerated"] == {"read": 24, "kept": manifest["kept"], "dropped": manifest["dropped"],
+                                             "tokens_generated": manifest["tokens_generated"], "out": str(regenerated)}
     assert {"regenerate-progress", "regenerate-counts"} <= artifact_keys(state.state_details.flow_run_id)
     again = retrain_drafter(config=cfg, run_name="second", return_state=True)
     states = task_states(again.state_details.flow_run_id)
