@@ -22,18 +22,19 @@ demo: $(STAMP)
 TEST_ENV := DFLASH_HOME=$${DFLASH_HOME:-$(CURDIR)/.dflash-cache} PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline
 
 # Two pytest workers, a test file each at a time: run one after another, the tests kept 1.2 of the 2 cores busy
-# (they wait on servers and subprocesses), and the demo test alone runs ~10 minutes (conftest starts it first).
+# (they wait on servers and subprocesses), and the demo test alone runs ~10 minutes: conftest puts it first, and
+# --no-loadscope-reorder keeps that order (xdist would otherwise start the files with the most tests first).
 PYTEST_WORKERS ?= 2
 
 test: lint
 	# The example assets the tests use: built once (all cores), then reused from $$DFLASH_HOME.
 	$(TEST_ENV) $(VENV)/bin/dflash example > /dev/null
-	$(TEST_ENV) $(PY) -m pytest -m "not gpu" -q --durations=15 -n $(PYTEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(PY) -m pytest -m "not gpu" -q --durations=15 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fast lane: unit tests only (no torchrun, no Prefect server runs), under two minutes on 2 cores.
 test-fast: $(STAMP)
 	$(TEST_ENV) $(VENV)/bin/dflash example > /dev/null
-	$(TEST_ENV) $(PY) -m pytest -m "not slow and not gpu" -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(PY) -m pytest -m "not slow and not gpu" -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Style, the layers (dflash_app > flows > dflash_core; no Prefect in dflash_core), types of the library and flows.
 lint: $(STAMP)

@@ -26,7 +26,7 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     assert (Path(result["drafter_best"]) / "model.safetensors").exists()
     record = json.loads((store / "promoted" / "promoted.json").read_text())
     assert record["run"] == result["run"] and record["tau"] == result["tau"]
-    assert record["eval_set"] == {"data": example_assets.data, "limit": 2, "max_new_tokens": 16}
+    assert record["eval_set"] == {"data": example_assets.heldout, "limit": 2, "max_new_tokens": 16}
     weights = Path(promoted_drafter(str(store))) / "model.safetensors"
     assert weights.read_bytes() == (Path(result["drafter"]) / "model.safetensors").read_bytes()
     assert {"promotion", "stability-report"} <= artifact_keys(first.state_details.flow_run_id)

@@ -19,6 +19,7 @@ def test_the_section_has_defaults_and_names_bad_keys():
     cfg = load_config("tiny-cpu")  # the demo's preset regenerates, greedily, with the target's own server
     assert cfg.data.regenerate.enabled is True and cfg.data.regenerate.endpoints == []
     assert cfg.data.regenerate.temperature == 0.0 and cfg.data.regenerate.max_tokens == 256
+    assert cfg.data.regenerate.limit == 1000
     with pytest.raises(ConfigError, match="data.regenerate.concurency"):
         load_config("tiny-cpu", {"data.regenerate.concurency": 4})
     with pytest.raises(ConfigError, match="endpoints"):
