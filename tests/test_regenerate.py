@@ -22,7 +22,7 @@ from common.regenerate import (
 )
 
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
-from dflash_core.regenerate.server import LocalServer, free_port, local_server, servable_model
+from dflash_core.regenerate.server import DEFAULT_ENV, LocalServer, free_port, local_server, servable_model
 from dflash_core.regenerate.stage import regenerate_dataset
 
 pytestmark = pytest.mark.slow
@@ -290,3 +290,15 @@ def test_the_flow_regenerates_first_shard_by_shard_then_from_the_cache(target_se
     again = retrain_drafter(config=cfg, run_name="second", return_state=True)
     states = task_states(again.state_details.flow_run_id)
     assert states["regenerate"] == "Cached" and states["tokenize"] == "Cached"
+
+
+def test_transformers_serve_gets_one_thread_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    show = ["bash", "-c", "echo threads=$OMP_NUM_THREADS"]
+    for name, expected in (("default", "threads=1"), ("user", "threads=4")):
+        if name == "user":
+            monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        server = LocalServer(show, free_port(), tmp_path / f"{name}.log", DEFAULT_ENV["transformers"])
+        server.proc.wait(30)
+        server.stop()
+        assert (tmp_path / f"{name}.log").read_text().strip() == expected

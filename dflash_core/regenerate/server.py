@@ -28,6 +28,10 @@ HOST = "127.0.0.1"
 # these flags; a repeated flag's last value wins (on a GPU, raise the share).
 DEFAULT_ARGS = {"transformers": ["--continuous-batching", "--cb-max-memory-percent", "0.1"], "vllm": [],
                 "sglang": []}
+# `transformers serve` runs torch on one intra-op thread unless OMP_NUM_THREADS is set: sharing 2 CPU cores with
+# one busy process, 200 records of the example took 843 s at the default thread count (24.9 tokens/s) and 45 s
+# with one thread (704 tokens/s); its decoding steps are too small to gain from threads that spin-wait.
+DEFAULT_ENV = {"transformers": {"OMP_NUM_THREADS": "1"}, "vllm": {}, "sglang": {}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
@@ -83,14 +87,15 @@ def _die_with_parent() -> None:
 class LocalServer:
     """A server process group; `url` is its OpenAI base URL once `wait_ready()` returned."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.url = f"http://{HOST}:{port}/v1"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The kind's defaults give way to the caller's environment (set OMP_NUM_THREADS to use more threads).
+        full_env = {**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"}
         try:
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         except OSError as exc:
@@ -156,7 +161,7 @@ def warm_up(url: str) -> None:
 def local_server(kind: str, model: str, extra: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
     """Serve `model` for the duration of the block; yields its base URL; stopped on exit, error or cancel."""
     port = free_port()
-    server = LocalServer(server_command(kind, model, port, extra), port, log_path)
+    server = LocalServer(server_command(kind, model, port, extra), port, log_path, DEFAULT_ENV[kind])
     try:
         server.wait_ready(timeout_s)
         if kind == "transformers":
