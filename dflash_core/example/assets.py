@@ -3,9 +3,9 @@
 Layout of `<home>/example-v1-seed<S>/`: data.jsonl (ShareGPT chats), tokenizer/ (transformers fast tokenizer),
 target/ (tiny Qwen3, safetensors, tokenizer files alongside), example.json (build metadata: target losses,
 length statistics), done.json (sha256 of every file; written last, so its presence means complete), and
-heldout.jsonl: conversations of the same generator under another seed, none of them in data.jsonl (the
-prompts the promotion gate evaluates on; the target's held-out loss is measured on them too). Caches built
-before it existed get it on first use: it is a pure function of the seed.
+heldout.jsonl: the held-out conversations the target's held-out loss is measured on (the same generator under
+another seed), less those whose opening question data.jsonl also asks; the promotion gate evaluates on them.
+Caches built before it existed get it on first use: it depends only on the seed and data.jsonl.
 """
 
 import contextlib
@@ -109,7 +109,7 @@ def read_metadata(assets: ExampleAssets) -> dict:
 def _assets(folder: Path, seed: int) -> ExampleAssets:
     heldout = folder / HELD_OUT_FILE
     if not heldout.is_file():  # a cache built before heldout.jsonl existed: written once, atomically
-        _write_held_out(folder, seed)
+        _write_held_out(folder, held_out_conversations(seed))
     return ExampleAssets(
         data=str(folder / "data.jsonl"),
         tokenizer=str(folder / "tokenizer"),
@@ -124,14 +124,14 @@ def held_out_conversations(seed: int) -> list[dict]:
     return generate_conversations(HELD_OUT_CONVERSATIONS, seed + HELD_OUT_SEED_OFFSET)
 
 
-def _write_held_out(folder: Path, seed: int) -> None:
+def _write_held_out(folder: Path, held_out: list[dict]) -> None:
     """heldout.jsonl: the held-out conversations whose opening question is not asked anywhere in data.jsonl
     (short arithmetic questions can coincide by chance), written under a temporary name then renamed."""
     asked: set[str] = set()
     with open(folder / "data.jsonl") as f:
         for line in f:
             asked.update(t["value"] for t in json.loads(line)["conversations"] if t["from"] == "human")
-    fresh = [r for r in held_out_conversations(seed)
+    fresh = [r for r in held_out
              if next(t["value"] for t in r["conversations"] if t["from"] == "human") not in asked]
     tmp = folder / f".{HELD_OUT_FILE}.tmp-{os.getpid()}"
     write_jsonl(str(tmp), fresh, sort_keys=True)
@@ -156,7 +156,7 @@ def _build_into(out: Path, seed: int, target_steps: int | None) -> None:
     )
     held_out = held_out_conversations(seed)
     target = build_target(tokenizer, records, held_out, settings, out / "target", ACCURACY_PROMPTS)
-    _write_held_out(out, seed)
+    _write_held_out(out, held_out)  # the conversations generated once for the target's held-out loss
     meta = {
         "version": VERSION,
         "seed": seed,
