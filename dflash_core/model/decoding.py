@@ -114,8 +114,12 @@ def speculative_generate(
     feats = verify.commit(prompt_len)
     ids = torch.cat([ids, first.view(1, 1)], dim=1)
     lengths: list[int] = []
-    stopped = int(first) in stops
-    while ids.shape[1] - prompt_len < max_new_tokens and not stopped:
+    # the published benchmark's loop (z-lab/dflash `dflash_generate`): it steps while the anchor's position is
+    # below prompt + max_new_tokens, so a step may start with max_new_tokens already committed, and it checks
+    # for a stop token only after a step, so a first token that is a stop token still gets one step. Both
+    # steps count in its acceptance lengths, so they count here; the output is cut the same way either way.
+    stopped = False
+    while ids.shape[1] - prompt_len <= max_new_tokens and not stopped:
         anchor = ids.shape[1] - 1  # the last committed token: its features are not known yet
         logits = drafter.draft_block(feats[None], int(ids[0, anchor]), anchor)
         draft = logits[1:].argmax(-1).to(ids.device)
@@ -125,7 +129,7 @@ def speculative_generate(
         feats = verify.commit(anchor + accepted + 1)
         ids = torch.cat([ids, step[None]], dim=1)
         lengths.append(accepted + 1)
-        stopped = any(int(t) in stops for t in step)
+        stopped = any(int(t) in stops for t in ids[0, prompt_len:])
     return _truncate(ids, prompt_len, max_new_tokens, stops), lengths
 
 

@@ -59,7 +59,7 @@ def tau(acceptance_lengths: Sequence[int]) -> float:
 def mean_of_means(per_response: Sequence[Sequence[int]]) -> float | None:
     """The benchmark's tau: the mean over responses of each one's mean acceptance length.
 
-    A response with no decoding step (its first token was a stop token) has no mean and is left out.
+    A response with no decoding step (max_new_tokens 0) has no mean and is left out.
     """
     means = [tau(lengths) for lengths in per_response if lengths]
     return sum(means) / len(means) if means else None
