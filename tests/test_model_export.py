@@ -8,6 +8,8 @@ from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import ExportError, load_dflash, save_dflash
 
 H, HEADS, KV, HEAD_DIM, FFN = 64, 4, 2, 16, 128
@@ -145,3 +147,33 @@ def test_load_rejects_a_wrong_shape_and_another_target(tmp_path, target, drafter
 def test_load_missing_folder_says_what_is_expected(tmp_path, target):
     with pytest.raises(ExportError, match="config.json"):
         load_dflash(str(tmp_path / "nothing"), target)
+
+
+def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):
+    torch.manual_seed(0)
+    named = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=1, block_size=4), MASK_ID, "<|mask|>")
+    save_dflash(named, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token"] == "<|mask|>"
+    assert load_dflash(str(tmp_path / "d"), target).mask_token == "<|mask|>"
+    cfg["dflash_config"]["mask_token"] = 7
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="mask_token must be the mask token's text"):
+        load_dflash(str(tmp_path / "d"), target)
+
+
+def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets):
+    from transformers import AutoTokenizer
+
+    from dflash_core.runtime.config import RunConfig
+    from dflash_core.runtime.worker import mask_token
+
+    tok = AutoTokenizer.from_pretrained(example_assets.tokenizer)
+
+    def run_config(**model):
+        return RunConfig(data={"source": "x.jsonl", "tokenizer": example_assets.tokenizer},
+                         model={"target": example_assets.target, **model})
+
+    assert mask_token(run_config()) == (tok.mask_token_id, "<|mask|>")  # the tokenizer's own mask token
+    assert mask_token(run_config(mask_token_id=7)) == (7, tok.convert_ids_to_tokens(7))
+    assert mask_token(run_config(mask_token_id=len(tok))) == (len(tok), None)  # an unused row past the tokenizer

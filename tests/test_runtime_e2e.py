@@ -11,8 +11,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from common.runs import build_inputs, torchrun, write_config, write_shards
+from common.chat import tokenizer_dir
+from common.runs import MASK_ID, build_inputs, torchrun, write_config, write_shards
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from dflash_core.model.export import load_dflash
 from dflash_core.model.target import load_target
@@ -85,6 +87,10 @@ def test_two_processes_write_the_contract_files(inputs, baseline):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-6", "step-7"]  # keep 2
     drafter = load_dflash(str(out / "drafter"), load_target(inputs.target))
     assert drafter.block_size == 4
+    # the mask token's text, as SGLang resolves it, is the tokenizer's token at the mask id
+    mask_text = AutoTokenizer.from_pretrained(tokenizer_dir("chatml")).convert_ids_to_tokens(MASK_ID)
+    assert drafter.dflash_config == {"mask_token_id": MASK_ID, "target_layer_ids": drafter.target_layer_ids,
+                                     "mask_token": mask_text}
 
 
 def test_loss_is_normalised_over_the_whole_step_across_ranks(inputs, baseline, tmp_path):

@@ -54,8 +54,13 @@ def drafter_config(
     mask_token_id: int,
     num_target_layers: int,
     vocab_size: int,
+    mask_token: str | None = None,
 ) -> Qwen3Config:
-    """The drafter's Qwen3 config: the target's width and head layout plus the DFlash fields."""
+    """The drafter's Qwen3 config: the target's width and head layout plus the DFlash fields.
+
+    `mask_token` is the text of the mask token when the tokenizer has one at `mask_token_id`: SGLang resolves
+    the mask by that text (default "<|MASK|>") and refuses a checkpoint whose id disagrees with its tokenizer.
+    """
     heads = int(target_config.num_attention_heads)
     head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
     rope = getattr(target_config, "rope_parameters", None) or {
@@ -63,11 +68,11 @@ def drafter_config(
         "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
     }
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
-    dflash_fields: dict[str, Any] = {
-        "block_size": block_size,
-        "num_target_layers": num_target_layers,
-        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]},
-    }
+    dflash: dict[str, Any] = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
+    if mask_token is not None:
+        dflash["mask_token"] = mask_token
+    dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
+                                     "dflash_config": dflash}
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=int(target_config.hidden_size),
@@ -163,6 +168,7 @@ class DFlashDrafter(nn.Module):
         self.num_target_layers = int(config.num_target_layers)
         self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.mask_token: str | None = config.dflash_config.get("mask_token")
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
         self.gradient_checkpointing = gradient_checkpointing
@@ -190,7 +196,10 @@ class DFlashDrafter(nn.Module):
     @property
     def dflash_config(self) -> dict:
         """The `dflash_config` dict of the exported config.json."""
-        return {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        out: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.mask_token is not None:
+            out["mask_token"] = self.mask_token
+        return out
 
     def _init_weights(self, std: float) -> None:
         for module in self.modules():
@@ -382,8 +391,11 @@ class DFlashDrafter(nn.Module):
         )
 
 
-def build_drafter(target: TargetModel, cfg: ModelConfig, mask_token_id: int) -> DFlashDrafter:
-    """A freshly initialised float32 drafter for `target`, on the target's device."""
+def build_drafter(
+    target: TargetModel, cfg: ModelConfig, mask_token_id: int, mask_token: str | None = None
+) -> DFlashDrafter:
+    """A freshly initialised float32 drafter for `target`, on the target's device (`mask_token`: the
+    tokenizer's text for `mask_token_id`, when it has one)."""
     layer_ids = cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_draft_layers)
     try:
         target.check_layer_ids(layer_ids)
@@ -402,6 +414,7 @@ def build_drafter(target: TargetModel, cfg: ModelConfig, mask_token_id: int) -> 
         mask_token_id=mask_token_id,
         num_target_layers=target.num_layers,
         vocab_size=target.vocab_size,
+        mask_token=mask_token,
     )
     drafter = DFlashDrafter(
         config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing,

@@ -136,6 +136,8 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         raise ExportError(
             f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab"
         )
+    if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
+        raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
     return Qwen3Config.from_dict({k: v for k, v in raw.items() if k != "rope_theta"})
 
 

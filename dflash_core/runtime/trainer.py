@@ -67,12 +67,13 @@ class Trainer:
         mask_token_id: int,
         faults: FaultPlan = NO_FAULTS,
         val: pl.DataFrame | None = None,
+        mask_token: str | None = None,
     ) -> None:
         self.cfg, self.plan, self.reader, self.env, self.faults = cfg, plan, reader, env, faults
         self.val = val  # the plan's validation batches (val.parquet), None without a val slice
         self.best = BestTracker()
         self.out = Path(out)
-        self.mask_token_id = mask_token_id
+        self.mask_token_id, self.mask_token = mask_token_id, mask_token
         self.device = resolve_device(cfg.train.device, env)
         self.ckpts = CheckpointManager(self.out / "checkpoints", cfg.train.keep_checkpoints, faults)
         self.start_step = 0
@@ -86,7 +87,7 @@ class Trainer:
         t = self.cfg.train
         self.targets = self._load_targets()
         torch.manual_seed(t.seed)  # every rank builds the same initial drafter
-        self.drafter: DFlashDrafter = build_drafter(self.targets[0], self.cfg.model, self.mask_token_id)
+        self.drafter: DFlashDrafter = build_drafter(self.targets[0], self.cfg.model, self.mask_token_id, self.mask_token)
         self.drafter.to(self.device)
         if t.init_from:  # a resumed checkpoint below overrides these weights
             load_warm_start(self.drafter, t.init_from)

@@ -40,19 +40,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def mask_token_id(cfg: RunConfig) -> int:
-    """model.mask_token_id, else the tokenizer's mask token."""
-    if cfg.model.mask_token_id is not None:
-        return cfg.model.mask_token_id
+def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
+    """(id, text) of the mask token: model.mask_token_id, else the tokenizer's mask token. The text is the
+    tokenizer's token at that id, None past the tokenizer's end (an unused embedding row, e.g. 151669 for Qwen3:
+    SGLang then adds its default "<|MASK|>" there)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-    if tok.mask_token_id is None:
+    if cfg.model.mask_token_id is not None:
+        token_id = cfg.model.mask_token_id
+    elif tok.mask_token_id is None:
         raise MaskTokenError(
             f"tokenizer {cfg.data.tokenizer} has no mask token; set model.mask_token_id to an id whose embedding "
             "exists in the target (e.g. 151669 for Qwen3)"
         )
-    return int(tok.mask_token_id)
+    else:
+        token_id = int(tok.mask_token_id)
+    text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
+    return token_id, text or None
 
 
 def run(args: argparse.Namespace, env: DistEnv) -> dict:
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     reader = ShardReader(args.tokenized)
     plan = read_run_plan(args.plan, env.world_size, reader.fingerprint, args.tokenized, cfg.train.max_steps)
     faults = FaultPlan.from_env(env.rank)
-    trainer = Trainer(cfg, plan, reader, args.out, env, mask_token_id(cfg), faults, read_val(args.plan, plan.meta))
+    token_id, token_text = mask_token(cfg)
+    trainer = Trainer(cfg, plan, reader, args.out, env, token_id, faults, read_val(args.plan, plan.meta), token_text)
     return trainer.setup().train()
 
 

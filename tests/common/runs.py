@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from common.chat import tokenizer_dir
 from common.models import save_tiny_qwen3
 from dflash_core.data.samples import Sample
 from dflash_core.data.writer import ShardWriter
@@ -83,7 +84,7 @@ def write_config(path: Path, inputs: RunInputs, **train) -> str:
     """A pipeline config for the fixture (W&B off unless train['wandb'] is given)."""
     wandb = train.pop("wandb", {"enabled": False})
     cfg = {
-        "data": {"source": "unused.jsonl", "tokenizer": "unused"},
+        "data": {"source": "unused.jsonl", "tokenizer": tokenizer_dir("chatml")},  # names the mask token
         "model": {"target": inputs.target, "dtype": "float32", "num_draft_layers": 1, "block_size": BLOCK,
                   "mask_token_id": MASK_ID, "num_anchors": 8},
         "train": {"lr": 3e-3, "warmup_ratio": 0.1, "device": "cpu", "prefetch_threads": 2, "queue_size": 2,
