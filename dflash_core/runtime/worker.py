@@ -57,7 +57,7 @@ def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
     else:
         token_id = int(tok.mask_token_id)
     text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
-    return token_id, text or None
+    return token_id, text if isinstance(text, str) and text else None
 
 
 def run(args: argparse.Namespace, env: DistEnv) -> dict:
