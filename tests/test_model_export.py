@@ -62,6 +62,7 @@ def test_export_config_fields(tmp_path, drafter):
     assert cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 4
     assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2, 3]}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM's "input of layer i" numbering
     assert cfg["layer_types"] == ["full_attention", "full_attention"]
     assert cfg["tie_word_embeddings"] is False
     want = {

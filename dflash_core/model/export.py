@@ -59,6 +59,9 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "block_size": drafter.block_size,
         "num_target_layers": drafter.num_target_layers,
         "dflash_config": drafter.dflash_config,
+        # vLLM captures "the input of layer i", so DFlash's "output of layer i" is its i + 1; vLLM releases before
+        # it learnt to derive this from dflash_config read only this key and otherwise captured 3 default layers
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.target_layer_ids],
     }
 
 
