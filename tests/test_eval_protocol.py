@@ -179,3 +179,32 @@ def test_cli_limit_zero_is_an_error(capsys):
     args = build_parser().parse_args([*base, "--bench", "gsm8k,math500", "--bench", "mt-bench", "--thinking", "on"])
     assert args.max_new_tokens == 2048 and args.limit is None and args.thinking == "on" and not args.no_kv_cache
     assert args.bench == ["gsm8k,math500", "mt-bench"]
+
+
+def test_sample_takes_the_instances_the_public_benchmark_takes(tmp_path, capsys):
+    """The reference (`benchmark.py --backend transformers --max-samples N`) seeds Python's random with 0, shuffles
+    the whole dataset in place and keeps the first N; a dataset of at most N is kept whole."""
+    import random
+
+    from dflash_core.model.evaluate import _suites, sample_instances
+
+    items = [Instance((f"question {i}",)) for i in range(50)]
+    reference = list(items)
+    random.seed(0)
+    random.shuffle(reference)
+    assert sample_instances(items, 8) == reference[:8]
+    assert sample_instances(items, 50) == items and sample_instances(items[:5], 8) == items[:5]
+    random.seed(42)  # the seed its other backends shuffle with
+    random.shuffle(reference := list(items))
+    assert sample_instances(items, 8, seed=42) == reference[:8]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps({"turns": list(i.turns)}) + "\n" for i in items))
+    assert _suites(str(path), None, (), None, sample=8) == {str(path): sample_instances(items, 8)}
+    with pytest.raises(EvalDataError, match="not both"):
+        _suites(str(path), None, (), 2, sample=8)
+    base = ["eval", "--target", "t", "--drafter", "d", "--tokenizer", "k", "--data", "x.jsonl"]
+    args = build_parser().parse_args([*base, "--sample", "128"])
+    assert (args.sample, args.sample_seed, args.limit) == (128, 0, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--sample", "8", "--limit", "2"])
+    assert "not allowed with" in capsys.readouterr().err

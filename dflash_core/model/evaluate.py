@@ -11,6 +11,7 @@ over all decoding steps.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from dflash_core.model.instances import (
     EvalDataError,
     Instance,
     as_instances,
+    check_limit,
     messages,
     prompt_turns,
     read_instances,
@@ -138,11 +140,26 @@ def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+def sample_instances(items: list[Instance], sample: int, seed: int = 0) -> list[Instance]:
+    """The `sample` instances the public benchmark evaluates with `--max-samples sample`: it shuffles the whole
+    list with Python's `random` seeded `seed` (0 in its transformers backend) and takes the first ones; a list
+    of at most `sample` is kept whole and in order, as there."""
+    check_limit(sample)
+    if len(items) <= sample:
+        return items
+    shuffled = list(items)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled[:sample]
+
+
 def _suites(
     data: str | None, instances: Sequence[Any] | None, benches: Mapping[str, str | None] | Sequence[str],
-    limit: int | None,
+    limit: int | None, sample: int | None = None, sample_seed: int = 0,
 ) -> dict[str, list[Instance]]:
-    """{suite name: its first `limit` instances} from a data URI, an in-memory list and named benchmarks."""
+    """{suite name: its first `limit` instances, or the reference's `sample`} from a data URI, an in-memory
+    list and named benchmarks."""
+    if limit is not None and sample is not None:
+        raise EvalDataError("give limit (the first N instances) or sample (the reference's N), not both")
     suites: dict[str, list[Instance]] = {}
     if data is not None:
         suites[data] = read_instances(data, limit)
@@ -153,6 +170,8 @@ def _suites(
         suites[name] = load_suite(name, limit, source)
     if not suites or not any(suites.values()):
         raise EvalDataError("nothing to evaluate: give data (a file), instances, or benches (named suites)")
+    if sample is not None:
+        suites = {name: sample_instances(items, sample, sample_seed) for name, items in suites.items()}
     return suites
 
 
@@ -165,6 +184,8 @@ def evaluate(
     benches: Mapping[str, str | None] | Sequence[str] = (),
     limit: int | None = None,
     max_new_tokens: int = 2048,
+    sample: int | None = None,
+    sample_seed: int = 0,
     thinking: bool = False,
     kv_cache: bool = True,
     baseline: bool = False,
@@ -177,12 +198,13 @@ def evaluate(
 
     Paths or loaded objects for target, drafter and tokenizer. Instances come from `data` (a file, glob or
     folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
-    `benches` (suite names, or {name: local copy or None}); `limit` takes the first N of each. With
+    `benches` (suite names, or {name: local copy or None}); `limit` takes the first N of each, `sample` the
+    N the public benchmark's `--max-samples N` takes (sample_instances). With
     `baseline`, target-only greedy decoding (KV cache) is timed on the same prompts: baseline_tokens_per_s,
     speedup, baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
     figures per suite.
     """
-    suites = _suites(data, instances, benches, limit)
+    suites = _suites(data, instances, benches, limit, sample, sample_seed)
     if isinstance(target, str):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         target = load_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
