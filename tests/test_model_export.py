@@ -163,7 +163,7 @@ def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):
         load_dflash(str(tmp_path / "d"), target)
 
 
-def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets):
+def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from dflash_core.runtime.config import RunConfig
@@ -171,10 +171,13 @@ def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets):
 
     tok = AutoTokenizer.from_pretrained(example_assets.tokenizer)
 
-    def run_config(**model):
-        return RunConfig(data={"source": "x.jsonl", "tokenizer": example_assets.tokenizer},
+    def run_config(tokenizer=example_assets.tokenizer, **model):
+        return RunConfig(data={"source": "x.jsonl", "tokenizer": tokenizer},
                          model={"target": example_assets.target, **model})
 
     assert mask_token(run_config()) == (tok.mask_token_id, "<|mask|>")  # the tokenizer's own mask token
     assert mask_token(run_config(mask_token_id=7)) == (7, tok.convert_ids_to_tokens(7))
     assert mask_token(run_config(mask_token_id=len(tok))) == (len(tok), None)  # an unused row past the tokenizer
+    # a configured id trains without the tokenizer; only the exported text is then missing, and the log says so
+    assert mask_token(run_config(str(tmp_path / "no-tokenizer"), mask_token_id=7)) == (7, None)
+    assert "exported without its text" in capsys.readouterr().err

@@ -46,18 +46,23 @@ def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
     SGLang then adds its default "<|MASK|>" there)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
     if cfg.model.mask_token_id is not None:
         token_id = cfg.model.mask_token_id
-    elif tok.mask_token_id is None:
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+        except OSError as exc:  # only the text is missing then: the id alone is what the drafter trains with
+            print(f"note: the mask token {token_id} is exported without its text: tokenizer {cfg.data.tokenizer} "
+                  f"does not load ({str(exc).splitlines()[0]})", file=sys.stderr)
+            return token_id, None
+        text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
+        return token_id, text if isinstance(text, str) and text else None
+    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+    if tok.mask_token_id is None:
         raise MaskTokenError(
             f"tokenizer {cfg.data.tokenizer} has no mask token; set model.mask_token_id to an id whose embedding "
             "exists in the target (e.g. 151669 for Qwen3)"
         )
-    else:
-        token_id = int(tok.mask_token_id)
-    text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
-    return token_id, text if isinstance(text, str) and text else None
+    return int(tok.mask_token_id), str(tok.mask_token)
 
 
 def run(args: argparse.Namespace, env: DistEnv) -> dict:
