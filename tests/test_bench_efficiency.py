@@ -18,3 +18,24 @@ def test_tiny_cpu_run_reports_both_paths_with_equal_losses():
     # same drafter init and anchors: the block-sparse path computes the same loss
     assert out["flex_vs_sdpa"]["first_loss_rel_diff"] < 1e-5
     assert 0 < out["analytic"]["visible_fraction"] < 1
+
+
+def test_the_device_script_runs_its_pipeline_and_worker_parts_on_cpu(tmp_path):
+    """bench/gpu_check.sh is run once on a lent GPU with no second chance: its tiny CPU mode runs here, the
+    in-process pipeline and the real torchrun worker on the same inputs, and their comparison line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "WORK": str(tmp_path),
+           "PARTS": "pipeline worker"}
+    run = subprocess.run(["bash", str(repo / "bench" / "gpu_check.sh")], env=env, capture_output=True,
+                         text=True, timeout=540)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines() if " " in line}
+    compare = json.loads(lines["compare"])
+    assert compare["pipeline_tokens_per_s"] > 0 and compare["worker_steady_tokens_per_s"] > 0
+    assert json.loads(lines["worker"])["steps"] == 8

@@ -181,3 +181,6 @@ def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets, tmp_
     # a configured id trains without the tokenizer; only the exported text is then missing, and the log says so
     assert mask_token(run_config(str(tmp_path / "no-tokenizer"), mask_token_id=7)) == (7, None)
     assert "exported without its text" in capsys.readouterr().err
+    (tmp_path / "not-a-tokenizer").mkdir()  # a folder without tokenizer files: transformers' ValueError
+    assert mask_token(run_config(str(tmp_path / "not-a-tokenizer"), mask_token_id=7)) == (7, None)
+    assert "exported without its text" in capsys.readouterr().err

@@ -50,9 +50,12 @@ def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
         token_id = cfg.model.mask_token_id
         try:
             tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-        except OSError as exc:  # only the text is missing then: the id alone is what the drafter trains with
+        # transformers raises OSError for a missing tokenizer, ValueError for a folder without one; only the text
+        # is missing then: the id alone is what the drafter trains with, and the log says so
+        except (OSError, ValueError) as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             print(f"note: the mask token {token_id} is exported without its text: tokenizer {cfg.data.tokenizer} "
-                  f"does not load ({str(exc).splitlines()[0]})", file=sys.stderr)
+                  f"does not load ({first_line})", file=sys.stderr)
             return token_id, None
         text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
         return token_id, text if isinstance(text, str) and text else None
