@@ -311,3 +311,39 @@ def test_typed_tool_call_parts_are_supervised_with_the_turn_text(tmp_path: Path,
     assert _supervised(tmp_path, qwen3_tok) == [[
         "<think>\nI need the weather tool.\n</think>\n\nLet me check.\n" + CALL_TEXT,
         "<think>\n\n</think>\n\n" + ANSWER + "<|im_end|>"]]
+
+
+def test_single_turn_instruction_pairs_supervise_the_reply(tmp_path: Path, qwen3_tok: str) -> None:
+    """Alpaca, Dolly, prompt/completion, question/answer and TRL's conversational prompt/completion records, as
+    their public datasets store them: the reply is supervised; the prompt (input/context after a blank line)
+    and a top-level system are rendered, unsupervised."""
+    records = [
+        {"instruction": "Add two and three.", "input": "", "output": "Five."},
+        {"instruction": "Summarise the text.", "input": "Cats sleep a lot.", "output": "Cats nap."},
+        {"instruction": "Who wrote it?", "context": "Hamlet is a play.", "response": "Shakespeare.",
+         "category": "closed_qa"},
+        {"prompt": "Say hi.", "completion": "Hi!"},
+        {"question": "What is two plus two?", "answer": "Four."},
+        {"system": "Be brief.", "instruction": "Name a colour.", "output": "Red."},
+        {"prompt": [{"role": "user", "content": "Count to three."}],
+         "completion": [{"role": "assistant", "content": "One, two, three."}]},
+    ]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    replies = ["Five.", "Cats nap.", "Shakespeare.", "Hi!", "Four.", "Red.", "One, two, three."]
+    assert _supervised(tmp_path, qwen3_tok) == [[r + "<|im_end|>"] for r in replies]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    reader = ShardReader(str(tmp_path / "out"))
+    texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
+    assert "Summarise the text.\n\nCats sleep a lot." in texts[1] and "Who wrote it?\n\nHamlet is a play." in texts[2]
+    assert "<|im_start|>system\nBe brief." in texts[5]
+
+
+def test_pair_records_that_cannot_be_read_say_why() -> None:
+    assert to_conversation({"prompt": "Hi", "output": ["a", "b"]}).reason == "wrong_schema"
+    assert to_conversation({"prompt": "Only a prompt."}).reason == "no_assistant_turn"  # regenerate answers these
+    assert to_conversation({"prompt": "Only a prompt."}, require_assistant=False).messages == [
+        {"role": "user", "content": "Only a prompt."}]
+    missing = to_conversation({"text": "a plain text record"})
+    assert missing.reason == "wrong_schema" and "instruction/prompt/question" in missing.detail
+    assert to_conversation({"prompt": [{"role": "user", "content": "x"}], "completion": "y"}).reason == "wrong_schema"

@@ -43,6 +43,11 @@ def test_record_shapes_become_openai_messages():
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     no_user = {"messages": [{"role": "assistant", "content": "hello"}]}
     assert record_messages(no_user, Schema(), roles).reason == "no_user_turn"
+    # prompt-only and instruction records: the prompts a target answers (the old reply is regenerated)
+    assert record_messages({"prompt": "Say hi."}, Schema(), roles) == [{"role": "user", "content": "Say hi."}]
+    alpaca = {"instruction": "Summarise.", "input": "Cats nap.", "output": "old reply"}
+    assert record_messages(alpaca, Schema(), roles) == [{"role": "user", "content": "Summarise.\n\nCats nap."},
+                                                        {"role": "assistant", "content": "old reply"}]
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):

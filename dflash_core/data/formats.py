@@ -1,5 +1,5 @@
 """Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
-parts, tool calls and reasoning.
+parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, prompt/completion).
 
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
@@ -26,6 +26,12 @@ from typing import Any, NamedTuple
 from dflash_core.data.sources import ReadFailure
 
 MESSAGE_KEYS = ("messages", "conversations", "conversation")
+# single-turn pairs, read when a record has no message list: Alpaca (instruction, input, output), Dolly
+# (instruction, context, response), prompt/completion and question/answer records; an optional top-level system.
+# TRL's conversational prompt/completion (both lists of turns) is read as one list.
+PROMPT_KEYS = ("instruction", "prompt", "question")
+CONTEXT_KEYS = ("input", "context")
+REPLY_KEYS = ("output", "response", "completion", "answer")
 ID_KEYS = ("id", "conversation_id", "uuid")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {
@@ -154,10 +160,20 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
     key = schema.key or next((k for k in MESSAGE_KEYS if k in record), None)
-    if key is None or key not in record:
+    if key is None and any(isinstance(record.get(k), str) for k in PROMPT_KEYS):
+        return _pair(record, roles, require_assistant)
+    if key is None and _as_list(record.get("prompt")) is not None:  # TRL's conversational prompt/completion
+        key, raw_turns = "prompt", _as_list(record["prompt"])
+        completion = _as_list(record.get("completion")) if "completion" in record else []
+        if completion is None:
+            return Drop("wrong_schema", "'completion' is not a list of turns (the 'prompt' is one)")
+        raw_turns = (raw_turns or []) + completion
+    elif key is None or key not in record:
         keys = f"'{schema.key}'" if schema.key else "/".join(MESSAGE_KEYS)
-        return Drop("wrong_schema", f"no {keys} key (keys: {', '.join(sorted(map(str, record))[:8])})")
-    raw_turns = _as_list(record[key])
+        pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} and {'/'.join(REPLY_KEYS)}"
+        return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])})")
+    else:
+        raw_turns = _as_list(record[key])
     if raw_turns is None:
         return Drop("wrong_schema", f"'{key}' is a {type(record[key]).__name__}, expected a list of turns")
     if not raw_turns:
@@ -171,6 +187,28 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         problem = _add_turn(conv, raw, i, schema.format, roles)
         if problem is not None:
             return problem
+    return _checked(conv) if require_assistant else conv
+
+
+def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: bool) -> Conversation | Drop:
+    """A single-turn record: the prompt (with its input/context after a blank line) as the user turn, the reply
+    as the assistant turn; a prompt alone is a conversation to answer (regenerate) or has nothing to learn."""
+    prompt_key = next(k for k in PROMPT_KEYS if isinstance(record.get(k), str))
+    user = record[prompt_key]
+    extra = next((record[k] for k in CONTEXT_KEYS if isinstance(record.get(k), str) and record[k].strip()), None)
+    turns: list[dict[str, Any]] = [{"role": "user", "content": user if extra is None else f"{user}\n\n{extra}"}]
+    reply_key = next((k for k in REPLY_KEYS if k in record), None)
+    if reply_key is not None:
+        if not isinstance(record[reply_key], str):
+            return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
+        turns.append({"role": "assistant", "content": record[reply_key]})
+    conv = _system_prefix(record, Schema("sharegpt"))
+    for i, raw in enumerate(turns):
+        problem = _add_turn(conv, raw, i, "openai", roles)
+        if problem is not None:
+            return problem
+    # the fields as written, for messages that name a turn's source
+    conv.sources[-len(turns):] = [prompt_key] + ([reply_key] if reply_key is not None else [])
     return _checked(conv) if require_assistant else conv
 
 
