@@ -9,6 +9,7 @@ then stops the other ranks). Test hook: DFLASH_FAULT (see dflash_core/runtime/fa
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import traceback
@@ -104,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     if env.is_main:
         print(summary_line(summary), flush=True)
-    return 0
+    # Everything is written (checkpoints, drafter, metrics, the W&B run finished) and the process group is gone:
+    # leave without the interpreter's teardown, which can hang with stage threads still inside torch (seen once
+    # in CI on a loaded machine: the summary printed, the rank never exited, torchrun waited)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
