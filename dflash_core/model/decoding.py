@@ -118,6 +118,7 @@ def speculative_generate(
     # below prompt + max_new_tokens, so a step may start with max_new_tokens already committed, and it checks
     # for a stop token only after a step, so a first token that is a stop token still gets one step. Both
     # steps count in its acceptance lengths, so they count here; the output is cut the same way either way.
+    first_is_stop = int(first) in stops
     stopped = False
     while ids.shape[1] - prompt_len <= max_new_tokens and not stopped:
         anchor = ids.shape[1] - 1  # the last committed token: its features are not known yet
@@ -129,7 +130,7 @@ def speculative_generate(
         feats = verify.commit(anchor + accepted + 1)
         ids = torch.cat([ids, step[None]], dim=1)
         lengths.append(accepted + 1)
-        stopped = any(int(t) in stops for t in ids[0, prompt_len:])
+        stopped = first_is_stop or any(int(t) in stops for t in step)  # earlier steps had none
     return _truncate(ids, prompt_len, max_new_tokens, stops), lengths
 
 
