@@ -54,7 +54,6 @@ class RefAttention(nn.Module):
         """x [1, B, H] normed block; ctx [1, C, H] projected new context; rope_* (cos, sin) of [C + B] and [B]
         positions; cache [k, v] of the context seen before (extended in place with this call's keys/values)."""
         both = torch.cat([ctx, x], dim=1)
-        n_new = both.shape[1]
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))).transpose(1, 2)
         k = self.k_norm(self.k_proj(both).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(1, 2)
         v = self.v_proj(both).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
@@ -66,7 +65,6 @@ class RefAttention(nn.Module):
         cache[:] = [k, v]
         groups = self.heads // self.kv_heads
         out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=False)
-        assert k.shape[2] >= n_new
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 

@@ -162,12 +162,12 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     key = schema.key or next((k for k in MESSAGE_KEYS if k in record), None)
     if key is None and any(isinstance(record.get(k), str) for k in PROMPT_KEYS):
         return _pair(record, roles, require_assistant)
-    if key is None and _as_list(record.get("prompt")) is not None:  # TRL's conversational prompt/completion
-        key, raw_turns = "prompt", _as_list(record["prompt"])
-        completion = _as_list(record.get("completion")) if "completion" in record else []
+    raw_turns: list[Any] | None
+    if key is None and (prompt_turns := _as_list(record.get("prompt"))) is not None:  # TRL's conversational
+        completion = _as_list(record.get("completion")) if "completion" in record else []  # prompt/completion
         if completion is None:
             return Drop("wrong_schema", "'completion' is not a list of turns (the 'prompt' is one)")
-        raw_turns = (raw_turns or []) + completion
+        key, raw_turns = "prompt", prompt_turns + completion
     elif key is None or key not in record:
         keys = f"'{schema.key}'" if schema.key else "/".join(MESSAGE_KEYS)
         pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} and {'/'.join(REPLY_KEYS)}"

@@ -68,11 +68,8 @@ def drafter_config(
         "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
     }
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
-    dflash: dict[str, Any] = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
-    if mask_token is not None:
-        dflash["mask_token"] = mask_token
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
-                                     "dflash_config": dflash}
+                                     "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=int(target_config.hidden_size),
@@ -92,6 +89,14 @@ def drafter_config(
         architectures=[ARCHITECTURE],
         **dflash_fields,
     )
+
+
+def dflash_section(mask_token_id: int, target_layer_ids: Sequence[int], mask_token: str | None) -> dict[str, Any]:
+    """config.json's `dflash_config`: mask id, target layers, and the mask's text when known."""
+    out: dict[str, Any] = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
+    if mask_token is not None:
+        out["mask_token"] = mask_token
+    return out
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -196,10 +201,7 @@ class DFlashDrafter(nn.Module):
     @property
     def dflash_config(self) -> dict:
         """The `dflash_config` dict of the exported config.json."""
-        out: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.mask_token is not None:
-            out["mask_token"] = self.mask_token
-        return out
+        return dflash_section(self.mask_token_id, self.target_layer_ids, self.mask_token)
 
     def _init_weights(self, std: float) -> None:
         for module in self.modules():
