@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import polars as pl
 import pytest
 from common.chat import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
 from hypothesis import HealthCheck, given, settings
@@ -154,6 +155,19 @@ def test_single_json_object_file_is_one_record_and_one_non_json_line_is_unparsab
     assert summary["dropped"] == {"unparsable": 1} and summary["kept"] == 1  # JSONL after all: line by line
 
 
+def test_a_json_name_wins_over_parquet_magic_bytes_and_a_nameless_parquet_is_still_found(tmp_path: Path) -> None:
+    """A .jsonl whose first line is b"PAR1" is JSON lines (one unparsable line); a parquet file with no data
+    extension, named directly, is still read as parquet by its magic bytes."""
+    for name in ("magic.jsonl", "magic.json", "magic.ndjson"):
+        _write(tmp_path / name, [b"PAR1", json.dumps(GOOD[0]).encode()])
+        summary = _run(tmp_path / name, tmp_path / f"out-{name}", max_bad_fraction=1.0)
+        assert summary["read"] == 2 and summary["kept"] == 1 and summary["dropped"] == {"unparsable": 1}, name
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in GOOD])
+    pl.read_ndjson(tmp_path / "rows.jsonl").write_parquet(tmp_path / "rows.bin")
+    summary = _run(tmp_path / "rows.bin", tmp_path / "out-bin")
+    assert summary["read"] == summary["kept"] == len(GOOD)
+
+
 def test_missing_source_is_an_error_that_names_it(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="nothing-here"):
         _run(tmp_path / "nothing-here", tmp_path / "out")
@@ -185,14 +199,23 @@ def test_garbage_never_crashes_and_every_record_is_accounted_for(tmp_path: Path,
     data = tmp_path / "garbage.jsonl"
     data.write_bytes(b"\n".join(lines))
     records = sum(1 for line in data.read_bytes().split(b"\n") if line.strip())
-    if records and data.read_bytes().lstrip()[:1] == b"[":
-        records = None  # sniffed as a JSON array: the count differs, the accounting must still hold
+    first = data.read_bytes().lstrip()[:1]
+    if records and (first == b"[" or (first == b"{" and not _parses(data.read_bytes().lstrip().split(b"\n")[0]))):
+        records = None  # sniffed as a JSON array / pretty-printed objects: the count differs, accounting holds
     summary = _run(data, tmp_path / "out", max_bad_fraction=1.0)
     assert summary["kept"] + sum(summary["dropped"].values()) == summary["read"]
     if records is not None:
         assert summary["read"] == records
     manifest = read_manifest(str(tmp_path / "out"))
     assert manifest["read"] == summary["read"] and manifest["kept"] == summary["kept"]
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 @settings(max_examples=60, deadline=None)

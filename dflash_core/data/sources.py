@@ -2,7 +2,8 @@
 
 Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
-lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz) and parquet are read record by record: memory stays
+lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz) and parquet (by its .parquet name, or its magic bytes
+when the name says neither) are read record by record: memory stays
 about one record (JSON) or one 1024-row batch (parquet) whatever the file size. A file holding one JSON object
 (or several pretty-printed ones, concatenated) is read whole: each object is one record.
 
@@ -126,7 +127,7 @@ class FileRecords:
     def _records(self, raw: Any) -> Iterator[RawRecord]:
         stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
         head = stream.read(4)
-        if self.file.name.lower().endswith(".parquet") or (head == b"PAR1" and not self.file.compression):
+        if _is_parquet(self.file, head):
             raw.seek(0)
             yield from self._parquet(raw)
             return
@@ -182,6 +183,15 @@ class FileRecords:
             self.done = min(raw.tell() / max(self.file.size, 1), 1.0)
         except (OSError, ValueError):
             pass
+
+
+def _is_parquet(file: SourceFile, head: bytes) -> bool:
+    """By name first (a .jsonl whose first line happens to be b"PAR1" is JSON lines); magic bytes otherwise."""
+    name = file.name.lower()
+    if name.endswith(".parquet"):
+        return True
+    base = name[: -len(ext)] if (ext := _compression_suffix(name)) else name
+    return head == b"PAR1" and not file.compression and not base.endswith(JSON_SUFFIXES)
 
 
 def _truncated(records: int, what: str) -> ReadFailure:
