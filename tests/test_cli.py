@@ -37,12 +37,13 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
 
     run = tmp_path / "run"
     train = dflash("train", "--tokenized", str(tmp_path / "tok"), "--plan", str(tmp_path / "plan"), "--out",
-                   str(run), "--set", "train.max_steps=3", "--set", "wandb.mode=disabled")
+                   str(run), "--set", "train.max_steps=3", "--set", "wandb.mode=disabled",
+                   "--set", f"storage.root={tmp_path / 'store'}")  # not ./runs: a demo there must not leak in
     assert train["steps"] == 3 and (run / "drafter" / "model.safetensors").exists()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("kind", "train") for r in records] == ["train"] * 3 + ["val"]  # validation after the last step
     assert train["best_step"] == 2 and (run / "drafter-best" / "model.safetensors").exists()
-    assert train["init_from"] is None  # the preset's `promoted`, with nothing promoted under ./runs
+    assert train["init_from"] is None  # the preset's `promoted`, with nothing promoted under storage.root
 
     dflash("check", "--metrics", str(run / "metrics.jsonl"), "--out", str(tmp_path / "judged"), expect=1)
     check = dflash("check", "--metrics", str(run / "metrics.jsonl"), "--out", str(tmp_path / "report"),
