@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from dflash_app.config import load_config
 from dflash_core.config import ConfigError
 from dflash_core.data.formats import Drop, Schema, role_table
-from dflash_core.regenerate.client import Reply, sampling_body
+from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.records import record_messages, regenerate, reply_text
 from dflash_core.regenerate.stage import thinking_enabled
@@ -76,3 +77,40 @@ def test_the_config_refuses_bad_values():
         RegenerateConfig(concurrency=0)
     with pytest.raises(ValueError):
         RegenerateConfig(serve="ollama")
+
+
+def _answering(statuses: list[int], headers: dict[str, str] | None = None) -> tuple[Endpoint, list[int]]:
+    """An Endpoint whose server answers the given statuses in turn (then 200 with a completion)."""
+    seen: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        status = statuses[len(seen)] if len(seen) < len(statuses) else 200
+        seen.append(status)
+        if status != 200:
+            return httpx.Response(status, headers=headers or {}, text=f"status {status}")
+        return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                                         "usage": {"completion_tokens": 1}})
+
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=3, backoff_s=0.01))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    return endpoint, seen
+
+
+def test_busy_answers_are_retried_and_refusals_are_not():
+    """429/408 (a rate-limiting gateway) and 5xx are retried with backoff, honouring Retry-After; a 400 drops."""
+    endpoint, seen = _answering([429, 408, 503], {"Retry-After": "0"})
+    assert asyncio.run(endpoint.chat({})) == Reply("hi", "stop", 1) and seen == [429, 408, 503, 200]
+    endpoint, seen = _answering([400])
+    with pytest.raises(Rejected, match="HTTP 400"):
+        asyncio.run(endpoint.chat({}))
+    assert seen == [400]
+    endpoint, seen = _answering([429] * 9)
+    with pytest.raises(Unavailable, match="4 tries failed, last: HTTP 429"):
+        asyncio.run(endpoint.chat({}))
+    assert seen == [429] * 4
+    endpoint, seen = _answering([429], {"Retry-After": "0.3"})
+    loop = asyncio.new_event_loop()
+    start = loop.time()
+    loop.run_until_complete(endpoint.chat({}))
+    assert loop.time() - start >= 0.3 and seen == [429, 200]  # the server's wait, not the 0.01 s backoff
+    loop.close()

@@ -1,8 +1,9 @@
 """An async client of OpenAI-compatible chat-completions servers (vLLM, SGLang, `transformers serve`).
 
 One `Endpoint` per base URL: bounded concurrency (a semaphore), a per-request timeout, retries with
-exponential backoff on 5xx and connection errors. A 4xx is the server refusing this request (too long for
-its context, a role it does not accept): the caller drops the record, the endpoint stays in use."""
+exponential backoff on 5xx, 408/429 (busy; Retry-After honoured) and connection errors. Any other 4xx is the
+server refusing this request (too long for its context, a role it does not accept): the caller drops the
+record, the endpoint stays in use."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from dflash_core.regenerate.errors import EndpointError
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 5.0
+# Busy, not refused: a rate limit or a request timeout (a gateway or proxy in front of vLLM/SGLang) is retried
+# like a 5xx, after the server's Retry-After when it gives one.
+TRANSIENT_4XX = frozenset({408, 429})
+_RETRY_AFTER_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -90,24 +95,33 @@ class Endpoint:
 
     async def chat(self, body: dict[str, Any]) -> Reply:
         """POST /chat/completions with retries; Rejected on 4xx, Unavailable when every try failed."""
-        delay, last = self.cfg.backoff_s, ""
+        wait, last = 0.0, ""
         for attempt in range(self.cfg.retries + 1):
             if attempt:
-                await asyncio.sleep(delay)
-                delay *= 2
+                await asyncio.sleep(wait)
+            wait = self.cfg.backoff_s * 2 ** attempt
             try:
                 async with self.slots:
                     resp = await self.http.post("/chat/completions", json=body)
             except httpx.TransportError as exc:  # connect/read errors and timeouts
                 last = _describe(exc)
                 continue
-            if resp.status_code >= 500:
+            if resp.status_code >= 500 or resp.status_code in TRANSIENT_4XX:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                wait = max(wait, _retry_after(resp))
                 continue
             if resp.status_code >= 400:
                 raise Rejected(resp.status_code, resp.text[:300])
             return _reply(resp.json(), self.url)
         raise Unavailable(f"endpoint {self.url}: {self.cfg.retries + 1} tries failed, last: {last}")
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    """The server's Retry-After in seconds (a number; an HTTP date is ignored), at most _RETRY_AFTER_MAX_S."""
+    try:
+        return min(max(float(resp.headers.get("retry-after", 0)), 0.0), _RETRY_AFTER_MAX_S)
+    except ValueError:
+        return 0.0
 
 
 def _reply(data: dict[str, Any], url: str) -> Reply:
