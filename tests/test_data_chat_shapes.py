@@ -314,9 +314,9 @@ def test_typed_tool_call_parts_are_supervised_with_the_turn_text(tmp_path: Path,
 
 
 def test_single_turn_instruction_pairs_supervise_the_reply(tmp_path: Path, qwen3_tok: str) -> None:
-    """Alpaca, Dolly, prompt/completion, question/answer and TRL's conversational prompt/completion records, as
-    their public datasets store them: the reply is supervised; the prompt (input/context after a blank line)
-    and a top-level system are rendered, unsupervised."""
+    """Alpaca, Dolly, prompt/completion, question/answer (OpenOrca: with system_prompt) and TRL's conversational
+    prompt/completion records, as their public datasets store them: the reply is supervised; the prompt
+    (input/context after a blank line) and a top-level system are rendered, unsupervised."""
     records = [
         {"instruction": "Add two and three.", "input": "", "output": "Five."},
         {"instruction": "Summarise the text.", "input": "Cats sleep a lot.", "output": "Cats nap."},
@@ -327,16 +327,18 @@ def test_single_turn_instruction_pairs_supervise_the_reply(tmp_path: Path, qwen3
         {"system": "Be brief.", "instruction": "Name a colour.", "output": "Red."},
         {"prompt": [{"role": "user", "content": "Count to three."}],
          "completion": [{"role": "assistant", "content": "One, two, three."}]},
+        {"id": "niv.1", "system_prompt": "You are an AI assistant.", "question": "Sky colour?", "response": "Blue."},
     ]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
-    replies = ["Five.", "Cats nap.", "Shakespeare.", "Hi!", "Four.", "Red.", "One, two, three."]
+    replies = ["Five.", "Cats nap.", "Shakespeare.", "Hi!", "Four.", "Red.", "One, two, three.", "Blue."]
     assert _supervised(tmp_path, qwen3_tok) == [[r + "<|im_end|>"] for r in replies]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
     texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
     assert "Summarise the text.\n\nCats sleep a lot." in texts[1] and "Who wrote it?\n\nHamlet is a play." in texts[2]
     assert "<|im_start|>system\nBe brief." in texts[5]
+    assert texts[7].startswith("<|im_start|>system\nYou are an AI assistant.<|im_end|>")  # OpenOrca's system_prompt
 
 
 def test_pair_records_that_cannot_be_read_say_why() -> None:

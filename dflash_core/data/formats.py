@@ -32,6 +32,7 @@ MESSAGE_KEYS = ("messages", "conversations", "conversation")
 PROMPT_KEYS = ("instruction", "prompt", "question")
 CONTEXT_KEYS = ("input", "context")
 REPLY_KEYS = ("output", "response", "completion", "answer")
+SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {
@@ -213,10 +214,10 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
 
 
 def _system_prefix(record: dict[str, Any], schema: Schema) -> Conversation:
-    # LLaMA-Factory's ShareGPT keeps the system prompt in a top-level "system" field
-    system = record.get("system")
-    if schema.format != "openai" and isinstance(system, str) and system:
-        return Conversation([{"role": "system", "content": system}], sources=["system"])
+    # LLaMA-Factory's ShareGPT keeps the system prompt in a top-level "system" field, OpenOrca in "system_prompt"
+    key = next((k for k in SYSTEM_KEYS if isinstance(record.get(k), str) and record[k]), None)
+    if schema.format != "openai" and key is not None:
+        return Conversation([{"role": "system", "content": record[key]}], sources=[key])
     return Conversation([])
 
 
