@@ -349,3 +349,34 @@ def test_pair_records_that_cannot_be_read_say_why() -> None:
     missing = to_conversation({"text": "a plain text record"})
     assert missing.reason == "wrong_schema" and "instruction/prompt/question" in missing.detail
     assert to_conversation({"prompt": [{"role": "user", "content": "x"}], "completion": "y"}).reason == "wrong_schema"
+
+
+def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
+    """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
+    assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""
+    def turn(who: str, text: str, **flags: object) -> dict:
+        return {"from": who, "value": text, **flags}
+
+    records = [
+        {"conversations": [turn("system", "Be terse.", weight=None), turn("human", "One?", weight=0.0),
+                           turn("gpt", "Uno.", weight=1.0)]},
+        {"conversations": [turn("human", "Two?"), turn("gpt", "Example answer.", weight=0),
+                           turn("human", "Three?"), turn("gpt", "Tres.", weight=1)]},
+        {"messages": [{"role": "user", "content": "Four?"},
+                      {"role": "assistant", "content": "Not this.", "training": False},
+                      {"role": "user", "content": "Five?"},
+                      {"role": "assistant", "content": "Cinco.", "training": True}]},
+        {"conversations": [turn("human", "Six?"), turn("gpt", "Nothing to learn.", weight=0)]},
+        {"conversations": [turn("human", "Seven?"), turn("gpt", "Siete.", weight="high")]},
+    ]
+    summary = _run(tmp_path, records[:4], qwen3_tok, split=True)  # data quality, not broken input: no failure
+    assert summary["kept"] == 3 and summary["dropped"] == {"no_trained_turn": 1}
+    summary = _run(tmp_path, records, qwen3_tok, split=True, max_bad_fraction=1.0)
+    assert summary["kept"] == 3 and summary["dropped"] == {"no_trained_turn": 1, "wrong_schema": 1}
+    assert _supervised(tmp_path, qwen3_tok) == [["Uno.<|im_end|>"], ["Tres.<|im_end|>"], ["Cinco.<|im_end|>"]]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    reader = ShardReader(str(tmp_path / "out"))
+    texts = [tok.decode(ids) for ids, _ in reader.rows([1, 2])]
+    assert "Example answer." in texts[0] and "Not this." in texts[1]  # still the context of the next turn
+    wrong = read_manifest(str(tmp_path / "out"))["drop_examples"]["wrong_schema"][0]["detail"]
+    assert "weight 'high'" in wrong and "0 = not trained on" in wrong

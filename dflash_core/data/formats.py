@@ -34,6 +34,7 @@ CONTEXT_KEYS = ("input", "context")
 REPLY_KEYS = ("output", "response", "completion", "answer")
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
+TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -65,12 +66,14 @@ class Schema:
 class Conversation:
     """A record as OpenAI-style messages (role, content str, optional reasoning_content, tool_calls,
     tool_call_id, name) plus the tools it may call; `sources` is each message's role as written in the data,
-    `notes` the data-quality findings that did not drop it (empty turns)."""
+    `notes` the data-quality findings that did not drop it (empty turns), `unsupervised` the assistant messages
+    a turn's `weight: 0` or `training: false` excludes from the loss (still rendered, as context)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     sources: list[str] = field(default_factory=list)
     notes: list[Drop] = field(default_factory=list)
+    unsupervised: set[int] = field(default_factory=set)  # assistant messages the data marks not to train on
 
     def source(self, j: int) -> str:
         """Message j's role as written in the data (its canonical role when not recorded)."""
@@ -232,6 +235,8 @@ def _checked(conv: Conversation) -> Conversation | Drop:
                                    + (", not supervised" if m["role"] == "assistant" else "")))
     if not any(_has_output(m) or m.get("reasoning_content") for m in assistant):
         return Drop("no_assistant_content", f"all {len(assistant)} assistant turns are empty")
+    if all(j in conv.unsupervised for j, m in enumerate(conv.messages) if m["role"] == "assistant"):
+        return Drop("no_trained_turn", f"all {len(assistant)} assistant turns have weight 0 / training false")
     return conv
 
 
@@ -257,6 +262,9 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
     message = _message(raw, content_field, i, role, source)
     if isinstance(message, Drop):
         return message
+    trained = _trained(raw, i)
+    if isinstance(trained, Drop):
+        return trained
     previous = conv.messages[-1] if conv.messages else None
     if source.lower() in CALL_ROLES and previous and previous["role"] == "assistant" and message["tool_calls"] \
             and not previous.get("tool_calls"):  # gpt text, then its function_call: one assistant message
@@ -266,9 +274,25 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
         names = [c["function"]["name"] for c in previous["tool_calls"]]
         if len(names) == 1:  # LLaMA-Factory's observation does not say which call it answers
             message["name"] = names[0]
+    if not trained and role == "assistant":
+        conv.unsupervised.add(len(conv.messages))
     conv.messages.append(message)
     conv.sources.append(source)
     return None
+
+
+def _trained(raw: dict[str, Any], i: int) -> bool | Drop:
+    """A turn's training switch: `weight` (SlimOrca, axolotl; 0 = not trained on) or `training` (axolotl's
+    bool); null or absent = trained. Any non-zero weight trains the turn fully (there is no partial loss)."""
+    for key in TRAIN_KEYS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or (key == "weight" and isinstance(value, int | float) and value == value):
+            return bool(value)
+        expected = "a number (0 = not trained on)" if key == "weight" else "true or false"
+        return Drop("wrong_schema", f"turn {i} has {key} {str(value)[:40]!r}; expected {expected} or null")
+    return True
 
 
 def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source: str) -> dict[str, Any] | Drop:

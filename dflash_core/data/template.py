@@ -241,18 +241,19 @@ class ChatEncoder:
         if spans is None:
             return Drop("template_mismatch", "cannot place the assistant turns in the rendered text (the template "
                         "rewrites both contents and scaffolding)")
-        return self._assistant_spans(messages, slots, spans, text)
+        return self._assistant_spans(messages, slots, spans, text, conv.unsupervised)
 
     def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
-                         text: str) -> list[Span] | Drop:
-        """Each assistant turn's supervised span, from its slot spans; empty turns have none."""
+                         text: str, unsupervised: set[int]) -> list[Span] | Drop:
+        """Each assistant turn's supervised span, from its slot spans; empty turns and the ones the data marks
+        not to train on have none."""
         by_message: dict[int, list[Span]] = {}
         for k, span in spans.items():
             if span[1] > span[0]:
                 by_message.setdefault(slots[k][0], []).append(span)
         out = []
         for j, m in enumerate(messages):
-            if m["role"] != "assistant" or not (by_message.get(j) or m.get("tool_calls")):
+            if m["role"] != "assistant" or j in unsupervised or not (by_message.get(j) or m.get("tool_calls")):
                 continue
             lo = max((e for i, own in by_message.items() if i < j for _, e in own), default=0)
             hi = min((s for i, own in by_message.items() if i > j for s, _ in own), default=len(text))
