@@ -4,13 +4,14 @@ import json
 
 import pytest
 import torch
-from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
+from common.models import MASK_ID, random_batch, tiny_drafter, tiny_qwen3, tiny_target
 from safetensors import safe_open
 from transformers import AutoConfig
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import ExportError, load_dflash, save_dflash
+from dflash_core.model.target import TargetModel
 
 H, HEADS, KV, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 
@@ -76,11 +77,43 @@ def test_export_config_fields(tmp_path, drafter):
         "max_position_embeddings": 512,
     }
     assert {k: cfg[k] for k in want} == want
-    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] and cfg["rope_scaling"] is None
     for key in ("rms_norm_eps", "hidden_act"):
         assert key in cfg
     loaded = AutoConfig.from_pretrained(tmp_path / "d")  # what serving engines do first
     assert loaded.model_type == "qwen3" and loaded.block_size == 4
+
+
+def test_a_scaled_rope_reaches_every_reader_of_the_config(tmp_path):
+    """A YaRN target: the drafter trains with its rope, and config.json says so both in transformers 5's
+    rope_parameters and in the rope_theta + rope_scaling that transformers 4 based engines read."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128}
+    model = tiny_qwen3()
+    model.config.rope_parameters = dict(yarn)
+    drafter = tiny_drafter(TargetModel(model))
+    assert drafter.config.rope_parameters == yarn
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["rope_parameters"] == yarn and cfg["rope_theta"] == 1e6
+    assert cfg["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    assert AutoConfig.from_pretrained(tmp_path / "d").rope_parameters == yarn
+    assert load_dflash(str(tmp_path / "d"), TargetModel(model)).config.rope_parameters == yarn
+    del cfg["rope_parameters"]  # what a transformers 4 reader sees
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert AutoConfig.from_pretrained(tmp_path / "d").rope_parameters == yarn
+    assert load_dflash(str(tmp_path / "d"), TargetModel(model)).config.rope_parameters == yarn
+
+
+def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, drafter):
+    """The published drafters' config.json is transformers 4's: rope_theta + rope_scaling null, no
+    rope_parameters. Loading it (dflash eval of an incumbent, a warm start) keeps the theta."""
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg.update(rope_theta=1000000, rope_scaling=None)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 1000000}
 
 
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):

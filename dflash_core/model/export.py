@@ -43,6 +43,9 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": rope.get("rope_theta"),
         "rope_parameters": rope,
+        # transformers < 5 (and the serving engines built on it) read rope_theta + rope_scaling, not rope_parameters:
+        # without it a YaRN-scaled target's drafter would be served with plain RoPE
+        "rope_scaling": _rope_scaling(rope),
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
         "vocab_size": c.vocab_size,
@@ -63,6 +66,13 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         # it learnt to derive this from dflash_config read only this key and otherwise captured 3 default layers
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.target_layer_ids],
     }
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_parameters in transformers 4's spelling: None for plain RoPE, else the scaling without the theta."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -141,7 +151,9 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         )
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
-    return Qwen3Config.from_dict({k: v for k, v in raw.items() if k != "rope_theta"})
+    # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
+    # drafters' spelling) into rope_parameters; without rope_theta it would fall back to 10000
+    return Qwen3Config.from_dict(raw)
 
 
 def _check_tensors(path: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
