@@ -6,7 +6,7 @@ import pytest
 import torch
 from common.models import MASK_ID, random_batch, tiny_drafter, tiny_qwen3, tiny_target
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
@@ -217,3 +217,23 @@ def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets, tmp_
     (tmp_path / "not-a-tokenizer").mkdir()  # a folder without tokenizer files: transformers' ValueError
     assert mask_token(run_config(str(tmp_path / "not-a-tokenizer"), mask_token_id=7)) == (7, None)
     assert "exported without its text" in capsys.readouterr().err
+
+
+def test_a_llama_target_gets_a_drafter_with_its_rope_that_round_trips(tmp_path):
+    """A Llama 3.1 style target (llama3 RoPE scaling, no q/k norm of its own): the drafter takes its head
+    layout and RoPE, exports, and loads back with identical outputs (the published drafters include Llama's)."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    target = TargetModel(LlamaForCausalLM(LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rope_parameters=dict(llama3))).eval())
+    drafter = tiny_drafter(target, layers=1)
+    assert drafter.config.rope_parameters == llama3 and drafter.target_layer_ids == [2]
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    batch = random_batch(1, 24, seed=3)
+    feats = target.capture(batch["input_ids"], None, drafter.target_layer_ids)
+    anchors = torch.tensor([[2, 11]])
+    assert torch.equal(loaded.block_logits(feats, batch["input_ids"], None, anchors),
+                       drafter.block_logits(feats, batch["input_ids"], None, anchors))
