@@ -22,6 +22,12 @@ def promotion_markdown(decision: dict[str, Any]) -> str:
         f"Stability verdict: {decision['verdict']}. Evaluation prompts: the first {prompts['limit']} of "
         f"`{prompts['data']}`, {prompts['max_new_tokens']} new tokens each.",
     ]
+    gain = decision.get("gain")
+    if gain and gain.get("mean") is not None:
+        bound = (f", {gain['confidence']:.0%} lower bound {gain['lower']:+.4f}, one-sided p = {gain['p_value']:.3g}"
+                 if gain.get("p_value") is not None else f" ({gain.get('note', 'no test')})")
+        lines.append(f"\nPaired over {gain['pairs']} responses (the same prompts and outputs): mean gain "
+                     f"{gain['mean']:+.4f} per response{bound}.")
     if decision.get("promoted_drafter"):
         lines.append("\n" + storage_link(decision["promoted_drafter"], "promoted drafter", folder=True))
     if decision.get("wandb_artifact"):

@@ -77,4 +77,4 @@ def retrain_drafter(
     decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
     publish_summary(**summary, promotion=decision)
     return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
-            "incumbent_tau": decision["incumbent_tau"], "promotion": decision["reason"]}
+            "incumbent_tau": decision["incumbent_tau"], "gain": decision["gain"], "promotion": decision["reason"]}

@@ -39,6 +39,8 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     again = second.result()
     assert again["promoted"] is False and "does not beat" in again["promotion"]
     assert again["incumbent_tau"] == result["tau"]  # the same drafter on the same prompts
+    assert result["gain"] is None and again["gain"]["pairs"] >= 2  # paired over the responses both decoded
+    assert again["gain"]["mean"] == pytest.approx(again["tau"] - again["incumbent_tau"])
     assert (store / "promoted" / "promoted.json").read_bytes() == before
     run_config = yaml.safe_load((Path(again["run"]) / "config.yaml").read_text())
     assert run_config["train"]["init_from"] == promoted_drafter(str(store))
@@ -50,6 +52,8 @@ def test_promotion_markdown_shows_both_drafters_and_the_decision():
         "promoted": False, "reason": "tau 1.2000 does not beat the promoted drafter's 1.3000 by more than 0.0",
         "tau": 1.2, "incumbent_tau": 1.3, "incumbent_run": "runs/a", "run": "runs/b", "verdict": "pass",
         "eval_set": {"data": "d.jsonl", "limit": 8, "max_new_tokens": 48}, "promoted_drafter": None,
+        "gain": {"pairs": 9, "mean": -0.1, "lower": -0.25, "p_value": 0.93, "confidence": 0.95},
     })
+    assert "Paired over 9 responses" in text and "mean gain -0.1000" in text and "95% lower bound -0.2500" in text
     assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 |" in text
     assert "| promoted (incumbent) | runs/a | 1.3000 |" in text and "first 8 of `d.jsonl`" in text

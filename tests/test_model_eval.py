@@ -222,8 +222,11 @@ def test_evaluate_end_to_end(tmp_path, target):
         max_new_tokens=10,
         baseline=True,
         device="cpu",
+        per_response=True,
     )
     assert summary["instances"] == 3 and summary["responses"] == 5  # 2 + 1 turns from the file, 2 from the list
+    assert len(summary["per_response"]) == 5  # each response's mean, in decoding order: tau is their mean
+    assert summary["tau"] == pytest.approx(sum(summary["per_response"]) / 5)
     assert 1.0 <= summary["tau"] <= B and 1.0 <= summary["tau_pooled"] <= B
     assert list(summary["histogram"]) == ["1", "2", "3", "4"]
     assert 0 < summary["tokens_generated"] <= 50

@@ -5,11 +5,12 @@ import uuid
 
 import fsspec
 import pytest
+from scipy import stats
 
 from dflash_app.config import load_config
 from dflash_core import atomic_dir
 from dflash_core.promotion import gate, store
-from dflash_core.promotion.gate import decide, promote_if_better
+from dflash_core.promotion.gate import decide, paired_gain, promote_if_better
 from dflash_core.promotion.store import promoted_drafter, read_promoted
 
 
@@ -74,6 +75,43 @@ def test_first_drafter_is_promoted_a_worse_one_is_not(root, tmp_path):
 ])
 def test_decide(verdict, tau, incumbent, expected):
     assert decide(verdict, tau, incumbent, 0.0)[0] is expected
+
+
+def test_the_paired_gain_is_a_one_sided_t_test_over_the_same_responses():
+    new = [2.0, 2.5, None, 3.1, 2.2, 2.9]
+    old = [1.8, 2.4, 1.9, 2.6, 2.3, 2.5]  # the third response had no step under the new drafter: left out
+    gain = paired_gain(new, old, 0.05, 0.95)
+    diffs = [0.2, 0.1, 0.5, -0.1, 0.4]
+    want = stats.ttest_1samp(diffs, 0.05, alternative="greater")
+    assert gain["pairs"] == 5 and gain["mean"] == pytest.approx(0.22)
+    assert gain["p_value"] == pytest.approx(want.pvalue)
+    low = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.90).low  # two-sided 90% = one-sided 95% bound
+    assert gain["lower"] == pytest.approx(low)
+    assert paired_gain([2.0, 2.0], [1.5, 1.5], 0.0, 0.95)["p_value"] == 0.0  # no spread: the gain is exact
+    assert paired_gain([2.0], [1.5, 1.5], 0.0, 0.95)["note"].startswith("the drafters decoded different")
+
+
+@pytest.mark.parametrize(("p_value", "expected"), [(0.01, True), (0.2, False), (None, False)])
+def test_with_a_confidence_a_gain_within_noise_does_not_promote(p_value, expected):
+    gain = {"pairs": 16, "mean": 0.1, "lower": 0.02, "p_value": p_value, "confidence": 0.95}
+    ok, reason = decide("pass", 1.6, 1.5, 0.0, gain, confidence=0.95)
+    assert ok is expected
+    assert ("within evaluation noise" in reason) is (p_value == 0.2)
+    assert decide("pass", 1.6, 1.5, 0.0, gain)[0] is True  # without a confidence only tau counts
+    assert decide("pass", 1.6, None, 0.0, None, confidence=0.95)[0] is True  # the first one needs no test
+
+
+def test_the_gate_records_the_paired_gain_and_applies_the_configured_confidence(root):
+    cfg = _cfg(root, **{"eval.confidence": 0.9})
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    noisy = {**_scores(1.45, 1.4), "gain": paired_gain([1.0, 2.0, 1.6], [1.5, 1.2, 1.7], 0.0, 0.9)}
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", noisy)
+    assert not decision["promoted"] and decision["gain"]["pairs"] == 3 and read_promoted(root)["run"] == "runs/a"
+    clear = {**_scores(1.9, 1.4), "gain": paired_gain([1.9, 2.0, 1.8], [1.4, 1.4, 1.4], 0.0, 0.9)}
+    decision = promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", clear)
+    assert decision["promoted"] and read_promoted(root)["gain"]["p_value"] < 0.1
+    with pytest.raises(Exception, match="confidence"):
+        _cfg(root, **{"eval.confidence": 0.3})
 
 
 def test_a_crash_while_copying_leaves_the_promoted_drafter_intact(root, monkeypatch):

@@ -192,9 +192,11 @@ def evaluate(
     device: str | None = None,
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    per_response: bool = False,
 ) -> dict[str, Any]:
     """Speculative decoding of every turn of every instance -> {tau, tau_pooled, instances, responses,
-    tokens_generated, histogram, tokens_per_s, ...}.
+    tokens_generated, histogram, tokens_per_s, ...}; `per_response` adds each response's mean acceptance
+    length in decoding order (None for a response with no step), to pair two drafters on the same prompts.
 
     Paths or loaded objects for target, drafter and tokenizer. Instances come from `data` (a file, glob or
     folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
@@ -224,6 +226,8 @@ def evaluate(
         "thinking": thinking,
         "kv_cache": kv_cache,
     }
+    if per_response:
+        summary["per_response"] = [tau(r.lengths) if r.lengths else None for r in responses]
     if len(suites) > 1:
         summary["benchmarks"] = {
             name: summarize([r for r in responses if r.suite == name], drafter_dir.block_size) for name in suites

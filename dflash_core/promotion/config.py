@@ -14,3 +14,8 @@ class EvalConfig(StrictModel):
     min_gain: NonNegativeFloat = Field(
         0.0, description="promote only when tau > the promoted drafter's tau + min_gain"
     )
+    confidence: float | None = Field(
+        None, gt=0.5, lt=1.0,
+        description="also require the paired gain over the same responses to exceed min_gain at this one-sided "
+                    "confidence (e.g. 0.95: a t-test's p < 0.05), so evaluation noise never swaps drafters; "
+                    "None = compare the two tau only")

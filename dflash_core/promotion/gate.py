@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
+import numpy as np
+from scipy import stats
 
 from dflash_core.config import PipelineConfig
 from dflash_core.monitor.config import WandbConfig
@@ -18,7 +21,8 @@ from dflash_core.promotion.store import DRAFTER_FILES, promote, promoted_drafter
 log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
 # promoted.json: these keys of the decision, plus the time
-RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict")
+RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict", "gain")
+DEFAULT_CONFIDENCE = 0.95  # of the lower bound reported when eval.confidence is not set (it then gates nothing)
 
 
 def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
@@ -33,39 +37,84 @@ def _tau(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     prompts = eval_set(cfg)
     return evaluate(target=cfg.model.target, drafter_dir=drafter_dir, tokenizer=cfg.data.tokenizer,
                     data=prompts["data"], limit=prompts["limit"], max_new_tokens=prompts["max_new_tokens"],
-                    thinking=cfg.data.thinking == "keep")  # evaluated as it was trained
+                    thinking=cfg.data.thinking == "keep", per_response=True)  # evaluated as it was trained
 
 
 def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
-    """tau of `drafter_dir` and of the promoted drafter (None while none is promoted) on eval_set(cfg)."""
+    """tau of `drafter_dir` and of the promoted drafter (None while none is promoted) on eval_set(cfg), and
+    the paired gain over the responses both decoded (None while none is promoted)."""
     new = _tau(cfg, drafter_dir)
     incumbent = read_promoted(cfg.storage.root)
     old = _tau(cfg, promoted_drafter(cfg.storage.root)) if incumbent is not None else None
+    new_means, gain = new.pop("per_response"), None
+    if old is not None:
+        gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
+                           cfg.eval.confidence or DEFAULT_CONFIDENCE)
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
-            "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None}
+            "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None,
+            "gain": gain}
 
 
-def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float) -> tuple[bool, str]:
-    """(promote?, why): only a 'pass' verdict, and tau above the incumbent's by more than min_gain."""
+def paired_gain(new: Sequence[float | None], old: Sequence[float | None], min_gain: float,
+                confidence: float) -> dict[str, Any]:
+    """The new drafter's gain over the incumbent, response by response (both decoded the same prompts, and the
+    target's greedy output is the same under either drafter, so responses pair): mean, its one-sided lower
+    confidence bound, and the p-value of a one-sided paired t-test against a gain of min_gain or less."""
+    if len(new) != len(old):
+        return {"pairs": 0, "mean": None, "lower": None, "p_value": None, "confidence": confidence,
+                "note": f"the drafters decoded different numbers of responses ({len(new)} vs {len(old)})"}
+    diffs = np.array([a - b for a, b in zip(new, old, strict=True) if a is not None and b is not None])
+    out: dict[str, Any] = {"pairs": len(diffs), "mean": float(diffs.mean()) if len(diffs) else None,
+                           "lower": None, "p_value": None, "confidence": confidence}
+    if len(diffs) < 2:
+        return out | {"note": "fewer than 2 paired responses: no test"}
+    sem = float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
+    if sem == 0.0:  # every response gained exactly the same: no spread to test against
+        return out | {"lower": out["mean"], "p_value": 0.0 if out["mean"] > min_gain else 1.0}
+    t = (out["mean"] - min_gain) / sem
+    out["p_value"] = float(stats.t.sf(t, df=len(diffs) - 1))
+    out["lower"] = out["mean"] - float(stats.t.ppf(confidence, df=len(diffs) - 1)) * sem
+    return out
+
+
+def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float,
+           gain: dict[str, Any] | None = None, confidence: float | None = None) -> tuple[bool, str]:
+    """(promote?, why): only a 'pass' verdict, and tau above the incumbent's by more than min_gain; with a
+    `confidence`, also the paired gain's p-value below 1 - confidence."""
     if verdict != "pass":
         return False, f"stability verdict is {verdict}, promotion needs pass"
     if tau is None or not math.isfinite(tau):
         return False, "the new drafter has no tau (no decoding steps on the evaluation prompts)"
     if incumbent_tau is None:
         return True, "nothing was promoted yet"
-    if tau > incumbent_tau + min_gain:
-        return True, f"tau {tau:.4f} beats the promoted drafter's {incumbent_tau:.4f} by more than {min_gain}"
-    return False, f"tau {tau:.4f} does not beat the promoted drafter's {incumbent_tau:.4f} by more than {min_gain}"
+    if tau <= incumbent_tau + min_gain:
+        return False, (f"tau {tau:.4f} does not beat the promoted drafter's {incumbent_tau:.4f} by more than "
+                       f"{min_gain}")
+    beats = f"tau {tau:.4f} beats the promoted drafter's {incumbent_tau:.4f} by more than {min_gain}"
+    if confidence is None:
+        return True, beats
+    gain = gain or {}
+    p, pairs = gain.get("p_value"), gain.get("pairs", 0)
+    if p is None:
+        why = gain.get("note", "no paired responses")
+        return False, f"{beats}, but the gain cannot be tested ({why}); eval.confidence needs a paired test"
+    if p < 1.0 - confidence:
+        return True, f"{beats}, at {confidence:.0%} confidence (paired p = {p:.3g} over {pairs} responses)"
+    return False, (f"{beats}, but not at {confidence:.0%} confidence (paired p = {p:.3g} over {pairs} "
+                   "responses): within evaluation noise; more eval prompts (eval.limit) narrow it")
 
 
 def promote_if_better(
     cfg: PipelineConfig, run_dir: str, drafter_dir: str, verdict: str, scores: dict[str, Any]
 ) -> dict[str, Any]:
     """Apply the gate; when it passes, copy the drafter to the promoted folder (and log the W&B model)."""
-    ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain)
+    gain = scores.get("gain")
+    ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain, gain,
+                        cfg.eval.confidence)
     decision = {"promoted": ok, "reason": reason, "tau": scores["tau"], "incumbent_tau": scores["incumbent_tau"],
                 "incumbent_run": scores.get("incumbent_run"), "eval_set": scores["eval_set"], "verdict": verdict,
-                "run": run_dir, "drafter": drafter_dir, "promoted_drafter": None, "wandb_artifact": None}
+                "gain": gain, "run": run_dir, "drafter": drafter_dir, "promoted_drafter": None,
+                "wandb_artifact": None}
     log.info("promotion: %s (%s)", "yes" if ok else "no", reason)
     if not ok:
         return decision
