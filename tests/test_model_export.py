@@ -12,6 +12,7 @@ from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import ExportError, load_dflash, save_dflash
 from dflash_core.model.target import TargetModel
+from dflash_core.runtime.warm_start import load_warm_start
 
 H, HEADS, KV, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 
@@ -176,6 +177,26 @@ def test_load_rejects_a_wrong_shape_and_another_target(tmp_path, target, drafter
 
     with pytest.raises(ExportError, match="num_target_layers=36 but the target has 4"):
         load_dflash(_save_and_edit(tmp_path, drafter, other_target), target)
+
+
+def test_a_config_without_target_layers_gets_the_default_spread(tmp_path, target):
+    """dflash_config.target_layer_ids (and num_target_layers) left out, as SGLang allows: the default rule for
+    the config's number of drafter layers, the same as a fresh drafter's; a warm start reads it the same way."""
+    drafter = tiny_drafter(target, layers=1)  # default ids: [L // 2]
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    assert loaded.target_layer_ids == drafter.target_layer_ids == [2] and loaded.num_target_layers == 4
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    fresh = tiny_drafter(target, layers=1, seed=9)
+    load_warm_start(fresh, str(tmp_path / "d"))
+    assert torch.equal(fresh.fc.weight, drafter.fc.weight)
+    del cfg["dflash_config"]["mask_token_id"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=r"missing fields \['dflash_config.mask_token_id'\]"):
+        load_dflash(str(tmp_path / "d"), target)
 
 
 def test_load_missing_folder_says_what_is_expected(tmp_path, target):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 from typing import Any
 
@@ -14,9 +15,10 @@ from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
 from dflash_core.errors import InputError
-from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter
+from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from dflash_core.model.target import TargetModel
 
+log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -127,11 +129,13 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
             f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
         )
     dflash = raw.get("dflash_config")
-    missing = [k for k in ("block_size", "num_target_layers", "hidden_size", "vocab_size") if k not in raw]
-    if not isinstance(dflash, dict) or {"mask_token_id", "target_layer_ids"} - set(dflash):
-        missing.append("dflash_config.{mask_token_id,target_layer_ids}")
+    missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+        missing.append("dflash_config.mask_token_id")
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
+    raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": config_layer_ids(raw, target.num_layers)}
+    raw.setdefault("num_target_layers", target.num_layers)
     expected = {
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
@@ -154,6 +158,16 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
     # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
     # drafters' spelling) into rope_parameters; without rope_theta it would fall back to 10000
     return Qwen3Config.from_dict(raw)
+
+
+def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int]:
+    """A drafter config's target layers: dflash_config.target_layer_ids, or, when a config leaves them out,
+    the default spread over the target's layers for its number of drafter layers (as SGLang resolves them)."""
+    layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(num_target_layers, int(config["num_hidden_layers"]))
+        log.info("config.json has no dflash_config.target_layer_ids: using the default %s", layer_ids)
+    return [int(i) for i in layer_ids]
 
 
 def _check_tensors(path: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from safetensors.torch import load as load_safetensors
 
 from dflash_core.errors import InputError
 from dflash_core.model.drafter import DFlashDrafter
-from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE
+from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE, config_layer_ids
 
 log = logging.getLogger(__name__)
 PROMOTED = "promoted"  # train.init_from: the drafter the promotion gate last promoted
@@ -59,9 +59,9 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     """Same shapes are not enough: the block size and the target layers fed in must match too."""
-    dflash = config.get("dflash_config") or {}
+    layer_ids = config_layer_ids(config, drafter.num_target_layers) if "num_hidden_layers" in config else None
     for key, got, want in (("block_size", config.get("block_size"), drafter.block_size),
-                           ("target_layer_ids", dflash.get("target_layer_ids"), drafter.target_layer_ids)):
+                           ("target_layer_ids", layer_ids, drafter.target_layer_ids)):
         if got != want:
             raise WarmStartError(f"train.init_from {uri}: config.json has {key} {got}, the configured drafter "
                                  f"{want}; set model.{key} to match or train from scratch")
