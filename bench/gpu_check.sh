@@ -11,7 +11,9 @@
 #   worker      the real torchrun worker (nproc 1, nccl) on the same inputs and steps: its summary, with the
 #               steady-state figures (warm-up, final checkpoint and export excluded) next to the end-to-end ones;
 #   compare     worker vs in-process pipeline tokens/s, steady and end to end (goal: steady >= 0.9).
-# About 6-8 minutes on one H200; every part has a timeout (EFF_BUDGET_S bounds the memory search).
+# About 6-8 minutes on one H200; every part has a timeout (EFF_BUDGET_S bounds the memory search). Each line is
+# also appended to $OUT/gpu_check.jsonl as soon as its part ends (the device tool's $OUT comes back even when
+# the command runs past its limit), or to $WORK/gpu_check.jsonl without $OUT.
 # Usage: bash bench/gpu_check.sh
 #   overrides: PYTHON=python3 WORK=<tmp dir> STEPS=24 EFF_BUDGET_S=180 PARTS="tests efficiency pipeline worker"
 #   DEVICE=cpu runs the same script on tiny shapes on CPU (a test of the script; the figures mean nothing).
@@ -24,7 +26,9 @@ PARTS="${PARTS:-tests efficiency pipeline worker}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
+RESULTS="${OUT:-$WORK}/gpu_check.jsonl"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+emit() { echo "$1 $2" | tee -a "$RESULTS"; }  # one part's result line: stdout, and kept in $RESULTS at once
 
 "$PY" - "$DEVICE" <<'EOF'
 import importlib.util, sys
@@ -58,20 +62,20 @@ if has tests; then
     if "$PY" -c "import pytest" 2>/dev/null && [[ "$DEVICE" == cuda ]]; then
         result=$(timeout 150 "$PY" -m pytest tests/test_model_attention.py -m gpu -q -p no:cacheprovider 2>&1 \
                  | tail -n 1) || true
-        echo "tests {\"gpu_attention_tests\": \"$result\"}"
+        emit tests "{\"gpu_attention_tests\": \"$result\"}"
     else
-        echo 'tests {"gpu_attention_tests": "skipped (no pytest or no CUDA)"}'
+        emit tests '{"gpu_attention_tests": "skipped (no pytest or no CUDA)"}'
     fi
 fi
 
 if has efficiency; then
-    echo "efficiency $(timeout 300 "$PY" -m bench.efficiency "${EFF[@]}" | tail -n 1)"
+    emit efficiency "$(timeout 300 "$PY" -m bench.efficiency "${EFF[@]}" | tail -n 1)"
 fi
 
 if has pipeline || has worker; then
     timeout 240 "$PY" -m bench.pipeline --scenario custom "${PIPE[@]}" --steps "$STEPS" --warmup 2 --repeats 1 \
         --workdir "$WORK" --worker-config "$WORK/worker.yaml" | tail -n 1 > "$WORK/pipeline.json"
-    echo "pipeline $(cat "$WORK/pipeline.json")"
+    emit pipeline "$(cat "$WORK/pipeline.json")"
 fi
 
 if has worker; then
@@ -79,9 +83,10 @@ if has worker; then
     timeout 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 --monitor-interval 0.1 \
         -m dflash_core.runtime.worker --tokenized "$WORK/custom/tokenized" --plan "$WORK/custom/plan" \
         --out "$WORK/run" --config "$WORK/worker.yaml" 2>"$WORK/worker.log" | tail -n 1 > "$WORK/worker.json" \
-        || { echo "worker failed; see $WORK/worker.log" >&2; tail -n 20 "$WORK/worker.log" >&2; exit 1; }
-    echo "worker $(cat "$WORK/worker.json")"
-    "$PY" - "$WORK/pipeline.json" "$WORK/worker.json" <<'EOF'
+        || { echo "worker failed; see $WORK/worker.log" >&2; tail -n 20 "$WORK/worker.log" >&2
+             [[ -n "${OUT:-}" ]] && cp "$WORK/worker.log" "$OUT/"; exit 1; }
+    emit worker "$(cat "$WORK/worker.json")"
+    "$PY" - "$WORK/pipeline.json" "$WORK/worker.json" <<'EOF' | tee -a "$RESULTS"
 import json, sys
 pipeline = json.load(open(sys.argv[1]))["results"][-1]
 worker = json.load(open(sys.argv[2]))

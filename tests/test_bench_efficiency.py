@@ -30,8 +30,9 @@ def test_the_device_script_runs_its_pipeline_and_worker_parts_on_cpu(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "out").mkdir()
     env = {**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "WORK": str(tmp_path),
-           "PARTS": "pipeline worker"}
+           "PARTS": "pipeline worker", "OUT": str(tmp_path / "out")}
     run = subprocess.run(["bash", str(repo / "bench" / "gpu_check.sh")], env=env, capture_output=True,
                          text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -39,3 +40,6 @@ def test_the_device_script_runs_its_pipeline_and_worker_parts_on_cpu(tmp_path):
     compare = json.loads(lines["compare"])
     assert compare["pipeline_tokens_per_s"] > 0 and compare["worker_steady_tokens_per_s"] > 0
     assert json.loads(lines["worker"])["steps"] == 8
+    kept = (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()  # what survives a device timeout
+    assert [line.split(" ", 1)[0] for line in kept] == ["pipeline", "worker", "compare"]
+    assert kept == [line for line in run.stdout.splitlines() if line.split(" ", 1)[0] in lines]
