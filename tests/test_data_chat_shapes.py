@@ -380,3 +380,28 @@ def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Pat
     assert "Example answer." in texts[0] and "Not this." in texts[1]  # still the context of the next turn
     wrong = read_manifest(str(tmp_path / "out"))["drop_examples"]["wrong_schema"][0]["detail"]
     assert "weight 'high'" in wrong and "0 = not trained on" in wrong
+
+
+def test_a_hugging_face_save_to_disk_folder_is_read_as_is(tmp_path: Path, qwen3_tok: str) -> None:
+    """`datasets`' save_to_disk writes Arrow IPC streams beside dataset_info.json and state.json: the folder is
+    the source, its metadata is not data; Arrow's random-access file format reads the same."""
+    import datasets
+    import pyarrow as pa
+
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Say {w}."},
+                                            {"role": "assistant", "content": f"{w.title()}."}]}
+               for i, w in enumerate(["one", "two", "three", "four", "five"])]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"), num_shards=2)
+    summary = tokenize_dataset(str(tmp_path / "saved"), qwen3_tok, str(tmp_path / "out"), data_config(),
+                               block_size=2)
+    assert summary["read"] == summary["kept"] == 5 and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [[f"{w}.<|im_end|>"] for w in ["One", "Two", "Three", "Four", "Five"]]
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert [s["file"] for s in manifest["sources"]] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+
+    table = pa.Table.from_pylist(records)
+    with pa.OSFile(str(tmp_path / "file.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=2)
+    summary = tokenize_dataset(str(tmp_path / "file.arrow"), qwen3_tok, str(tmp_path / "out2"), data_config(),
+                               block_size=2)
+    assert summary["read"] == summary["kept"] == 5

@@ -2,9 +2,9 @@
 
 Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
-lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz) and parquet (by its .parquet name, or its magic bytes
-when the name says neither) are read record by record: memory stays
-about one record (JSON) or one 1024-row batch (parquet) whatever the file size. A file holding one JSON object
+lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz), parquet (by its .parquet name, or its magic bytes
+when the name says neither) and Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) are read record by
+record: memory stays about one record (JSON) or one batch (parquet, Arrow) whatever the file size. A file holding one JSON object
 (or several pretty-printed ones, concatenated) is read whole: each object is one record.
 
 A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.compression import compr
 from fsspec.utils import infer_compression
@@ -28,13 +29,14 @@ from fsspec.utils import infer_compression
 from dflash_core.data.errors import DataError
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet")
+DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".arrow")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
 _DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
-# A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data.
-_NOT_DATA = frozenset({"manifest.json"})
+# A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data, nor is the metadata
+# beside the Arrow files of a Hugging Face `save_to_disk` folder.
+_NOT_DATA = frozenset({"manifest.json", "dataset_info.json", "state.json", "dataset_dict.json"})
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,12 @@ class RawRecord:
 
 
 def _is_data_file(path: str) -> bool:
-    base = path[: -len(ext)] if (ext := _compression_suffix(path)) else path
-    return base.lower().endswith(DATA_SUFFIXES)
+    return _base_name(path).endswith(DATA_SUFFIXES)
+
+
+def _base_name(path: str) -> str:
+    """The lower-case name without its compression suffix (data.jsonl.gz -> data.jsonl)."""
+    return (path[: -len(ext)] if (ext := _compression_suffix(path)) else path).lower()
 
 
 def _compression_suffix(path: str) -> str:
@@ -131,6 +137,9 @@ class FileRecords:
             raw.seek(0)
             yield from self._parquet(raw)
             return
+        if _base_name(self.file.name).endswith(".arrow"):  # a `datasets` save_to_disk shard (Arrow IPC)
+            yield from self._arrow(raw)
+            return
         stream = _Prepend(head, stream)
         first = stream.peek_nonspace()
         if first == b"[":
@@ -178,6 +187,25 @@ class FileRecords:
                 record += 1
             self.done = record / total
 
+    def _arrow(self, raw: Any) -> Iterator[RawRecord]:
+        """Arrow IPC: the streaming format `datasets` writes, or the random-access file format."""
+        raw.seek(0)
+        magic = b"" if self.file.compression else raw.read(6)
+        raw.seek(0)
+        batches: Iterator[pa.RecordBatch]
+        if magic == b"ARROW1":
+            reader = pa.ipc.open_file(raw)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
+            batches = iter(pa.ipc.open_stream(stream))
+        record = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield RawRecord(record, None, row)
+                record += 1
+            self._update(raw)
+
     def _update(self, raw: Any) -> None:
         try:
             self.done = min(raw.tell() / max(self.file.size, 1), 1.0)
@@ -187,11 +215,9 @@ class FileRecords:
 
 def _is_parquet(file: SourceFile, head: bytes) -> bool:
     """By name first (a .jsonl whose first line happens to be b"PAR1" is JSON lines); magic bytes otherwise."""
-    name = file.name.lower()
-    if name.endswith(".parquet"):
+    if file.name.lower().endswith(".parquet"):
         return True
-    base = name[: -len(ext)] if (ext := _compression_suffix(name)) else name
-    return head == b"PAR1" and not file.compression and not base.endswith(JSON_SUFFIXES)
+    return head == b"PAR1" and not file.compression and not _base_name(file.name).endswith(JSON_SUFFIXES)
 
 
 def _truncated(records: int, what: str) -> ReadFailure:
