@@ -4,8 +4,8 @@ Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcs
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
 lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz), parquet (by its .parquet name, or its magic bytes
 when the name says neither) and Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) are read record by
-record: memory stays about one record (JSON) or one batch (parquet, Arrow) whatever the file size. A file holding one JSON object
-(or several pretty-printed ones, concatenated) is read whole: each object is one record.
+record: memory stays about one record (JSON) or one batch (parquet, Arrow) whatever the file size. A file
+holding one JSON object (or several pretty-printed ones, concatenated) is read whole: each object is one record.
 
 A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
 failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
