@@ -172,14 +172,22 @@ def _check_overrides(pairs: list[str]):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dflash_core.model.evaluate import evaluate
+    from dflash_core.model.evaluate import eval_target, evaluate
+    from dflash_core.model.paired import paired_gain
     from dflash_core.model.suites import parse_benches
 
-    summary = evaluate(target=_resolve(args.target), drafter_dir=args.drafter, tokenizer=_resolve(args.tokenizer),
-                       data=_resolve(args.data) if args.data else None, benches=parse_benches(args.bench),
-                       limit=args.limit, sample=args.sample, sample_seed=args.sample_seed,
-                       max_new_tokens=args.max_new_tokens, thinking=args.thinking == "on",
-                       kv_cache=not args.no_kv_cache, baseline=True)
+    target = _resolve(args.target)
+    prompts = {"tokenizer": _resolve(args.tokenizer), "data": _resolve(args.data) if args.data else None,
+               "benches": parse_benches(args.bench), "limit": args.limit, "sample": args.sample,
+               "sample_seed": args.sample_seed, "max_new_tokens": args.max_new_tokens,
+               "thinking": args.thinking == "on", "kv_cache": not args.no_kv_cache,
+               "per_response": args.against is not None}
+    loaded = eval_target(target) if args.against else target  # loaded once for both drafters
+    summary = evaluate(target=loaded, drafter_dir=args.drafter, baseline=True, **prompts)
+    if args.against:
+        other = evaluate(target=loaded, drafter_dir=args.against, **prompts)
+        summary["gain"] = paired_gain(summary.pop("per_response"), other.pop("per_response"))
+        summary["against"] = {"drafter": args.against, **{k: other[k] for k in ("tau", "tau_pooled", "histogram")}}
     _print_summary(summary)
     return 0
 
@@ -299,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", choices=["on", "off"], default="off",
                    help="enable_thinking in the template (off, as the public drafters; match data.thinking)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
+    p.add_argument("--against", default=None, metavar="DRAFTER",
+                   help="another drafter (e.g. <storage root>/promoted/drafter) decoded on the same prompts: "
+                        "the summary adds its tau and the paired gain (mean, 95%% lower bound, p-value)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow run")

@@ -9,8 +9,9 @@ from scipy import stats
 
 from dflash_app.config import load_config
 from dflash_core import atomic_dir
+from dflash_core.model.paired import paired_gain
 from dflash_core.promotion import gate, store
-from dflash_core.promotion.gate import decide, paired_gain, promote_if_better
+from dflash_core.promotion.gate import decide, promote_if_better
 from dflash_core.promotion.store import promoted_drafter, read_promoted
 
 

@@ -208,8 +208,7 @@ def evaluate(
     """
     suites = _suites(data, instances, benches, limit, sample, sample_seed)
     if isinstance(target, str):
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        target = load_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        target = eval_target(target, device, dtype, trust_remote_code)
     if isinstance(drafter_dir, str):
         drafter_dir = load_dflash(drafter_dir, target, dtype=target.dtype).eval()
     if isinstance(tokenizer, str):
@@ -233,6 +232,14 @@ def evaluate(
             name: summarize([r for r in responses if r.suite == name], drafter_dir.block_size) for name in suites
         }
     return summary
+
+
+def eval_target(path: str, device: str | None = None, dtype: str = "auto",
+                trust_remote_code: bool = False) -> TargetModel:
+    """The target as `evaluate` loads it from a path: on the GPU when there is one (load it once to evaluate
+    several drafters)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_target(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
 
 class _Run:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
-import numpy as np
-from scipy import stats
 
 from dflash_core.config import PipelineConfig
+from dflash_core.model.paired import DEFAULT_CONFIDENCE, paired_gain
 from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sinks import wandb_mode
 from dflash_core.promotion.store import DRAFTER_FILES, promote, promoted_drafter, read_promoted
@@ -22,7 +20,6 @@ log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
 # promoted.json: these keys of the decision, plus the time
 RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict", "gain")
-DEFAULT_CONFIDENCE = 0.95  # of the lower bound reported when eval.confidence is not set (it then gates nothing)
 
 
 def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
@@ -53,28 +50,6 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
             "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None,
             "gain": gain}
-
-
-def paired_gain(new: Sequence[float | None], old: Sequence[float | None], min_gain: float,
-                confidence: float) -> dict[str, Any]:
-    """The new drafter's gain over the incumbent, response by response (both decoded the same prompts, and the
-    target's greedy output is the same under either drafter, so responses pair): mean, its one-sided lower
-    confidence bound, and the p-value of a one-sided paired t-test against a gain of min_gain or less."""
-    if len(new) != len(old):
-        return {"pairs": 0, "mean": None, "lower": None, "p_value": None, "confidence": confidence,
-                "note": f"the drafters decoded different numbers of responses ({len(new)} vs {len(old)})"}
-    diffs = np.array([a - b for a, b in zip(new, old, strict=True) if a is not None and b is not None])
-    out: dict[str, Any] = {"pairs": len(diffs), "mean": float(diffs.mean()) if len(diffs) else None,
-                           "lower": None, "p_value": None, "confidence": confidence}
-    if len(diffs) < 2:
-        return out | {"note": "fewer than 2 paired responses: no test"}
-    sem = float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
-    if sem == 0.0:  # every response gained exactly the same: no spread to test against
-        return out | {"lower": out["mean"], "p_value": 0.0 if out["mean"] > min_gain else 1.0}
-    t = (out["mean"] - min_gain) / sem
-    out["p_value"] = float(stats.t.sf(t, df=len(diffs) - 1))
-    out["lower"] = out["mean"] - float(stats.t.ppf(confidence, df=len(diffs) - 1)) * sem
-    return out
 
 
 def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float,
