@@ -5,6 +5,7 @@ copy of the example tokenizer; every test checks the exact text under the loss m
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -405,3 +406,24 @@ def test_a_hugging_face_save_to_disk_folder_is_read_as_is(tmp_path: Path, qwen3_
     summary = tokenize_dataset(str(tmp_path / "file.arrow"), qwen3_tok, str(tmp_path / "out2"), data_config(),
                                block_size=2)
     assert summary["read"] == summary["kept"] == 5
+
+
+def test_csv_and_tsv_rows_are_records_with_every_cell_as_text(tmp_path: Path, qwen3_tok: str) -> None:
+    """Instruction pairs and message lists (a JSON string cell) in CSV/TSV with a header: a numeric-looking
+    answer stays text, a quoted cell may span lines, gzip works, and a row with the wrong number of cells is one
+    unparsable record while the rest of the file is still read."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.csv").write_text('instruction,input,output\n"Write 1234567 in digits.","",1234567\n"Say hi\nnicely.",,"Hi, there."\n'
+                               "a,row,with,too,many,cells\n")
+    (src / "b.tsv").write_text("prompt\tcompletion\nName a colour.\tRed.\n")
+    chat = json.dumps([{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two."}])
+    with gzip.open(src / "c.csv.gz", "wt") as fh:
+        fh.write("id,messages\n" + 'm1,"' + chat.replace('"', '""') + '"\n')
+    summary = tokenize_dataset(str(src), qwen3_tok, str(tmp_path / "out"), data_config(max_bad_fraction=0.5),
+                               block_size=2)
+    assert summary["read"] == 5 and summary["kept"] == 4 and summary["dropped"] == {"unparsable": 1}
+    assert _supervised(tmp_path, qwen3_tok) == [["1234567<|im_end|>"], ["Hi, there.<|im_end|>"], ["Red.<|im_end|>"],
+                                                ["One, two.<|im_end|>"]]
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["unparsable"][0]
+    assert detail["file"] == "a.csv" and "6 cells where the header has 3" in detail["detail"]

@@ -3,8 +3,9 @@
 Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
 lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz), parquet (by its .parquet name, or its magic bytes
-when the name says neither) and Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) are read record by
-record: memory stays about one record (JSON) or one batch (parquet, Arrow) whatever the file size. A file
+when the name says neither), Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) and CSV/TSV with a header
+row (cells as text) are read record by record: memory stays about one record (JSON) or one batch (parquet,
+Arrow, CSV) whatever the file size. A file
 holding one JSON object (or several pretty-printed ones, concatenated) is read whole: each object is one record.
 
 A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
@@ -22,6 +23,7 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from fsspec.compression import compr
 from fsspec.utils import infer_compression
@@ -29,7 +31,8 @@ from fsspec.utils import infer_compression
 from dflash_core.data.errors import DataError
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".arrow")
+CSV_SUFFIXES = (".csv", ".tsv")
+DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".arrow", *CSV_SUFFIXES)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
@@ -140,6 +143,9 @@ class FileRecords:
         if _base_name(self.file.name).endswith(".arrow"):  # a `datasets` save_to_disk shard (Arrow IPC)
             yield from self._arrow(raw)
             return
+        if _base_name(self.file.name).endswith(CSV_SUFFIXES):
+            yield from self._csv(raw)
+            return
         stream = _Prepend(head, stream)
         first = stream.peek_nonspace()
         if first == b"[":
@@ -205,6 +211,38 @@ class FileRecords:
                 yield RawRecord(record, None, row)
                 record += 1
             self._update(raw)
+
+    def _csv(self, raw: Any) -> Iterator[RawRecord]:
+        """CSV/TSV with a header row, every cell read as text (quoted cells may span lines); a row with the wrong
+        number of cells is one unparsable record, named by its line, and the rest of the file is still read."""
+        bad: list[Any] = []
+
+        def skip(row: Any) -> str:
+            bad.append(row)
+            return "skip"
+
+        parse = pcsv.ParseOptions(delimiter="\t" if _base_name(self.file.name).endswith(".tsv") else ",",
+                                  newlines_in_values=True, invalid_row_handler=skip)
+        names = self._open_csv(raw, parse).schema.names
+        bad.clear()  # the header pass's findings come again in the real pass
+        reader = self._open_csv(raw, parse, pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string())))
+        record = 0
+        for batch in reader:
+            for row in batch.to_pylist():
+                yield RawRecord(record, None, row)
+                record += 1
+            for row in bad:
+                message = f"{row.actual_columns} cells where the header has {row.expected_columns}: {row.text[:80]!r}"
+                yield RawRecord(record, row.number, ReadFailure(message, "unparsable"))
+                record += 1
+            bad.clear()
+            self._update(raw)
+
+    def _open_csv(self, raw: Any, parse: pcsv.ParseOptions, convert: pcsv.ConvertOptions | None = None) -> Any:
+        raw.seek(0)
+        stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
+        return pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=_READ_CHUNK), parse_options=parse,
+                             convert_options=convert)
 
     def _update(self, raw: Any) -> None:
         try:
