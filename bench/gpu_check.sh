@@ -11,11 +11,12 @@
 #   worker      the real torchrun worker (nproc 1, nccl) on the same inputs and steps: its summary, with the
 #               steady-state figures (warm-up, final checkpoint and export excluded) next to the end-to-end ones;
 #   compare     worker vs in-process pipeline tokens/s, steady and end to end (goal: steady >= 0.9).
-# About 6-8 minutes on one H200; every part has a timeout (EFF_BUDGET_S bounds the memory search). Each line is
+# About 6-8 minutes on one H200. Every part has a timeout, 90 + 240 + 120 + 110 s = 560 s in all, inside a
+# 600 s limit per command (EFF_BUDGET_S, 150 s, bounds the memory search inside efficiency's 240). Each line is
 # also appended to $OUT/gpu_check.jsonl as soon as its part ends (the device tool's $OUT comes back even when
 # the command runs past its limit), or to $WORK/gpu_check.jsonl without $OUT.
 # Usage: bash bench/gpu_check.sh
-#   overrides: PYTHON=python3 WORK=<tmp dir> STEPS=24 EFF_BUDGET_S=180 PARTS="tests efficiency pipeline worker"
+#   overrides: PYTHON=python3 WORK=<tmp dir> STEPS=24 EFF_BUDGET_S=150 PARTS="tests efficiency pipeline worker"
 #   DEVICE=cpu runs the same script on tiny shapes on CPU (a test of the script; the figures mean nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,7 @@ EOF
 
 if [[ "$DEVICE" == cuda ]]; then
     STEPS="${STEPS:-24}"
-    EFF=(--device cuda --budget-s "${EFF_BUDGET_S:-180}")
+    EFF=(--device cuda --budget-s "${EFF_BUDGET_S:-150}")
     PIPE=(--device cuda --dtype bfloat16 --hidden 4096 --target-layers 4 --draft-layers 1 --vocab 32768
           --num-anchors 512 --block-size 16 --samples 768 --max-len 3072 --max-tokens 8192 --grad-accum 2
           --threads 4 --torch-threads 4)
@@ -60,7 +61,7 @@ fi
 
 if has tests; then
     if "$PY" -c "import pytest" 2>/dev/null && [[ "$DEVICE" == cuda ]]; then
-        result=$(timeout 150 "$PY" -m pytest tests/test_model_attention.py -m gpu -q -p no:cacheprovider 2>&1 \
+        result=$(timeout 90 "$PY" -m pytest tests/test_model_attention.py -m gpu -q -p no:cacheprovider 2>&1 \
                  | tail -n 1) || true
         emit tests "{\"gpu_attention_tests\": \"$result\"}"
     else
@@ -69,18 +70,18 @@ if has tests; then
 fi
 
 if has efficiency; then
-    emit efficiency "$(timeout 300 "$PY" -m bench.efficiency "${EFF[@]}" | tail -n 1)"
+    emit efficiency "$(timeout 240 "$PY" -m bench.efficiency "${EFF[@]}" | tail -n 1)"
 fi
 
 if has pipeline || has worker; then
-    timeout 240 "$PY" -m bench.pipeline --scenario custom "${PIPE[@]}" --steps "$STEPS" --warmup 2 --repeats 1 \
+    timeout 120 "$PY" -m bench.pipeline --scenario custom "${PIPE[@]}" --steps "$STEPS" --warmup 2 --repeats 1 \
         --workdir "$WORK" --worker-config "$WORK/worker.yaml" | tail -n 1 > "$WORK/pipeline.json"
     emit pipeline "$(cat "$WORK/pipeline.json")"
 fi
 
 if has worker; then
     rm -rf "$WORK/run"
-    timeout 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 --monitor-interval 0.1 \
+    timeout 110 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 --monitor-interval 0.1 \
         -m dflash_core.runtime.worker --tokenized "$WORK/custom/tokenized" --plan "$WORK/custom/plan" \
         --out "$WORK/run" --config "$WORK/worker.yaml" 2>"$WORK/worker.log" | tail -n 1 > "$WORK/worker.json" \
         || { echo "worker failed; see $WORK/worker.log" >&2; tail -n 20 "$WORK/worker.log" >&2
