@@ -5,8 +5,8 @@ picks them up, credentials come from their usual environment variables or config
 lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz), parquet (by its .parquet name, or its magic bytes
 when the name says neither), Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) and CSV/TSV with a header
 row (cells as text) are read record by record: memory stays about one record (JSON) or one batch (parquet,
-Arrow, CSV) whatever the file size. A file
-holding one JSON object (or several pretty-printed ones, concatenated) is read whole: each object is one record.
+Arrow, CSV) whatever the file size. A file holding one JSON object (or several pretty-printed ones,
+concatenated) is read whole: each object is one record.
 
 A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
 failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
@@ -134,17 +134,18 @@ class FileRecords:
         self.done = 1.0
 
     def _records(self, raw: Any) -> Iterator[RawRecord]:
-        stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
+        base = _base_name(self.file.name)
+        if base.endswith(".arrow"):  # a `datasets` save_to_disk shard (Arrow IPC)
+            yield from self._arrow(raw)
+            return
+        if base.endswith(CSV_SUFFIXES):
+            yield from self._csv(raw)
+            return
+        stream = self._decompressed(raw)
         head = stream.read(4)
         if _is_parquet(self.file, head):
             raw.seek(0)
             yield from self._parquet(raw)
-            return
-        if _base_name(self.file.name).endswith(".arrow"):  # a `datasets` save_to_disk shard (Arrow IPC)
-            yield from self._arrow(raw)
-            return
-        if _base_name(self.file.name).endswith(CSV_SUFFIXES):
-            yield from self._csv(raw)
             return
         stream = _Prepend(head, stream)
         first = stream.peek_nonspace()
@@ -195,7 +196,6 @@ class FileRecords:
 
     def _arrow(self, raw: Any) -> Iterator[RawRecord]:
         """Arrow IPC: the streaming format `datasets` writes, or the random-access file format."""
-        raw.seek(0)
         magic = b"" if self.file.compression else raw.read(6)
         raw.seek(0)
         batches: Iterator[pa.RecordBatch]
@@ -203,8 +203,7 @@ class FileRecords:
             reader = pa.ipc.open_file(raw)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         else:
-            stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
-            batches = iter(pa.ipc.open_stream(stream))
+            batches = iter(pa.ipc.open_stream(self._decompressed(raw)))
         record = 0
         for batch in batches:
             for row in batch.to_pylist():
@@ -214,7 +213,7 @@ class FileRecords:
 
     def _csv(self, raw: Any) -> Iterator[RawRecord]:
         """CSV/TSV with a header row, every cell read as text (quoted cells may span lines); a row with the wrong
-        number of cells is one unparsable record, named by its line, and the rest of the file is still read."""
+        number of cells is one unparsable record (quoting the row), and the rest of the file is still read."""
         bad: list[Any] = []
 
         def skip(row: Any) -> str:
@@ -240,9 +239,12 @@ class FileRecords:
 
     def _open_csv(self, raw: Any, parse: pcsv.ParseOptions, convert: pcsv.ConvertOptions | None = None) -> Any:
         raw.seek(0)
-        stream = compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
-        return pcsv.open_csv(stream, read_options=pcsv.ReadOptions(block_size=_READ_CHUNK), parse_options=parse,
-                             convert_options=convert)
+        return pcsv.open_csv(self._decompressed(raw), read_options=pcsv.ReadOptions(block_size=_READ_CHUNK),
+                             parse_options=parse, convert_options=convert)
+
+    def _decompressed(self, raw: Any) -> Any:
+        """The file's bytes as stored, decompressed when its name says .gz/.bz2/.xz/..."""
+        return compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
 
     def _update(self, raw: Any) -> None:
         try:
