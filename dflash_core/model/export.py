@@ -160,11 +160,14 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
     return Qwen3Config.from_dict(raw)
 
 
-def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int]:
+def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int] | None:
     """A drafter config's target layers: dflash_config.target_layer_ids, or, when a config leaves them out,
-    the default spread over the target's layers for its number of drafter layers (as SGLang resolves them)."""
+    the default spread over the target's layers for its number of drafter layers (as SGLang resolves them);
+    None when it says neither."""
     layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
     if layer_ids is None:
+        if "num_hidden_layers" not in config:
+            return None
         layer_ids = default_target_layer_ids(num_target_layers, int(config["num_hidden_layers"]))
         log.info("config.json has no dflash_config.target_layer_ids: using the default %s", layer_ids)
     return [int(i) for i in layer_ids]

@@ -59,9 +59,9 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     """Same shapes are not enough: the block size and the target layers fed in must match too."""
-    layer_ids = config_layer_ids(config, drafter.num_target_layers) if "num_hidden_layers" in config else None
     for key, got, want in (("block_size", config.get("block_size"), drafter.block_size),
-                           ("target_layer_ids", layer_ids, drafter.target_layer_ids)):
+                           ("target_layer_ids", config_layer_ids(config, drafter.num_target_layers),
+                            drafter.target_layer_ids)):
         if got != want:
             raise WarmStartError(f"train.init_from {uri}: config.json has {key} {got}, the configured drafter "
                                  f"{want}; set model.{key} to match or train from scratch")
