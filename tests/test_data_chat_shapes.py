@@ -349,7 +349,33 @@ def test_pair_records_that_cannot_be_read_say_why() -> None:
         {"role": "user", "content": "Only a prompt."}]
     missing = to_conversation({"text": "a plain text record"})
     assert missing.reason == "wrong_schema" and "instruction/prompt/question" in missing.detail
-    assert to_conversation({"prompt": [{"role": "user", "content": "x"}], "completion": "y"}).reason == "wrong_schema"
+    bad = to_conversation({"prompt": [{"role": "user", "content": "x"}], "completion": 3})
+    assert bad.reason == "wrong_schema" and "'completion' is a int" in bad.detail
+
+
+def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp_path: Path, qwen3_tok: str) -> None:
+    """Llama-Nemotron (`input` turns, `output` string with its reasoning inline, `system_prompt`), TRL's prompt
+    list with a string completion, and Capybara's {input, output} exchanges: every reply is supervised, the
+    prompts and system prompts are rendered, and a prompt list that has its own system turn gets no second one."""
+    nemotron = {"input": [{"role": "user", "content": "Explain the Pythagorean theorem."}],
+                "output": "<think>Right triangles.</think>a^2 + b^2 = c^2.", "reasoning": "on",
+                "system_prompt": "detailed thinking on", "category": "math", "used_in_training": ["Ultra"]}
+    own_system = {**nemotron, "input": [{"role": "system", "content": "Be exact."},
+                                        {"role": "user", "content": "Give a list."}], "output": "[1, 2, 3]"}
+    trl = {"prompt": [{"role": "user", "content": "Count to two."}], "completion": "One, two."}
+    capybara = {"source": "Airoboros", "conversation": [{"input": "Hi there.", "output": "Hello!"},
+                                                         {"input": "And now?", "output": "Still here."}]}
+    summary = _run(tmp_path, [nemotron, own_system, trl, capybara], qwen3_tok, split=True)
+    assert summary["kept"] == 4 and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [["a^2 + b^2 = c^2.<|im_end|>"], ["[1, 2, 3]<|im_end|>"],
+                                                ["One, two.<|im_end|>"], ["Hello!<|im_end|>", "Still here.<|im_end|>"]]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    reader = ShardReader(str(tmp_path / "out"))
+    texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
+    assert texts[0].startswith("<|im_start|>system\ndetailed thinking on<|im_end|>")
+    assert texts[1].count("<|im_start|>system") == 1 and "Be exact." in texts[1]
+    assert "Right triangles." not in texts[0]  # data.thinking: strip (the default)
+    assert texts[3].count("<|im_start|>user") == 2
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

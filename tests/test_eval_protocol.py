@@ -33,9 +33,12 @@ def test_benchmark_format_and_chat_records_read_in_order_with_limit(tmp_path):
                            {"from": "gpt", "value": "x"}, {"from": "human", "value": "b"}]},
         {"messages": [{"role": "assistant", "content": "no user turn: skipped"}]},
         {"turns": ["third"]},
+        {"instruction": "Sum it.", "input": "1 2", "output": "3"},  # every shape tokenize reads
+        {"input": [{"role": "user", "content": "Why?"}], "output": "Because.", "system_prompt": "detailed thinking off"},
     ])
     assert read_instances(str(path)) == [
-        Instance(("Write a poem.", "Now shorter.")), Instance(("a", "b"), system="be brief"), Instance(("third",))
+        Instance(("Write a poem.", "Now shorter.")), Instance(("a", "b"), system="be brief"), Instance(("third",)),
+        Instance(("Sum it.\n\n1 2",)), Instance(("Why?",), system="detailed thinking off"),
     ]
     assert read_instances(str(path), limit=2) == read_instances(str(path))[:2]
     with pytest.raises(EvalDataError, match="limit 0"):

@@ -6,6 +6,9 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   turns whose value is the call JSON, `observation` turns; Hermes: `from: tool`), OpenAI `messages` with
   `role`/`content` (assistant `content: null` + `tool_calls` or the older `function_call`, `tool`/`function`
   messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
+- Capybara's turns, each an `{input, output}` exchange (a user turn and the assistant's reply);
+- a prompt held as a list of turns then the reply, as turns or a string: TRL's conversational prompt/completion,
+  Llama-Nemotron's `input`/`output` (with its top-level `system_prompt`);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
 - reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
@@ -28,7 +31,10 @@ from dflash_core.data.sources import ReadFailure
 MESSAGE_KEYS = ("messages", "conversations", "conversation")
 # single-turn pairs, read when a record has no message list: Alpaca (instruction, input, output), Dolly
 # (instruction, context, response), prompt/completion and question/answer records; an optional top-level system.
-# TRL's conversational prompt/completion (both lists of turns) is read as one list.
+# A prompt as a list of turns (TRL's conversational prompt, Llama-Nemotron's input) and its reply are read as one
+# list: the reply as turns or as one assistant string.
+PROMPT_LIST_KEYS = ("prompt", "input")
+EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a user input and the assistant's output
 PROMPT_KEYS = ("instruction", "prompt", "question")
 CONTEXT_KEYS = ("input", "context")
 REPLY_KEYS = ("output", "response", "completion", "answer")
@@ -167,11 +173,10 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     if key is None and any(isinstance(record.get(k), str) for k in PROMPT_KEYS):
         return _pair(record, roles, require_assistant)
     raw_turns: list[Any] | None
-    if key is None and (prompt_turns := _as_list(record.get("prompt"))) is not None:  # TRL's conversational
-        completion = _as_list(record.get("completion")) if "completion" in record else []  # prompt/completion
-        if completion is None:
-            return Drop("wrong_schema", "'completion' is not a list of turns (the 'prompt' is one)")
-        key, raw_turns = "prompt", prompt_turns + completion
+    if key is None and (prompt := _prompt_list(record)) is not None:
+        if isinstance(prompt, Drop):
+            return prompt
+        key, raw_turns = prompt
     elif key is None or key not in record:
         keys = f"'{schema.key}'" if schema.key else "/".join(MESSAGE_KEYS)
         pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} and {'/'.join(REPLY_KEYS)}"
@@ -185,13 +190,64 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     tools = _tools(record.get("tools"))
     if isinstance(tools, Drop):
         return tools
-    conv = _system_prefix(record, schema)
+    raw_turns = _exchanges(raw_turns, schema.format)
+    # a top-level system prompt: not beside an OpenAI message list (it carries its own), nor before a prompt list
+    # that opens with its own system turn
+    conv = _system_prefix(record, not _opens_with_system(raw_turns, roles) if key in PROMPT_LIST_KEYS
+                          else schema.format != "openai")
     conv.tools = tools
     for i, raw in enumerate(raw_turns):
         problem = _add_turn(conv, raw, i, schema.format, roles)
         if problem is not None:
             return problem
     return _checked(conv) if require_assistant else conv
+
+
+def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
+    """(key, turns) of a record whose prompt is a list of turns (`prompt`, or `input` holding turn objects),
+    its reply appended: a list of turns, or a string as one assistant turn; None when the record has no such
+    prompt."""
+    for key in PROMPT_LIST_KEYS:
+        turns = _as_list(record.get(key))
+        if turns is None or (key != "prompt" and not (turns and isinstance(turns[0], dict))):
+            continue
+        reply_key = next((k for k in REPLY_KEYS if k in record), None)
+        if reply_key is None:
+            return key, turns
+        reply = record[reply_key]
+        as_turns = _as_list(reply)
+        if as_turns is not None and (not isinstance(reply, str) or _turn_list(as_turns)):
+            return key, turns + as_turns
+        if isinstance(reply, str):
+            fields = FIELDS[_turn_format(turns[0]) if turns and isinstance(turns[0], dict) and
+                            _turn_format(turns[0]) else "openai"]
+            return key, [*turns, dict(zip(fields, ("assistant", reply), strict=True))]
+        return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
+                    f"or a list of turns (the '{key}' is a list of turns)")
+    return None
+
+
+def _turn_list(value: list[Any]) -> bool:
+    """Whether a list parsed from a string is a list of turns (and not an answer that is itself JSON)."""
+    return bool(value) and all(isinstance(t, dict) and _turn_format(t) for t in value)
+
+
+def _exchanges(turns: list[Any], fmt: str | None) -> list[Any]:
+    """Capybara's {input, output} turns as a user turn and an assistant turn each; other turns as they are."""
+    role, content = FIELDS[fmt or "openai"]
+    out: list[Any] = []
+    for turn in turns:
+        if isinstance(turn, dict) and _turn_format(turn) is None and all(k in turn for k in EXCHANGE_KEYS):
+            out += [{role: "user", content: turn["input"]}, {role: "assistant", content: turn["output"]}]
+        else:
+            out.append(turn)
+    return out
+
+
+def _opens_with_system(turns: list[Any], roles: Mapping[str, str]) -> bool:
+    first = turns[0] if turns and isinstance(turns[0], dict) else {}
+    source = first.get("role", first.get("from"))
+    return isinstance(source, str) and roles.get(source.lower()) == "system"
 
 
 def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: bool) -> Conversation | Drop:
@@ -206,7 +262,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
         if not isinstance(record[reply_key], str):
             return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
         turns.append({"role": "assistant", "content": record[reply_key]})
-    conv = _system_prefix(record, Schema("sharegpt"))
+    conv = _system_prefix(record)
     for i, raw in enumerate(turns):
         problem = _add_turn(conv, raw, i, "openai", roles)
         if problem is not None:
@@ -216,10 +272,11 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     return _checked(conv) if require_assistant else conv
 
 
-def _system_prefix(record: dict[str, Any], schema: Schema) -> Conversation:
-    # LLaMA-Factory's ShareGPT keeps the system prompt in a top-level "system" field, OpenOrca in "system_prompt"
+def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
+    """The record's top-level system prompt as the first turn (when `wanted`): LLaMA-Factory's ShareGPT keeps it
+    in "system", OpenOrca and Llama-Nemotron in "system_prompt"."""
     key = next((k for k in SYSTEM_KEYS if isinstance(record.get(k), str) and record[k]), None)
-    if schema.format != "openai" and key is not None:
+    if wanted and key is not None:
         return Conversation([{"role": "system", "content": record[key]}], sources=[key])
     return Conversation([])
 

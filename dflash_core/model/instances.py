@@ -1,9 +1,9 @@
 """Evaluation instances: the user turns of one conversation, from benchmark files, chat data or a list.
 
 Two record shapes are read: the benchmark format `{"turns": ["...", "..."]}` (one JSON object a line, as
-z-lab/dflash's dataset cache and FastChat's MT-Bench question.jsonl are), and chat records (ShareGPT or
-OpenAI messages), whose user turns are taken in order and whose assistant turns are dropped: the answers
-come from the target during evaluation.
+z-lab/dflash's dataset cache and FastChat's MT-Bench question.jsonl are), and chat records in any shape the
+tokenize stage reads (ShareGPT, OpenAI messages, instruction pairs, ...), whose user turns are taken in order
+and whose assistant turns are dropped: the answers come from the target during evaluation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import fsspec
 
-from dflash_core.data.formats import DEFAULT_ROLES, MESSAGE_KEYS
+from dflash_core.data.formats import Conversation, to_conversation
 from dflash_core.errors import InputError
 
 
@@ -32,22 +32,16 @@ class Instance:
 
 
 def _chat_turns(record: Any) -> list[tuple[str, str]] | None:
-    """[(canonical role, content)] of a ShareGPT/OpenAI record; None when it has no list of turn objects."""
-    keys = [k for k in MESSAGE_KEYS if isinstance(record, dict) and k in record]
-    turns = record[keys[0]] if keys else None
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+    """[(canonical role, content)] of a chat record in any shape tokenize reads (`to_conversation`); None when
+    it is not one."""
+    conv = to_conversation(record, require_assistant=False) if isinstance(record, dict) else None
+    if not isinstance(conv, Conversation):
         return None
-    return [
-        (
-            DEFAULT_ROLES.get(str(t.get("role", t.get("from", ""))).lower()) or "user",
-            str(t.get("content", t.get("value", ""))),
-        )
-        for t in turns
-    ]
+    return [(m["role"], m["content"]) for m in conv.messages]
 
 
 def prompt_turns(record: Any) -> list[dict[str, str]] | None:
-    """The turns before the first assistant turn (ShareGPT or OpenAI messages); None without a user turn."""
+    """The turns before the first assistant turn of a chat record; None without a user turn."""
     prompt = []
     for role, content in _chat_turns(record) or []:
         if role == "assistant":
@@ -112,7 +106,8 @@ def read_instances(uri: str, limit: int | None = None) -> list[Instance]:
             out.append(instance)
     if not out:
         raise EvalDataError(
-            f"{uri}: no instances (records need 'turns' or a chat with a user turn: ShareGPT or OpenAI)"
+            f"{uri}: no instances (records need 'turns' or a chat record with a user turn, in any shape tokenize "
+            "reads)"
         )
     return out
 
