@@ -453,3 +453,35 @@ def test_csv_and_tsv_rows_are_records_with_every_cell_as_text(tmp_path: Path, qw
                                                 ["One, two.<|im_end|>"]]
     detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["unparsable"][0]
     assert detail["file"] == "a.csv" and "6 cells where the header has 3" in detail["detail"]
+
+
+def test_system_turn_on_a_template_that_refuses_it_is_folded_into_the_first_user_turn(tmp_path: Path) -> None:
+    """Gemma 2's template raises on a system turn: by default (data.system_turn auto) the system prompt goes into
+    the first user turn, and the supervised spans (a weight-0 turn included) shift with the messages; `keep`
+    drops such records with the template's message; `merge` folds on any template."""
+    def turn(who: str, text: str, **flags: object) -> dict:
+        return {"from": who, "value": text, **flags}
+
+    records = [
+        {"conversations": [turn("system", "Be terse."), turn("human", "One?"), turn("gpt", "The model is one."),
+                           turn("human", "Two?"), turn("gpt", "Two.")]},
+        {"conversations": [turn("system", "Count."), turn("human", "Three?"), turn("gpt", "Not this.", weight=0),
+                           turn("human", "Four?"), turn("gpt", "Four.")]},
+        {"conversations": [turn("human", "Five?"), turn("gpt", "Five.")]},
+    ]
+    gemma2 = tokenizer_dir("gemma2")
+    summary = _run(tmp_path, records, gemma2)
+    assert summary["kept"] == 3 and summary["dropped"] == {}
+    assert _supervised(tmp_path, gemma2) == [["The model is one.<end_of_turn>", "Two.<end_of_turn>"],
+                                             ["Four.<end_of_turn>"], ["Five.<end_of_turn>"]]
+    tok = AutoTokenizer.from_pretrained(gemma2)
+    first = tok.decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
+    assert first.startswith("<bos><start_of_turn>user\nBe terse.\n\nOne?<end_of_turn>")
+    summary = _run(tmp_path, records, gemma2, system_turn="keep", max_bad_fraction=1.0)
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_error": 2}
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_error"][0]["detail"]
+    assert "System role not supported" in detail
+    chatml = tokenizer_dir("chatml")
+    assert _run(tmp_path, records[:1], chatml, system_turn="merge")["kept"] == 1
+    text = AutoTokenizer.from_pretrained(chatml).decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
+    assert "<|im_start|>system" not in text and "<|im_start|>user\nBe terse.\n\nOne?<|im_end|>" in text

@@ -89,15 +89,23 @@ def test_template_that_rewrites_contents_masks_what_it_renders(tmp_path: Path) -
 
 
 def test_system_turn_the_template_drops_is_reported_not_lost(tmp_path: Path) -> None:
+    """A template that leaves system text out: by default (system_turn auto) the system prompt is folded into the
+    first user turn; kept as a turn of its own, the record is dropped, saying how to fix it."""
     convs = conversations(6, seed=2, system=False)
     convs[3] = [{"role": "system", "content": "Be brief."}, *convs[3]]
-    summary = _tokenize(tmp_path, [to_sharegpt(c, i) for i, c in enumerate(convs)], "llama2", max_bad_fraction=0.5)
+    records = [to_sharegpt(c, i) for i, c in enumerate(convs)]
+    assert _tokenize(tmp_path, records, "llama2")["kept"] == 6
+    ids, _ = ShardReader(str(tmp_path / "out")).rows([3])[0]
+    text = AutoTokenizer.from_pretrained(tokenizer_dir("llama2")).decode(ids)
+    assert f"[INST] Be brief.\n\n{convs[3][1]['content']} [/INST]" in text
+    assert read_manifest(str(tmp_path / "out"))["tokenizer"]["system_turn"] == "merged into the first user turn"
+    summary = _tokenize(tmp_path, records, "llama2", max_bad_fraction=0.5, system_turn="keep")
     assert summary["kept"] == 5 and summary["dropped"] == {"turn_dropped_by_template": 1}
     example = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]
     assert example["line"] == 4 and example["id"] == "c3" and "role_map" in example["detail"]
     # mapped to a role the template renders, the record is kept (Llama-2 masks include ' </s>')
     summary = _tokenize(tmp_path, [to_sharegpt(c, i) for i, c in enumerate(convs)], "llama2",
-                        role_map={"system": "user"})
+                        role_map={"system": "user"}, system_turn="keep")
     assert summary["kept"] == 6
 
 

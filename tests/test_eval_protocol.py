@@ -117,6 +117,19 @@ def test_thinking_off_reaches_the_template_and_unknown_templates_ignore_it(examp
     assert [t.endswith("no thinking\n") for t in texts] == [True, False]  # off by default
 
 
+def test_a_system_prompt_reaches_a_template_that_refuses_system_turns_in_the_first_user_turn():
+    """Gemma 2's template raises on a system turn: the prompt folds it into the first user turn, as tokenize does;
+    a template that renders system turns gets the chat as it is."""
+    from common.chat import tokenizer_dir
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to two."}]
+    gemma2 = AutoTokenizer.from_pretrained(tokenizer_dir("gemma2"))
+    assert gemma2.decode(render_prompt(gemma2, chat, False)).endswith(
+        "<start_of_turn>user\nBe brief.\n\nCount to two.<end_of_turn>\n<start_of_turn>model\n")
+    chatml = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    assert chatml.decode(render_prompt(chatml, chat, False)).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
 def hub_copy(root, repo, config, split, rows):
     """A local dataset folder laid out like the hub repo: configs and splits declared in README.md."""
     folder = root / repo

@@ -13,7 +13,7 @@ from dflash_core.data.formats import Drop, Schema, role_table
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.records import record_messages, regenerate, reply_text
-from dflash_core.regenerate.stage import thinking_enabled
+from dflash_core.regenerate.stage import settings, thinking_enabled
 
 
 def test_the_section_has_defaults_and_names_bad_keys():
@@ -37,6 +37,14 @@ def test_the_request_carries_sampling_and_the_reasoning_switch():
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"
 
 
+def test_the_cache_key_changes_with_system_turn_only_when_it_changes_what_is_sent():
+    """`merge` folds system turns before sending; auto and keep send them as they are, so a regeneration cached
+    before the setting existed stays valid."""
+    key = {v: settings(load_config("tiny-cpu", {"data.system_turn": v}).data, "t") for v in ("auto", "keep", "merge")}
+    assert key["auto"] == key["keep"] != key["merge"]
+    assert key["merge"]["reader"]["system_turn"] == "merge" and "system_turn" not in key["auto"]["reader"]
+
+
 def test_record_shapes_become_openai_messages():
     roles = role_table({})
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}], "system": "be brief"}
@@ -49,6 +57,9 @@ def test_record_shapes_become_openai_messages():
     alpaca = {"instruction": "Summarise.", "input": "Cats nap.", "output": "old reply"}
     assert record_messages(alpaca, Schema(), roles) == [{"role": "user", "content": "Summarise.\n\nCats nap."},
                                                         {"role": "assistant", "content": "old reply"}]
+    # data.system_turn merge: for a server whose template refuses system turns
+    assert record_messages(sharegpt, Schema("sharegpt", "conversations"), roles, fold=True) == [
+        {"role": "user", "content": "be brief\n\nhi"}]
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):

@@ -26,6 +26,10 @@ class DataConfig(StrictModel):
     thinking: Literal["keep", "strip"] = Field(
         "strip", description="reasoning in assistant turns: strip (render with thinking off, as the public "
         "Qwen3 drafters are trained and evaluated) or keep (rendered and supervised as the template does)")
+    system_turn: Literal["auto", "keep", "merge"] = Field(
+        "auto", description="a leading system turn: keep it as a turn of its own; merge it into the first user "
+        "turn (system text, a blank line, the user text; as Gemma's templates do); auto = merge only when the "
+        "chat template cannot render a system turn (Gemma 2, early Mistral), keep otherwise")
     batch_size: PositiveInt = 256
     num_proc: PositiveInt = 2
     rows_per_part: PositiveInt = 50_000

@@ -24,7 +24,7 @@ _CHUNK = 1 << 20
 def output_params(cfg: DataConfig, block_size: int) -> dict[str, Any]:
     """The settings that change the output bytes (not paths, batch size or process count)."""
     keep = ("format", "messages_key", "role_map", "max_length", "overlong", "max_bad_fraction",
-            "rows_per_part", "rows_per_group", "max_examples", "thinking")
+            "rows_per_part", "rows_per_group", "max_examples", "thinking", "system_turn")
     return {**cfg.model_dump(mode="json", include=set(keep)), "block_size": block_size}
 
 

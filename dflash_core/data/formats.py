@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from dflash_core.data.sources import ReadFailure
@@ -89,6 +89,30 @@ class Conversation:
     def uses_tools(self) -> bool:
         """Whether rendering needs a template that can render tool definitions or calls."""
         return bool(self.tools) or any(m.get("tool_calls") for m in self.messages)
+
+
+def system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with a leading system turn folded into the first user turn ("<system>\n\n<user>", as Gemma's
+    own templates do); None when there is nothing to fold (no leading system turn, or no user turn after it)."""
+    if not messages or messages[0]["role"] != "system":
+        return None
+    user = next((j for j, m in enumerate(messages) if m["role"] == "user"), None)
+    if user is None:
+        return None
+    out = [dict(m) for m in messages[1:]]
+    system = messages[0].get("content") or ""
+    if system.strip():
+        out[user - 1]["content"] = f"{system}\n\n{out[user - 1]['content']}"
+    return out
+
+
+def fold_system(conv: Conversation) -> Conversation:
+    """The conversation with its leading system turn folded into the first user turn (see system_folded)."""
+    messages = system_folded(conv.messages)
+    if messages is None:
+        return conv
+    return replace(conv, messages=messages, sources=conv.sources[1:],
+                   unsupervised={j - 1 for j in conv.unsupervised})
 
 
 def role_table(role_map: Mapping[str, str]) -> dict[str, str]:

@@ -23,6 +23,7 @@ class BuildSpec:
     overlong: str
     min_supervised: int
     thinking: str = "strip"
+    system_turn: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def init_worker(spec: BuildSpec, tokenizer: Any) -> None:
     """Pool initializer: the parent's tokenizer, unpickled (no AutoTokenizer import: that pulls in torch)."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking))
+    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking, spec.system_turn))
 
 
 def build_chunk(chunk: Chunk) -> ChunkResult:

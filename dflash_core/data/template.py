@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.formats import Conversation, Drop
+from dflash_core.data.formats import Conversation, Drop, fold_system, system_folded
 
 _MARK = "\ue000{}\ue001"  # private-use code points: no template trims or rewrites them
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -63,6 +63,25 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
+def renders_system(tokenizer: Any) -> bool:
+    """Whether the chat template renders a leading system turn's text (Gemma 2 and early Mistral templates raise
+    on one; some drop it silently)."""
+    probe = [{"role": "system", "content": _MARK.format(0)}, {"role": "user", "content": _MARK.format(1)},
+             {"role": "assistant", "content": _MARK.format(2)}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # the template's own refusal (raise_exception) is the answer
+        return False
+    return isinstance(text, str) and _MARK.format(0) in text
+
+
+def for_template(tokenizer: Any, messages: Messages) -> Messages:
+    """Messages as a template that cannot render system turns takes them: a leading system turn folded into the
+    first user turn; as they are for every other template (data.system_turn auto, for prompts)."""
+    folded = system_folded(messages) if messages and messages[0]["role"] == "system" else None
+    return folded if folded is not None and not renders_system(tokenizer) else messages
+
+
 def _looks_local(path: str) -> bool:
     """A path no hub id can be: absolute, relative with ./ or ~, a file URI, or deeper than owner/name."""
     return path.startswith(("/", ".", "~", "file:")) or "\\" in path or path.count("/") > 1 or path.endswith("/")
@@ -96,7 +115,7 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
 class ChatEncoder:
     """Renders conversations with the tokenizer's own chat template and masks the assistant tokens."""
 
-    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip") -> None:
+    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip", system_turn: str = "auto") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 f"tokenizer '{name}' has no chat template; use a chat model's tokenizer or add "
@@ -110,6 +129,9 @@ class ChatEncoder:
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.tools = self._renders_tools()
+        # data.system_turn: fold a leading system turn into the first user turn (always, or when auto finds the
+        # template refuses system turns or leaves their text out)
+        self.fold_system = system_turn == "merge" or (system_turn == "auto" and not renders_system(tokenizer))
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -118,6 +140,7 @@ class ChatEncoder:
         return {"name": self.name, "class": type(tok).__name__, "vocab_size": len(tok),
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
+                "system_turn": "merged into the first user turn" if self.fold_system else "kept",
                 "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
 
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
@@ -188,6 +211,8 @@ class ChatEncoder:
 
     def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
         """Token ids and assistant-only loss masks for a batch of conversations (or why each failed)."""
+        if self.fold_system:
+            convs = [fold_system(c) for c in convs]
         items = [self.inputs(c) for c in convs]
         real = self._render(items)
         marked = [_marked(messages) for messages, _ in items]

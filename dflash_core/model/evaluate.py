@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dflash_core.data.template import for_template
 from dflash_core.model.decoding import Drafter, greedy_generate, speculative_generate
 from dflash_core.model.export import load_dflash
 from dflash_core.model.instances import (
@@ -113,8 +114,10 @@ def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
 def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], thinking: bool) -> list[int]:
     """Chat template with the generation prompt, then `tokenizer.encode` (special tokens added, as the
     reference does: Qwen3 adds none; a tokenizer that adds a BOS gets a second one, in the reference too).
-    Templates that do not know `enable_thinking` ignore it."""
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    Templates that do not know `enable_thinking` ignore it; one that cannot render a system turn gets it folded
+    into the first user turn, as tokenize does by default (data.system_turn auto)."""
+    text = tokenizer.apply_chat_template(for_template(tokenizer, chat), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=thinking)
     return tokenizer.encode(text)
 
 

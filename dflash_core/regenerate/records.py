@@ -6,19 +6,23 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_core.data.formats import Drop, Schema, to_conversation
+from dflash_core.data.formats import Drop, Schema, fold_system, to_conversation
 from dflash_core.regenerate.client import Reply
 
 Messages = list[dict[str, str]]
 Send = Callable[[Messages], Awaitable[Reply]]
 
 
-def record_messages(record: Any, schema: Schema, roles: Mapping[str, str]) -> Messages | Drop:
+def record_messages(record: Any, schema: Schema, roles: Mapping[str, str], fold: bool = False) -> Messages | Drop:
     """A parsed chat record -> OpenAI-style [{role, content}] through the tokenize stage's normaliser (every
-    shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts); tool results pass through verbatim."""
+    shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts); tool results pass through verbatim. `fold`
+    (data.system_turn merge): a leading system turn goes into the first user turn, for a server whose template
+    refuses system turns."""
     conv = to_conversation(record, schema, roles, require_assistant=False)
     if isinstance(conv, Drop):
         return conv
+    if fold:
+        conv = fold_system(conv)
     if not any(m["role"] == "user" for m in conv.messages):
         return Drop("no_user_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
     return [_plain(m) for m in conv.messages]

@@ -24,11 +24,21 @@ GEMMA = (
     "<start_of_turn>{{ role }}\n{% if loop.first %}{{ first }}{% endif %}{{ m['content'] | trim }}"
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# Gemma 2's own template: refuses a system turn, and roles must alternate.
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
 # Llama-2-like, and it silently drops system turns (the stage must notice).
 LLAMA2 = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] | trim "
           "+ ' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] | trim + ' ' + eos_token }}"
           "{% endif %}{% endfor %}")
-TEMPLATES = {"chatml": (CHATML, "<|im_end|>"), "gemma": (GEMMA, "<end_of_turn>"), "llama2": (LLAMA2, " </s>")}
+TEMPLATES = {"chatml": (CHATML, "<|im_end|>"), "gemma": (GEMMA, "<end_of_turn>"), "gemma2": (GEMMA2, "<end_of_turn>"),
+             "llama2": (LLAMA2, " </s>")}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<bos>", "<start_of_turn>", "<end_of_turn>",
             "<s>", "</s>"]
 WORDS = ("the model data train loss token batch fast slow a is of and to in with we you can why how "
@@ -90,7 +100,7 @@ def tokenizer_dir(template: str) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [m["content"] for c in conversations(200) + TRICKY for m in c]
     tok.train_from_iterator(corpus, trainer)
-    bos, eos = ("<bos>", "<end_of_turn>") if template == "gemma" else ("<s>", "</s>")
+    bos, eos = ("<bos>", "<end_of_turn>") if template.startswith("gemma") else ("<s>", "</s>")
     if template == "chatml":
         bos, eos = None, "<|im_end|>"
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token="<|endoftext|>")
