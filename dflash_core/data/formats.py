@@ -243,8 +243,7 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         if as_turns is not None and (not isinstance(reply, str) or _turn_list(as_turns)):
             return key, turns + as_turns
         if isinstance(reply, str):
-            fields = FIELDS[_turn_format(turns[0]) if turns and isinstance(turns[0], dict) and
-                            _turn_format(turns[0]) else "openai"]
+            fields = FIELDS[(_turn_format(turns[0]) if turns and isinstance(turns[0], dict) else None) or "openai"]
             return key, [*turns, dict(zip(fields, ("assistant", reply), strict=True))]
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
