@@ -119,6 +119,28 @@ def test_broken_files_count_as_bad_records(tmp_path: Path) -> None:
     assert [(e["file"], e["record"]) for e in cut] == [("a.jsonl.gz", readable), ("b.json", 3)]
 
 
+@pytest.mark.parametrize("writer", ["stream", "file"])
+def test_arrow_cut_short_keeps_the_batches_before_the_cut(tmp_path: Path, writer: str) -> None:
+    """A `save_to_disk` shard (stream format) or an Arrow file cut in the middle: the whole batches before the cut
+    are read, then one truncated_file; a stream missing only its end-of-stream marker is complete."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist([to_sharegpt(c, i) for i, c in enumerate(conversations(40, seed=15))])
+    sink = pa.BufferOutputStream()
+    with (pa.ipc.new_stream if writer == "stream" else pa.ipc.new_file)(sink, table.schema) as out:
+        out.write_table(table, max_chunksize=5)
+    blob = sink.getvalue().to_pybytes()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data-00000-of-00001.arrow").write_bytes(blob[: len(blob) // 2])
+    summary = _run(src, tmp_path / "out", max_bad_fraction=1.0)
+    assert summary["dropped"] == {"truncated_file": 1} and summary["truncated_files"] == ["data-00000-of-00001.arrow"]
+    assert 10 <= summary["kept"] < 40 and summary["kept"] % 5 == 0
+    if writer == "stream":
+        (src / "data-00000-of-00001.arrow").write_bytes(blob[:-8])  # no end-of-stream marker: every batch is there
+        assert _run(src, tmp_path / "out2")["kept"] == 40
+
+
 def _readable_lines(cut_gzip: bytes) -> list[bytes]:
     """The complete lines a decompressor gets out of a gzip stream cut short."""
     import zlib

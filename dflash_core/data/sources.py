@@ -8,7 +8,7 @@ row (cells as text) are read record by record: memory stays about one record (JS
 Arrow, CSV) whatever the file size. A file holding one JSON object (or several pretty-printed ones,
 concatenated) is read whole: each object is one record.
 
-A compressed file or JSON array that ends early yields the records before the cut and then one `truncated_file`
+A compressed file, JSON array or Arrow file that ends early yields the records before the cut and then one `truncated_file`
 failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
 """
 
@@ -39,6 +39,8 @@ _PARQUET_BATCH = 1024
 _DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
 # A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data, nor is the metadata
 # beside the Arrow files of a Hugging Face `save_to_disk` folder.
+# pyarrow's messages for an IPC stream that ends inside a message (it has no typed end-of-stream error)
+_ARROW_CUT = re.compile(r"Expected to (be able to )?read \d+ .*(got|only read) \d+|only \d+ bytes available")
 _NOT_DATA = frozenset({"manifest.json", "dataset_info.json", "state.json", "dataset_dict.json"})
 
 
@@ -195,21 +197,35 @@ class FileRecords:
             self.done = record / total
 
     def _arrow(self, raw: Any) -> Iterator[RawRecord]:
-        """Arrow IPC: the streaming format `datasets` writes, or the random-access file format."""
+        """Arrow IPC: the streaming format `datasets` writes, or the random-access file format. Cut short: the
+        batches before the cut, then EOFError (a truncated_file); a file-format file without its footer (cut
+        anywhere) is read as the stream it holds after its magic bytes."""
         magic = b"" if self.file.compression else raw.read(6)
         raw.seek(0)
         batches: Iterator[pa.RecordBatch]
+        footerless = False
         if magic == b"ARROW1":
-            reader = pa.ipc.open_file(raw)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            try:
+                reader = pa.ipc.open_file(raw)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:  # no footer: the end of the file is missing
+                raw.seek(8)  # magic and padding; the stream format follows
+                batches, footerless = iter(pa.ipc.open_stream(raw)), True
         else:
             batches = iter(pa.ipc.open_stream(self._decompressed(raw)))
         record = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield RawRecord(record, None, row)
-                record += 1
-            self._update(raw)
+        try:
+            for batch in batches:
+                for row in batch.to_pylist():
+                    yield RawRecord(record, None, row)
+                    record += 1
+                self._update(raw)
+        except (pa.ArrowInvalid, OSError) as exc:
+            if not _ARROW_CUT.search(str(exc)):
+                raise
+            raise EOFError(f"the Arrow stream ends inside a message: {exc}") from exc
+        if footerless:
+            raise EOFError("the Arrow file has no footer")
 
     def _csv(self, raw: Any) -> Iterator[RawRecord]:
         """CSV/TSV with a header row, every cell read as text (quoted cells may span lines); a row with the wrong
