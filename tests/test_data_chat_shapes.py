@@ -329,10 +329,14 @@ def test_single_turn_instruction_pairs_supervise_the_reply(tmp_path: Path, qwen3
         {"prompt": [{"role": "user", "content": "Count to three."}],
          "completion": [{"role": "assistant", "content": "One, two, three."}]},
         {"id": "niv.1", "system_prompt": "You are an AI assistant.", "question": "Sky colour?", "response": "Blue."},
+        {"type": "GSM_Rephrased", "query": "Two and two?", "original_question": "2+2?", "response": "Four, so 4."},
+        {"problem": "Print one.", "solution": "print(1)", "answer": "1"},  # the worked solution, not the answer
+        {"input": "Write a haiku.", "output": "Old pond.", "domain": "generic"},  # NeMo's input/output
     ]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
-    replies = ["Five.", "Cats nap.", "Shakespeare.", "Hi!", "Four.", "Red.", "One, two, three.", "Blue."]
+    replies = ["Five.", "Cats nap.", "Shakespeare.", "Hi!", "Four.", "Red.", "One, two, three.", "Blue.",
+               "Four, so 4.", "print(1)", "Old pond."]
     assert _supervised(tmp_path, qwen3_tok) == [[r + "<|im_end|>"] for r in replies]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
@@ -355,8 +359,9 @@ def test_pair_records_that_cannot_be_read_say_why() -> None:
 
 def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp_path: Path, qwen3_tok: str) -> None:
     """Llama-Nemotron (`input` turns, `output` string with its reasoning inline, `system_prompt`), TRL's prompt
-    list with a string completion, and Capybara's {input, output} exchanges: every reply is supervised, the
-    prompts and system prompts are rendered, and a prompt list that has its own system turn gets no second one."""
+    list with a string completion, Capybara's {input, output} exchanges and LIMA's plain-string turns: every reply
+    is supervised, the prompts and system prompts are rendered, and a prompt list that has its own system turn
+    gets no second one."""
     nemotron = {"input": [{"role": "user", "content": "Explain the Pythagorean theorem."}],
                 "output": "<think>Right triangles.</think>a^2 + b^2 = c^2.", "reasoning": "on",
                 "system_prompt": "detailed thinking on", "category": "math", "used_in_training": ["Ultra"]}
@@ -365,17 +370,20 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
     trl = {"prompt": [{"role": "user", "content": "Count to two."}], "completion": "One, two."}
     capybara = {"source": "Airoboros", "conversation": [{"input": "Hi there.", "output": "Hello!"},
                                                          {"input": "And now?", "output": "Still here."}]}
-    summary = _run(tmp_path, [nemotron, own_system, trl, capybara], qwen3_tok, split=True)
-    assert summary["kept"] == 4 and summary["dropped"] == {}
+    lima = {"conversations": ["Hi there.", "Hello!", "And now?", "Still here."], "source": "stackexchange"}
+    summary = _run(tmp_path, [nemotron, own_system, trl, capybara, lima], qwen3_tok, split=True)
+    assert summary["kept"] == 5 and summary["dropped"] == {}
     assert _supervised(tmp_path, qwen3_tok) == [["a^2 + b^2 = c^2.<|im_end|>"], ["[1, 2, 3]<|im_end|>"],
-                                                ["One, two.<|im_end|>"], ["Hello!<|im_end|>", "Still here.<|im_end|>"]]
+                                                ["One, two.<|im_end|>"], ["Hello!<|im_end|>", "Still here.<|im_end|>"],
+                                                ["Hello!<|im_end|>", "Still here.<|im_end|>"]]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
     texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
     assert texts[0].startswith("<|im_start|>system\ndetailed thinking on<|im_end|>")
     assert texts[1].count("<|im_start|>system") == 1 and "Be exact." in texts[1]
     assert "Right triangles." not in texts[0]  # data.thinking: strip (the default)
-    assert texts[3].count("<|im_start|>user") == 2
+    assert texts[3].count("<|im_start|>user") == 2 and texts[4] == texts[3]
+    assert to_conversation({"conversations": ["Only a question."]}).reason == "no_assistant_turn"
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

@@ -30,14 +30,16 @@ from dflash_core.data.sources import ReadFailure
 
 MESSAGE_KEYS = ("messages", "conversations", "conversation")
 # single-turn pairs, read when a record has no message list: Alpaca (instruction, input, output), Dolly
-# (instruction, context, response), prompt/completion and question/answer records; an optional top-level system.
+# (instruction, context, response), prompt/completion, question/answer, query/response (MetaMathQA), problem/solution
+# (Magicoder) records, and NeMo's input/output (the input as the prompt when no other prompt key is there); an
+# optional top-level system.
 # A prompt as a list of turns (TRL's conversational prompt, Llama-Nemotron's input) and its reply are read as one
 # list: the reply as turns or as one assistant string.
 PROMPT_LIST_KEYS = ("prompt", "input")
 EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a user input and the assistant's output
-PROMPT_KEYS = ("instruction", "prompt", "question")
+PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem")
 CONTEXT_KEYS = ("input", "context")
-REPLY_KEYS = ("output", "response", "completion", "answer")
+REPLY_KEYS = ("output", "response", "completion", "solution", "answer")  # a worked solution before a bare answer
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
@@ -201,9 +203,11 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         if isinstance(prompt, Drop):
             return prompt
         key, raw_turns = prompt
+    elif key is None and isinstance(record.get("input"), str) and any(k in record for k in REPLY_KEYS):
+        return _pair(record, roles, require_assistant, "input")  # NeMo's input/output
     elif key is None or key not in record:
         keys = f"'{schema.key}'" if schema.key else "/".join(MESSAGE_KEYS)
-        pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} and {'/'.join(REPLY_KEYS)}"
+        pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}"
         return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])})")
     else:
         raw_turns = _as_list(record[key])
@@ -214,7 +218,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     tools = _tools(record.get("tools"))
     if isinstance(tools, Drop):
         return tools
-    raw_turns = _exchanges(raw_turns, schema.format)
+    raw_turns = _role_turns(raw_turns, schema.format)
     # a top-level system prompt: not beside an OpenAI message list (it carries its own), nor before a prompt list
     # that opens with its own system turn
     conv = _system_prefix(record, not _opens_with_system(raw_turns, roles) if key in PROMPT_LIST_KEYS
@@ -255,9 +259,12 @@ def _turn_list(value: list[Any]) -> bool:
     return bool(value) and all(isinstance(t, dict) and _turn_format(t) for t in value)
 
 
-def _exchanges(turns: list[Any], fmt: str | None) -> list[Any]:
-    """Capybara's {input, output} turns as a user turn and an assistant turn each; other turns as they are."""
+def _role_turns(turns: list[Any], fmt: str | None) -> list[Any]:
+    """Turns written without roles, given theirs: LIMA's plain strings (user first, then alternating), Capybara's
+    {input, output} exchanges (a user turn and an assistant turn each); other turns as they are."""
     role, content = FIELDS[fmt or "openai"]
+    if all(isinstance(turn, str) for turn in turns):
+        return [{role: ("user", "assistant")[i % 2], content: turn} for i, turn in enumerate(turns)]
     out: list[Any] = []
     for turn in turns:
         if isinstance(turn, dict) and _turn_format(turn) is None and all(k in turn for k in EXCHANGE_KEYS):
@@ -273,12 +280,15 @@ def _opens_with_system(turns: list[Any], roles: Mapping[str, str]) -> bool:
     return isinstance(source, str) and roles.get(source.lower()) == "system"
 
 
-def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: bool) -> Conversation | Drop:
+def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: bool,
+          prompt_key: str | None = None) -> Conversation | Drop:
     """A single-turn record: the prompt (with its input/context after a blank line) as the user turn, the reply
-    as the assistant turn; a prompt alone is a conversation to answer (regenerate) or has nothing to learn."""
-    prompt_key = next(k for k in PROMPT_KEYS if isinstance(record.get(k), str))
+    as the assistant turn; a prompt alone is a conversation to answer (regenerate) or has nothing to learn.
+    `prompt_key` None: the first of PROMPT_KEYS holding a string."""
+    prompt_key = prompt_key or next(k for k in PROMPT_KEYS if isinstance(record.get(k), str))
     user = record[prompt_key]
-    extra = next((record[k] for k in CONTEXT_KEYS if isinstance(record.get(k), str) and record[k].strip()), None)
+    extra = next((record[k] for k in CONTEXT_KEYS
+                  if k != prompt_key and isinstance(record.get(k), str) and record[k].strip()), None)
     turns: list[dict[str, Any]] = [{"role": "user", "content": user if extra is None else f"{user}\n\n{extra}"}]
     reply_key = next((k for k in REPLY_KEYS if k in record), None)
     if reply_key is not None:
