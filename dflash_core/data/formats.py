@@ -1,12 +1,13 @@
 """Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
-parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, prompt/completion).
+parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, prompt/completion, ...).
 
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
   turns whose value is the call JSON, `observation` turns; Hermes: `from: tool`), OpenAI `messages` with
   `role`/`content` (assistant `content: null` + `tool_calls` or the older `function_call`, `tool`/`function`
   messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
-- Capybara's turns, each an `{input, output}` exchange (a user turn and the assistant's reply);
+- turns without roles: Capybara's `{input, output}` exchanges (a user turn and the assistant's reply each),
+  LIMA's plain strings (user first, then alternating);
 - a prompt held as a list of turns then the reply, as turns or a string: TRL's conversational prompt/completion,
   Llama-Nemotron's `input`/`output` (with its top-level `system_prompt`);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):

@@ -8,8 +8,8 @@ row (cells as text) are read record by record: memory stays about one record (JS
 Arrow, CSV) whatever the file size. A file holding one JSON object (or several pretty-printed ones,
 concatenated) is read whole: each object is one record.
 
-A compressed file, JSON array or Arrow file that ends early yields the records before the cut and then one `truncated_file`
-failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
+A compressed file, JSON array or Arrow file that ends early yields the records before the cut and then one
+`truncated_file` failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
 _PARQUET_BATCH = 1024
 _DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
-# A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data, nor is the metadata
-# beside the Arrow files of a Hugging Face `save_to_disk` folder.
 # pyarrow's messages for an IPC stream that ends inside a message (it has no typed end-of-stream error)
 _ARROW_CUT = re.compile(r"Expected to (be able to )?read \d+ .*(got|only read) \d+|only \d+ bytes available")
+# A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data, nor is the metadata
+# beside the Arrow files of a Hugging Face `save_to_disk` folder.
 _NOT_DATA = frozenset({"manifest.json", "dataset_info.json", "state.json", "dataset_dict.json"})
 
 
