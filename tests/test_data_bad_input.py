@@ -27,7 +27,7 @@ BAD_LINES: list[tuple[str, bytes]] = [
     ("bad_utf8", b'{"messages": "\xff\xfe"}'),
     ("wrong_schema", b"[1, 2, 3]"),
     ("wrong_schema", b'{"text": "no turns here"}'),
-    ("wrong_schema", b'{"conversations": ["a string turn"]}'),
+    ("wrong_schema", b'{"conversations": ["a string turn", {"from": "gpt", "value": "then an object"}]}'),
     ("wrong_schema", b'{"conversations": {"from": "human"}}'),
     ("empty_conversation", b'{"conversations": []}'),
     ("non_string_content", b'{"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}'),

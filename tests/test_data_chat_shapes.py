@@ -493,3 +493,31 @@ def test_system_turn_on_a_template_that_refuses_it_is_folded_into_the_first_user
     assert _run(tmp_path, records[:1], chatml, system_turn="merge")["kept"] == 1
     text = AutoTokenizer.from_pretrained(chatml).decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
     assert "<|im_start|>system" not in text and "<|im_start|>user\nBe terse.\n\nOne?<|im_end|>" in text
+
+
+def test_parquet_rows_of_different_shapes_read_their_own_fields_and_nulls_are_absent(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    """A parquet file gives every column to every row: an Alpaca row has `messages: null`, a chat row has
+    `instruction: null` and `output: null`; each row is read by the fields it has."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"instruction": "Name a colour.", "input": None, "output": "Red."},
+            {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]},
+            {"input": [{"role": "user", "content": "Say bye."}], "output": "Bye."}]
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, row in enumerate(rows):  # one file per row shape: `input` is a string column in one, a list in another
+        pq.write_table(pa.Table.from_pylist([row, {k: None for k in row}]), src / f"d{i}.parquet")
+    summary = tokenize_dataset(str(src), qwen3_tok, str(tmp_path / "out"), data_config(max_bad_fraction=1.0),
+                               block_size=2)
+    assert summary["kept"] == 3 and summary["dropped"] == {"wrong_schema": 3}
+    assert _supervised(tmp_path, qwen3_tok) == [["Red.<|im_end|>"], ["Hi.<|im_end|>"], ["Bye.<|im_end|>"]]
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["wrong_schema"][0]["detail"]
+    assert "null: input, instruction, output" in detail
+    columns = [*rows[0], "messages"]  # one file, both shapes: each row holds nulls in the other's columns
+    mixed = pa.Table.from_pylist([{k: row.get(k) for k in columns} for row in rows[:2]])
+    pq.write_table(mixed, tmp_path / "mixed.parquet")
+    summary = tokenize_dataset(str(tmp_path / "mixed.parquet"), qwen3_tok, str(tmp_path / "out2"), data_config(),
+                               block_size=2)
+    assert summary["kept"] == 2 and summary["dropped"] == {}

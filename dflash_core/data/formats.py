@@ -196,7 +196,9 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     schema, roles = schema or Schema(), roles if roles is not None else DEFAULT_ROLES
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
-    key = schema.key or next((k for k in MESSAGE_KEYS if k in record), None)
+    # a null field is an absent one (parquet gives every column to every row): a row without the file's message
+    # key is read by the fields it has
+    key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
     if key is None and any(isinstance(record.get(k), str) for k in PROMPT_KEYS):
         return _pair(record, roles, require_assistant)
     raw_turns: list[Any] | None
@@ -204,12 +206,14 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         if isinstance(prompt, Drop):
             return prompt
         key, raw_turns = prompt
-    elif key is None and isinstance(record.get("input"), str) and any(k in record for k in REPLY_KEYS):
+    elif key is None and isinstance(record.get("input"), str) and _reply_key(record):
         return _pair(record, roles, require_assistant, "input")  # NeMo's input/output
-    elif key is None or key not in record:
-        keys = f"'{schema.key}'" if schema.key else "/".join(MESSAGE_KEYS)
-        pairs = "" if schema.key else f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}"
-        return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])})")
+    elif key is None:
+        keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
+        pairs = f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}"
+        nulls = sorted(str(k) for k, v in record.items() if v is None)
+        null = f"; null: {', '.join(nulls[:8])}" if nulls else ""
+        return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])}{null})")
     else:
         raw_turns = _as_list(record[key])
     if raw_turns is None:
@@ -240,7 +244,7 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         turns = _as_list(record.get(key))
         if turns is None or (key != "prompt" and not (turns and isinstance(turns[0], dict))):
             continue
-        reply_key = next((k for k in REPLY_KEYS if k in record), None)
+        reply_key = _reply_key(record)
         if reply_key is None:
             return key, turns
         reply = record[reply_key]
@@ -253,6 +257,11 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
     return None
+
+
+def _reply_key(record: dict[str, Any]) -> str | None:
+    """The first of REPLY_KEYS the record holds a value under (null = absent, as parquet rows have it)."""
+    return next((k for k in REPLY_KEYS if record.get(k) is not None), None)
 
 
 def _turn_list(value: list[Any]) -> bool:
@@ -291,7 +300,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     extra = next((record[k] for k in CONTEXT_KEYS
                   if k != prompt_key and isinstance(record.get(k), str) and record[k].strip()), None)
     turns: list[dict[str, Any]] = [{"role": "user", "content": user if extra is None else f"{user}\n\n{extra}"}]
-    reply_key = next((k for k in REPLY_KEYS if k in record), None)
+    reply_key = _reply_key(record)
     if reply_key is not None:
         if not isinstance(record[reply_key], str):
             return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
