@@ -44,8 +44,27 @@ def test_benchmark_format_and_chat_records_read_in_order_with_limit(tmp_path):
     with pytest.raises(EvalDataError, match="limit 0"):
         read_instances(str(path), limit=0)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"turns": ["ok"]}, {"turns": []}])
-    with pytest.raises(EvalDataError, match=r"bad.jsonl, record 2: 'turns' must be a non-empty list"):
+    with pytest.raises(EvalDataError, match=r"bad.jsonl, line 2: 'turns' must be a non-empty list"):
         read_instances(str(bad))
+    (tmp_path / "cut.jsonl").write_text('{"turns": ["ok"]}\n{"turns": [\n')
+    with pytest.raises(EvalDataError, match=r"cut.jsonl, line 2: invalid JSON"):
+        read_instances(str(tmp_path / "cut.jsonl"))
+    with pytest.raises(EvalDataError, match=r"no such file, folder or glob match"):
+        read_instances(str(tmp_path / "missing.jsonl"))
+
+
+def test_prompts_come_in_every_file_format_tokenize_reads(tmp_path):
+    """CSV (a pair per row), gzipped JSON lines and a `save_to_disk` Arrow folder, read in name order."""
+    import gzip
+
+    import datasets
+
+    (tmp_path / "a.csv").write_text('instruction,output\n"Sum 1 and 2.",3\n')
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"turns": ["Write a poem."]}\n'))
+    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "Hi."}]}]).save_to_disk(
+        str(tmp_path / "c"))
+    assert read_instances(str(tmp_path)) == [Instance(("Sum 1 and 2.",)), Instance(("Write a poem.",)),
+                                             Instance(("Hi.",))]
 
 
 def test_messages_feed_each_answer_back_before_the_next_user_turn():

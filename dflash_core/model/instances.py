@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
-from dflash_core.data.formats import Conversation, to_conversation
+from dflash_core.data.errors import DataError
+from dflash_core.data.formats import Conversation, Drop, parse_payload, to_conversation
+from dflash_core.data.sources import FileRecords, list_files
 from dflash_core.errors import InputError
 
 
@@ -98,10 +98,10 @@ def read_instances(uri: str, limit: int | None = None) -> list[Instance]:
     skipped."""
     check_limit(limit)
     out: list[Instance] = []
-    for path, number, record in _records(uri):
+    for where, record in _records(uri):
         if limit is not None and len(out) >= limit:
             break
-        instance = to_instance(record, f"{path}, record {number}")
+        instance = to_instance(record, where)
         if instance is not None:
             out.append(instance)
     if not out:
@@ -125,35 +125,18 @@ def messages(instance: Instance, answers: Sequence[str]) -> list[dict[str, str]]
 # ---- files -----------------------------------------------------------------------------------------------
 
 
-def _records(uri: str) -> Iterator[tuple[str, int, Any]]:
-    """(file, record number, record) from JSONL, JSON (a list) or parquet; a glob or folder reads them all."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    paths = (
-        sorted(p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet")))
-        if fs.isdir(root)
-        else sorted(fs.glob(root)) or [root]
-    )
-    for path in paths:
-        try:
-            fh = fs.open(path, "rb")
-        except FileNotFoundError:
-            raise EvalDataError(f"{path}: no such file (give a JSONL/JSON/parquet file, a glob or a folder)") from None
-        with fh:
-            if path.endswith(".parquet"):
-                import polars as pl
-
-                yield from ((path, i, r) for i, r in enumerate(pl.read_parquet(fh).iter_rows(named=True)))
-            elif path.endswith(".json"):
-                data = json.load(fh)
-                yield from ((path, i, r) for i, r in enumerate(data if isinstance(data, list) else [data]))
-            else:
-                yield from _jsonl(path, fh)
-
-
-def _jsonl(path: str, fh) -> Iterator[tuple[str, int, Any]]:
-    for number, line in enumerate(fh, start=1):
-        if line.strip():
-            try:
-                yield path, number, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalDataError(f"{path}, line {number}: invalid JSON: {exc.msg}") from None
+def _records(uri: str) -> Iterator[tuple[str, Any]]:
+    """(where, record) of every record of a file, glob or folder, in any file format tokenize reads (JSON lines,
+    JSON, parquet, Arrow, CSV/TSV; compressed too); a record that cannot be read is an EvalDataError naming it."""
+    try:
+        files = list_files(uri)
+    except DataError as exc:
+        raise EvalDataError(str(exc)) from None
+    for file in files:
+        shown = file.uri.removeprefix("file://")
+        for raw in FileRecords(file):
+            where = f"{shown}, " + (f"line {raw.line}" if raw.line is not None else f"record {raw.record + 1}")
+            parsed = parse_payload(raw.payload)
+            if isinstance(parsed, Drop):
+                raise EvalDataError(f"{where}: {parsed.detail}")
+            yield where, parsed
