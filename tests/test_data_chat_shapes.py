@@ -384,6 +384,9 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
     assert "Right triangles." not in texts[0]  # data.thinking: strip (the default)
     assert texts[3].count("<|im_start|>user") == 2 and texts[4] == texts[3]
     assert to_conversation({"conversations": ["Only a question."]}).reason == "no_assistant_turn"
+    developer = to_conversation({"messages": [{"role": "developer", "content": "Be terse."},  # OpenAI since o1
+                                              {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hi."}]})
+    assert developer.messages[0] == {"role": "system", "content": "Be terse."} and developer.sources[0] == "developer"
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

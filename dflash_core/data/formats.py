@@ -45,8 +45,8 @@ SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
-DEFAULT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
+    "system": "system", "developer": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
     "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
 }
