@@ -384,6 +384,10 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
     assert "Right triangles." not in texts[0]  # data.thinking: strip (the default)
     assert texts[3].count("<|im_start|>user") == 2 and texts[4] == texts[3]
     assert to_conversation({"conversations": ["Only a question."]}).reason == "no_assistant_turn"
+    as_cell = {"prompt": json.dumps([{"role": "user", "content": "Hi."}]), "completion": "Hello."}  # CSV export
+    assert to_conversation(as_cell).messages == [{"role": "user", "content": "Hi."},
+                                                 {"role": "assistant", "content": "Hello."}]
+    assert to_conversation({"prompt": "[1, 2]", "completion": "3"}).messages[0]["content"] == "[1, 2]"  # text
     developer = to_conversation({"messages": [{"role": "developer", "content": "Be terse."},  # OpenAI since o1
                                               {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hi."}]})
     assert developer.messages[0] == {"role": "system", "content": "Be terse."} and developer.sources[0] == "developer"

@@ -199,15 +199,13 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
     # key is read by the fields it has
     key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
-    if key is None and any(isinstance(record.get(k), str) for k in PROMPT_KEYS):
-        return _pair(record, roles, require_assistant)
     raw_turns: list[Any] | None
     if key is None and (prompt := _prompt_list(record)) is not None:
         if isinstance(prompt, Drop):
             return prompt
         key, raw_turns = prompt
-    elif key is None and isinstance(record.get("input"), str) and _reply_key(record):
-        return _pair(record, roles, require_assistant, "input")  # NeMo's input/output
+    elif key is None and (prompt_key := _prompt_key(record)) is not None:
+        return _pair(record, roles, require_assistant, prompt_key)
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
         pairs = f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}"
@@ -241,8 +239,10 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
     its reply appended: a list of turns, or a string as one assistant turn; None when the record has no such
     prompt."""
     for key in PROMPT_LIST_KEYS:
-        turns = _as_list(record.get(key))
-        if turns is None or (key != "prompt" and not (turns and isinstance(turns[0], dict))):
+        value = record.get(key)
+        turns = _as_list(value)
+        # a list under `prompt` is turns (a bad one is named); a string (a CSV cell) or `input` must hold turns
+        if turns is None or not ((key == "prompt" and isinstance(value, list)) or _turn_list(turns)):
             continue
         reply_key = _reply_key(record)
         if reply_key is None:
@@ -257,6 +257,13 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
     return None
+
+
+def _prompt_key(record: dict[str, Any]) -> str | None:
+    """The field holding a single-turn record's prompt: the first of PROMPT_KEYS holding a string, else NeMo's
+    `input` when a reply is there too."""
+    key = next((k for k in PROMPT_KEYS if isinstance(record.get(k), str)), None)
+    return key or ("input" if isinstance(record.get("input"), str) and _reply_key(record) else None)
 
 
 def _reply_key(record: dict[str, Any]) -> str | None:
@@ -291,11 +298,9 @@ def _opens_with_system(turns: list[Any], roles: Mapping[str, str]) -> bool:
 
 
 def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: bool,
-          prompt_key: str | None = None) -> Conversation | Drop:
+          prompt_key: str) -> Conversation | Drop:
     """A single-turn record: the prompt (with its input/context after a blank line) as the user turn, the reply
-    as the assistant turn; a prompt alone is a conversation to answer (regenerate) or has nothing to learn.
-    `prompt_key` None: the first of PROMPT_KEYS holding a string."""
-    prompt_key = prompt_key or next(k for k in PROMPT_KEYS if isinstance(record.get(k), str))
+    as the assistant turn; a prompt alone is a conversation to answer (regenerate) or has nothing to learn."""
     user = record[prompt_key]
     extra = next((record[k] for k in CONTEXT_KEYS
                   if k != prompt_key and isinstance(record.get(k), str) and record[k].strip()), None)
