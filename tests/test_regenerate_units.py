@@ -12,7 +12,7 @@ from dflash_core.config import ConfigError
 from dflash_core.data.formats import Drop, Schema, role_table
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
-from dflash_core.regenerate.records import record_messages, regenerate, reply_text
+from dflash_core.regenerate.records import record_messages, regenerate, rejection, reply_text
 from dflash_core.regenerate.stage import settings, thinking_enabled
 
 
@@ -57,9 +57,12 @@ def test_record_shapes_become_openai_messages():
     alpaca = {"instruction": "Summarise.", "input": "Cats nap.", "output": "old reply"}
     assert record_messages(alpaca, Schema(), roles) == [{"role": "user", "content": "Summarise.\n\nCats nap."},
                                                         {"role": "assistant", "content": "old reply"}]
-    # data.system_turn merge: for a server whose template refuses system turns
+    # data.system_turn merge: for a server whose template refuses system turns, as the drop of such a refusal says
     assert record_messages(sharegpt, Schema("sharegpt", "conversations"), roles, fold=True) == [
         {"role": "user", "content": "be brief\n\nhi"}]
+    refused = Rejected(400, '{"error": "System role not supported"}')
+    assert rejection(refused, record_messages(sharegpt, Schema(), roles)).endswith("set data.system_turn: merge")
+    assert rejection(refused, [{"role": "user", "content": "hi"}]) == str(refused)
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):

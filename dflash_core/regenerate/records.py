@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_core.data.formats import Drop, Schema, fold_system, to_conversation
-from dflash_core.regenerate.client import Reply
+from dflash_core.regenerate.client import Rejected, Reply
 
 Messages = list[dict[str, str]]
 Send = Callable[[Messages], Awaitable[Reply]]
@@ -34,6 +34,14 @@ def _plain(message: dict[str, Any]) -> dict[str, str]:
     if message["role"] == "tool":
         out.update({k: str(message[k]) for k in ("tool_call_id", "name") if message.get(k)})
     return out
+
+
+def rejection(exc: Rejected, messages: Messages) -> str:
+    """Why the server refused a conversation, with the fix when its template refuses the system turn (Gemma 2,
+    early Mistral: HTTP 400 'System role not supported')."""
+    if messages and messages[0]["role"] == "system" and "system" in exc.detail.lower():
+        return f"{exc}; the server's chat template may refuse system turns: set data.system_turn: merge"
+    return str(exc)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampl
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
-from dflash_core.regenerate.records import Messages, Regenerated, record_messages, regenerate
+from dflash_core.regenerate.records import Messages, Regenerated, record_messages, regenerate, rejection
 from dflash_core.regenerate.server import local_server, servable_model
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class _Run:
                     result = await regenerate(messages, lambda m: self._send(endpoint, m),
                                               self.cfg.keep_truncated, self.keep_thinking)
                 except Rejected as exc:
-                    result = Regenerated(drop=Drop("rejected_by_server", str(exc)))
+                    result = Regenerated(drop=Drop("rejected_by_server", rejection(exc, messages)))
                 except Unavailable as exc:
                     if await endpoint.responsive():  # the server is fine: only this request fails
                         result = Regenerated(drop=Drop("server_error", str(exc)))
