@@ -46,8 +46,8 @@ ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
-    "system": "system", "developer": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "system": "system", "developer": "system", "human": "user", "user": "user", "gpt": "assistant",
+    "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
 }
 CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
@@ -252,8 +252,8 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         if as_turns is not None and (not isinstance(reply, str) or _turn_list(as_turns)):
             return key, turns + as_turns
         if isinstance(reply, str):
-            fields = FIELDS[(_turn_format(turns[0]) if turns and isinstance(turns[0], dict) else None) or "openai"]
-            return key, [*turns, dict(zip(fields, ("assistant", reply), strict=True))]
+            fmt = _turn_format(turns[0]) if turns and isinstance(turns[0], dict) else None
+            return key, [*turns, _new_turn(fmt, "assistant", reply)]
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
     return None
@@ -272,23 +272,29 @@ def _reply_key(record: dict[str, Any]) -> str | None:
 
 
 def _turn_list(value: list[Any]) -> bool:
-    """Whether a list parsed from a string is a list of turns (and not an answer that is itself JSON)."""
+    """Whether a list (given as such, or parsed from a string) is a list of turns, and not, say, an answer that
+    is itself JSON."""
     return bool(value) and all(isinstance(t, dict) and _turn_format(t) for t in value)
 
 
 def _role_turns(turns: list[Any], fmt: str | None) -> list[Any]:
     """Turns written without roles, given theirs: LIMA's plain strings (user first, then alternating), Capybara's
     {input, output} exchanges (a user turn and an assistant turn each); other turns as they are."""
-    role, content = FIELDS[fmt or "openai"]
     if all(isinstance(turn, str) for turn in turns):
-        return [{role: ("user", "assistant")[i % 2], content: turn} for i, turn in enumerate(turns)]
+        return [_new_turn(fmt, ("user", "assistant")[i % 2], turn) for i, turn in enumerate(turns)]
     out: list[Any] = []
     for turn in turns:
         if isinstance(turn, dict) and _turn_format(turn) is None and all(k in turn for k in EXCHANGE_KEYS):
-            out += [{role: "user", content: turn["input"]}, {role: "assistant", content: turn["output"]}]
+            out += [_new_turn(fmt, "user", turn["input"]), _new_turn(fmt, "assistant", turn["output"])]
         else:
             out.append(turn)
     return out
+
+
+def _new_turn(fmt: str | None, role: str, text: Any) -> dict[str, Any]:
+    """A turn as a file of format `fmt` writes it (OpenAI's role/content when the format is not known)."""
+    role_field, content_field = FIELDS[fmt or "openai"]
+    return {role_field: role, content_field: text}
 
 
 def _opens_with_system(turns: list[Any], roles: Mapping[str, str]) -> bool:

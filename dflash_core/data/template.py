@@ -78,7 +78,7 @@ def renders_system(tokenizer: Any) -> bool:
 def for_template(tokenizer: Any, messages: Messages) -> Messages:
     """Messages as a template that cannot render system turns takes them: a leading system turn folded into the
     first user turn; as they are for every other template (data.system_turn auto, for prompts)."""
-    folded = system_folded(messages) if messages and messages[0]["role"] == "system" else None
+    folded = system_folded(messages)
     return folded if folded is not None and not renders_system(tokenizer) else messages
 
 
