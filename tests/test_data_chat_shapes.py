@@ -16,7 +16,7 @@ from common.chat import data_config, tokenizer_dir, write_jsonl
 from transformers import AutoTokenizer
 
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.formats import Conversation, to_conversation
+from dflash_core.data.formats import Conversation, merge_same_roles, same_role_groups, to_conversation
 from dflash_core.data.shards import ShardReader, read_manifest
 from dflash_core.data.template import chat_template_inputs, load_tokenizer
 from dflash_core.data.tokenize import tokenize_dataset
@@ -500,6 +500,79 @@ def test_system_turn_on_a_template_that_refuses_it_is_folded_into_the_first_user
     assert _run(tmp_path, records[:1], chatml, system_turn="merge")["kept"] == 1
     text = AutoTokenizer.from_pretrained(chatml).decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
     assert "<|im_start|>system" not in text and "<|im_start|>user\nBe terse.\n\nOne?<|im_end|>" in text
+
+
+def test_same_role_turns_in_a_row_are_merged_for_a_template_that_refuses_them(tmp_path: Path) -> None:
+    """Gemma 2's template raises unless roles alternate: by default (data.same_role_turns auto) two user turns in
+    a row become one, and so do two trained assistant turns (one supervised span, texts joined by a blank line);
+    a weight-0 assistant turn never merges with a trained one (the record stays a template_error drop); `keep`
+    drops every such record; a template that renders them (ChatML) keeps the turns apart unless `merge`."""
+    def turn(who: str, text: str, **flags: object) -> dict:
+        return {"from": who, "value": text, **flags}
+
+    records = [
+        {"conversations": [turn("human", "One?"), turn("human", "Or two?"), turn("gpt", "The model is one.")]},
+        {"conversations": [turn("system", "Count."), turn("human", "Three?"), turn("gpt", "Three."),
+                           turn("gpt", "Then four."), turn("human", "Five?"), turn("gpt", "Five.")]},
+        {"conversations": [turn("human", "Six?"), turn("gpt", "Not this.", weight=0), turn("gpt", "Six.")]},
+        {"conversations": [turn("human", "Seven?"), turn("gpt", "Seven and more.")]},
+    ]
+    gemma2 = tokenizer_dir("gemma2")
+    summary = _run(tmp_path, records, gemma2, max_bad_fraction=1.0)
+    assert summary["kept"] == 3 and summary["dropped"] == {"template_error": 1}
+    assert _supervised(tmp_path, gemma2) == [["The model is one.<end_of_turn>"], ["Three.\n\nThen four.<end_of_turn>",
+                                                                       "Five.<end_of_turn>"], ["Seven and more.<end_of_turn>"]]
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["tokenizer"]["same_role_turns"] == "merged into one turn"
+    assert "roles must alternate" in manifest["drop_examples"]["template_error"][0]["detail"]
+    tok = AutoTokenizer.from_pretrained(gemma2)
+    reader = ShardReader(str(tmp_path / "out"))
+    assert tok.decode(reader.rows([0])[0][0]).startswith("<bos><start_of_turn>user\nOne?\n\nOr two?<end_of_turn>")
+    assert tok.decode(reader.rows([1])[0][0]).startswith("<bos><start_of_turn>user\nCount.\n\nThree?<end_of_turn>")
+
+    summary = _run(tmp_path, records, gemma2, same_role_turns="keep", max_bad_fraction=1.0)
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_error": 3}
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["tokenizer"]["same_role_turns"] == "kept"
+    assert manifest["drop_examples"]["template_error"][0]["detail"].endswith(
+        "data.same_role_turns: merge makes turns of one role in a row one turn)")
+
+    chatml = tokenizer_dir("chatml")
+    assert _run(tmp_path, records[:2], chatml)["kept"] == 2
+    assert _supervised(tmp_path, chatml)[1] == ["Three.<|im_end|>", "Then four.<|im_end|>", "Five.<|im_end|>"]
+    assert _run(tmp_path, records[:2], chatml, same_role_turns="merge")["kept"] == 2
+    assert _supervised(tmp_path, chatml)[1] == ["Three.\n\nThen four.<|im_end|>", "Five.<|im_end|>"]
+    text = AutoTokenizer.from_pretrained(chatml).decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
+    assert "<|im_start|>user\nOne?\n\nOr two?<|im_end|>" in text
+
+
+def test_merging_same_role_turns_keeps_sources_supervision_and_structured_turns() -> None:
+    """Only plain user or assistant turns merge: tool calls and results, a turn with its own reasoning after the
+    first, and turns of different supervision stay apart; blank texts add no separator; a merged turn keeps its
+    first turn's source role and supervision."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conv = Conversation(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "  "}, {"role": "user", "content": "b"},
+         {"role": "assistant", "content": "x", "reasoning_content": "why"}, {"role": "assistant", "content": "y"},
+         {"role": "assistant", "content": "z", "reasoning_content": "again"},
+         {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "tool", "content": "1", "tool_call_id": "c1"}, {"role": "tool", "content": "2", "tool_call_id": "c1"},
+         {"role": "assistant", "content": "p"}, {"role": "assistant", "content": "q"}],
+        sources=["human", "human", "user", "gpt", "gpt", "gpt", "function_call", "observation", "observation",
+                 "gpt", "gpt"],
+        unsupervised={9})
+    assert same_role_groups(conv.messages, conv.unsupervised) == [[0, 1, 2], [3, 4], [5], [6], [7], [8], [9], [10]]
+    merged = merge_same_roles(conv)
+    assert merged.messages[:2] == [{"role": "user", "content": "a\n\nb"},
+                                   {"role": "assistant", "content": "x\n\ny", "reasoning_content": "why"}]
+    assert [m["role"] for m in merged.messages] == ["user"] + ["assistant"] * 3 + ["tool", "tool"] + ["assistant"] * 2
+    assert merged.sources == ["human", "gpt", "gpt", "function_call", "observation", "observation", "gpt", "gpt"]
+    assert merged.unsupervised == {6}
+    assert conv.messages[0]["content"] == "a"  # the input is not changed
+    conv.unsupervised = set()
+    assert merge_same_roles(conv).messages[-1] == {"role": "assistant", "content": "p\n\nq"}
+    plain = Conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert merge_same_roles(plain) is plain
 
 
 def test_parquet_rows_of_different_shapes_read_their_own_fields_and_nulls_are_absent(

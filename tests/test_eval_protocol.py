@@ -149,6 +149,20 @@ def test_a_system_prompt_reaches_a_template_that_refuses_system_turns_in_the_fir
     assert chatml.decode(render_prompt(chatml, chat, False)).startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
+def test_same_role_turns_in_a_prompt_are_merged_for_a_template_that_refuses_them():
+    """Gemma 2's template raises unless roles alternate: a prompt's two user turns in a row become one, as tokenize
+    does; a template that renders them gets them apart."""
+    from common.chat import tokenizer_dir
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to two."},
+            {"role": "user", "content": "Then stop."}]
+    gemma2 = AutoTokenizer.from_pretrained(tokenizer_dir("gemma2"))
+    assert gemma2.decode(render_prompt(gemma2, chat, False)) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nCount to two.\n\nThen stop.<end_of_turn>\n<start_of_turn>model\n")
+    chatml = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    assert "Count to two.<|im_end|>\n<|im_start|>user\nThen stop." in chatml.decode(render_prompt(chatml, chat, False))
+
+
 def hub_copy(root, repo, config, split, rows):
     """A local dataset folder laid out like the hub repo: configs and splits declared in README.md."""
     folder = root / repo

@@ -37,12 +37,13 @@ def test_the_request_carries_sampling_and_the_reasoning_switch():
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"
 
 
-def test_the_cache_key_changes_with_system_turn_only_when_it_changes_what_is_sent():
-    """`merge` folds system turns before sending; auto and keep send them as they are, so a regeneration cached
-    before the setting existed stays valid."""
-    key = {v: settings(load_config("tiny-cpu", {"data.system_turn": v}).data, "t") for v in ("auto", "keep", "merge")}
+@pytest.mark.parametrize("name", ["system_turn", "same_role_turns"])
+def test_the_cache_key_changes_with_a_turn_setting_only_when_it_changes_what_is_sent(name: str):
+    """`merge` folds system turns (or merges same-role turns) before sending; auto and keep send them as they are,
+    so a regeneration cached before the setting existed stays valid."""
+    key = {v: settings(load_config("tiny-cpu", {f"data.{name}": v}).data, "t") for v in ("auto", "keep", "merge")}
     assert key["auto"] == key["keep"] != key["merge"]
-    assert key["merge"]["reader"]["system_turn"] == "merge" and "system_turn" not in key["auto"]["reader"]
+    assert key["merge"]["reader"][name] == "merge" and name not in key["auto"]["reader"]
 
 
 def test_record_shapes_become_openai_messages():
@@ -63,6 +64,14 @@ def test_record_shapes_become_openai_messages():
     refused = Rejected(400, '{"error": "System role not supported"}')
     assert rejection(refused, record_messages(sharegpt, Schema(), roles)).endswith("set data.system_turn: merge")
     assert rejection(refused, [{"role": "user", "content": "hi"}]) == str(refused)
+    # data.same_role_turns merge: two user turns in a row become one, for a server whose template refuses them
+    twice = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"},
+                          {"role": "assistant", "content": "old"}]}
+    assert record_messages(twice, Schema(), roles, merge=True) == [{"role": "user", "content": "hi\n\nthere"},
+                                                                   {"role": "assistant", "content": "old"}]
+    alternate = Rejected(400, '{"error": "Conversation roles must alternate user/assistant/user/assistant/..."}')
+    assert rejection(alternate, record_messages(twice, Schema(), roles)).endswith("set data.same_role_turns: merge")
+    assert rejection(alternate, record_messages(twice, Schema(), roles, merge=True)) == str(alternate)
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):

@@ -30,6 +30,10 @@ class DataConfig(StrictModel):
         "auto", description="a leading system turn: keep it as a turn of its own; merge it into the first user "
         "turn (system text, a blank line, the user text; as Gemma's templates do); auto = merge only when the "
         "chat template cannot render a system turn (Gemma 2, early Mistral), keep otherwise")
+    same_role_turns: Literal["auto", "keep", "merge"] = Field(
+        "auto", description="two or more user turns in a row (or assistant turns): keep them as they are; merge "
+        "each run into one turn (texts joined by a blank line; assistant turns only when all or none are trained "
+        "on); auto = merge only when the chat template refuses them (Gemma, Mistral: roles must alternate)")
     batch_size: PositiveInt = 256
     num_proc: PositiveInt = 2
     rows_per_part: PositiveInt = 50_000

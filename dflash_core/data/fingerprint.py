@@ -12,7 +12,7 @@ import fsspec
 from dflash_core.data.config import DataConfig
 from dflash_core.data.sources import SourceFile, list_files
 
-VERSION = "dflash-tokenized-v4"  # bump when the output format, the masking rules or the records read change
+VERSION = "dflash-tokenized-v5"  # bump when the output format, the masking rules or the records read change
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -24,7 +24,7 @@ _CHUNK = 1 << 20
 def output_params(cfg: DataConfig, block_size: int) -> dict[str, Any]:
     """The settings that change the output bytes (not paths, batch size or process count)."""
     keep = ("format", "messages_key", "role_map", "max_length", "overlong", "max_bad_fraction",
-            "rows_per_part", "rows_per_group", "max_examples", "thinking", "system_turn")
+            "rows_per_part", "rows_per_group", "max_examples", "thinking", "system_turn", "same_role_turns")
     return {**cfg.model_dump(mode="json", include=set(keep)), "block_size": block_size}
 
 

@@ -118,6 +118,51 @@ def fold_system(conv: Conversation) -> Conversation:
                    unsupervised={j - 1 for j in conv.unsupervised})
 
 
+def same_role_groups(messages: list[dict[str, Any]], unsupervised: set[int] | frozenset[int] = frozenset()
+                     ) -> list[list[int]]:
+    """Runs of consecutive user turns, or of consecutive assistant turns, that can become one turn: plain text
+    turns (no tool calls, ids or names), reasoning only on a run's first turn, and for assistant turns the same
+    supervision (a weight-0 turn never merges with a trained one). Every other message is a run of its own."""
+    groups: list[list[int]] = []
+    for j, m in enumerate(messages):
+        last = groups[-1][-1] if groups else None
+        if last is not None and _joins(messages[last], m) and (last in unsupervised) == (j in unsupervised):
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
+
+
+def _joins(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    plain = {"role", "content", "reasoning_content"}
+    return (a["role"] == b["role"] and a["role"] in ("user", "assistant") and set(a) <= plain
+            and set(b) <= plain and not b.get("reasoning_content"))
+
+
+def same_roles_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each run of consecutive same-role turns (see same_role_groups) made one turn, their
+    texts joined by a blank line: Gemma and Mistral templates refuse two user (or assistant) turns in a row."""
+    return [_merged(messages, group) for group in same_role_groups(messages)]
+
+
+def _merged(messages: list[dict[str, Any]], group: list[int]) -> dict[str, Any]:
+    out = dict(messages[group[0]])
+    if len(group) > 1:
+        out["content"] = "\n\n".join(t for t in (messages[j].get("content") or "" for j in group) if t.strip())
+    return out
+
+
+def merge_same_roles(conv: Conversation) -> Conversation:
+    """The conversation with consecutive same-role turns merged (see same_role_groups); a merged turn keeps its
+    first turn's source role, and is left out of the loss when its turns were."""
+    groups = same_role_groups(conv.messages, conv.unsupervised)
+    if len(groups) == len(conv.messages):
+        return conv
+    return replace(conv, messages=[_merged(conv.messages, g) for g in groups],
+                   sources=[conv.source(g[0]) for g in groups],
+                   unsupervised={k for k, g in enumerate(groups) if g[0] in conv.unsupervised})
+
+
 def role_table(role_map: Mapping[str, str]) -> dict[str, str]:
     """The default role names plus the config's role_map (which wins), keyed by lower-case name."""
     return {**DEFAULT_ROLES, **{k.lower(): v for k, v in role_map.items()}}

@@ -24,6 +24,7 @@ class BuildSpec:
     min_supervised: int
     thinking: str = "strip"
     system_turn: str = "auto"
+    same_role_turns: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ def init_worker(spec: BuildSpec, tokenizer: Any) -> None:
     """Pool initializer: the parent's tokenizer, unpickled (no AutoTokenizer import: that pulls in torch)."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking, spec.system_turn))
+    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking, spec.system_turn,
+                                                  spec.same_role_turns))
 
 
 def build_chunk(chunk: Chunk) -> ChunkResult:

@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.formats import Conversation, Drop, fold_system, system_folded
+from dflash_core.data.formats import (
+    Conversation,
+    Drop,
+    fold_system,
+    merge_same_roles,
+    same_role_groups,
+    same_roles_merged,
+    system_folded,
+)
 
 _MARK = "\ue000{}\ue001"  # private-use code points: no template trims or rewrites them
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -75,11 +83,26 @@ def renders_system(tokenizer: Any) -> bool:
     return isinstance(text, str) and _MARK.format(0) in text
 
 
+def renders_same_role_turns(tokenizer: Any) -> bool:
+    """Whether the chat template renders two user turns in a row and two assistant turns in a row, each text
+    kept (Gemma's and Mistral's templates raise: roles must alternate)."""
+    probe = [{"role": r, "content": _MARK.format(k)} for k, r in enumerate(("user", "user", "assistant", "assistant"))]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # the template's own refusal (raise_exception) is the answer
+        return False
+    return isinstance(text, str) and all(_MARK.format(k) in text for k in range(len(probe)))
+
+
 def for_template(tokenizer: Any, messages: Messages) -> Messages:
-    """Messages as a template that cannot render system turns takes them: a leading system turn folded into the
-    first user turn; as they are for every other template (data.system_turn auto, for prompts)."""
+    """Messages as the template takes them, as tokenize does by default (data.system_turn and
+    data.same_role_turns auto; for prompts): a leading system turn folded into the first user turn where the
+    template cannot render system turns, and consecutive same-role turns merged where it refuses them."""
     folded = system_folded(messages)
-    return folded if folded is not None and not renders_system(tokenizer) else messages
+    if folded is not None and not renders_system(tokenizer):
+        messages = folded
+    merged = same_roles_merged(messages)
+    return merged if len(merged) < len(messages) and not renders_same_role_turns(tokenizer) else messages
 
 
 def _looks_local(path: str) -> bool:
@@ -115,7 +138,8 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
 class ChatEncoder:
     """Renders conversations with the tokenizer's own chat template and masks the assistant tokens."""
 
-    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip", system_turn: str = "auto") -> None:
+    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip", system_turn: str = "auto",
+                 same_role_turns: str = "auto") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 f"tokenizer '{name}' has no chat template; use a chat model's tokenizer or add "
@@ -132,6 +156,10 @@ class ChatEncoder:
         # data.system_turn: fold a leading system turn into the first user turn (always, or when auto finds the
         # template refuses system turns or leaves their text out)
         self.fold_system = system_turn == "merge" or (system_turn == "auto" and not renders_system(tokenizer))
+        # data.same_role_turns: merge consecutive user (or assistant) turns into one (always, or when auto finds
+        # the template refuses them or leaves one out)
+        self.merge_roles = same_role_turns == "merge" or (same_role_turns == "auto"
+                                                           and not renders_same_role_turns(tokenizer))
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -141,6 +169,7 @@ class ChatEncoder:
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
                 "system_turn": "merged into the first user turn" if self.fold_system else "kept",
+                "same_role_turns": "merged into one turn" if self.merge_roles else "kept",
                 "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
 
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
@@ -213,6 +242,8 @@ class ChatEncoder:
         """Token ids and assistant-only loss masks for a batch of conversations (or why each failed)."""
         if self.fold_system:
             convs = [fold_system(c) for c in convs]
+        if self.merge_roles:
+            convs = [merge_same_roles(c) for c in convs]
         items = [self.inputs(c) for c in convs]
         real = self._render(items)
         marked = [_marked(messages) for messages, _ in items]
@@ -255,8 +286,10 @@ class ChatEncoder:
                         f"'{self.name}' does not render tool calls; use a tool-calling model's tokenizer")
         if isinstance(text, Exception):
             roles = ", ".join(dict.fromkeys(f"{conv.source(j)}->{m['role']}" for j, m in enumerate(messages)))
+            runs = "" if self.merge_roles or len(same_role_groups(messages)) == len(messages) else (
+                "; data.same_role_turns: merge makes turns of one role in a row one turn")
             return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]} "
-                        f"(roles as read: {roles}; data.role_map maps a source role to another)")
+                        f"(roles as read: {roles}; data.role_map maps a source role to another{runs})")
         spans = _spliced_spans(messages, slots, text, skeleton)
         if isinstance(spans, int):
             return _dropped_turn(conv, messages, spans)

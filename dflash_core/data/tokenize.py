@@ -59,9 +59,9 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
     files = _without_output(list_files(source), out)
     tok = load_tokenizer(tokenizer)
     # fails here, before any work, on an unusable template
-    encoder = ChatEncoder(tok, tokenizer, cfg.thinking, cfg.system_turn)
+    encoder = ChatEncoder(tok, tokenizer, cfg.thinking, cfg.system_turn, cfg.same_role_turns)
     spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking,
-                     cfg.system_turn)
+                     cfg.system_turn, cfg.same_role_turns)
     fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, tok), output_params(cfg, block_size))
     run = _Run(files, cfg, progress)
     with staged_output(out, "tokenize", OWN_FILES, overwrite) as staging:

@@ -56,8 +56,10 @@ def thinking_enabled(data: DataConfig) -> bool:
 def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
     """Everything besides the input bytes that changes the output (the cache key's other half)."""
     cfg = data.regenerate
-    # system_turn only when it changes what is sent (merge): caches made before the setting existed stay valid
-    reader = {"format", "messages_key", "role_map"} | ({"system_turn"} if data.system_turn == "merge" else set())
+    # system_turn and same_role_turns only when they change what is sent (merge): caches made before the settings
+    # existed stay valid
+    reader = {"format", "messages_key", "role_map"} | {k for k in ("system_turn", "same_role_turns")
+                                                       if getattr(data, k) == "merge"}
     return {"format": FORMAT, "target": target, "model": cfg.model,
             "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
             "records_per_shard": cfg.records_per_shard, "limit": cfg.limit,
@@ -77,7 +79,7 @@ def _fingerprint(files: list[SourceFile], data: DataConfig, target: str | None) 
 def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
     """Every input record in order (up to data.regenerate.limit) with its shard and messages."""
     roles, per_shard = role_table(data.role_map), data.regenerate.records_per_shard
-    fold = data.system_turn == "merge"
+    fold, merge = data.system_turn == "merge", data.same_role_turns == "merge"
     g = 0
     for file in files:
         records = iter(FileRecords(file))
@@ -88,7 +90,7 @@ def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
             if data.regenerate.limit is not None and g >= data.regenerate.limit:
                 return
             parsed = parse_payload(raw.payload)
-            messages = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold)
+            messages = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold, merge)
             extra = {k: v for k, v in (("line", raw.line), ("id", record_id(parsed))) if v is not None}
             yield Item(g // per_shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, messages)
             g += 1
