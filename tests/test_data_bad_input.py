@@ -82,6 +82,8 @@ def test_above_the_bad_fraction_the_stage_fails_showing_examples(tmp_path: Path)
 
 
 def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Path) -> None:
+    """A conversation that opens with the assistant cannot be made to alternate: dropped with the template's
+    message; two user turns in a row are merged by default (data.same_role_turns auto) and dropped under keep."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
@@ -89,13 +91,17 @@ def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Pat
     tok.save_pretrained(tmp_path / "tok")
     twice = [{"role": "user", "content": "a b c"}, {"role": "user", "content": "d e f"},
              {"role": "assistant", "content": "the model can sort the list"}]
-    convs = [*conversations(4, seed=12, system=False), twice]
+    greeting = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "a b c"},
+                {"role": "assistant", "content": "the model can sort the list"}]
+    convs = [*conversations(4, seed=12, system=False), twice, greeting]
     data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(convs)])
-    cfg = data_config(max_bad_fraction=0.5)
-    summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(tmp_path / "out"), cfg, block_size=2)
-    assert summary["dropped"] == {"template_error": 1} and summary["kept"] == 4
-    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_error"][0]["detail"]
-    assert "alternate" in detail
+    for same_role_turns, kept in (("auto", 5), ("keep", 4)):
+        cfg = data_config(max_bad_fraction=0.5, same_role_turns=same_role_turns)
+        out = tmp_path / same_role_turns
+        summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(out), cfg, block_size=2)
+        assert summary["dropped"] == {"template_error": 6 - kept} and summary["kept"] == kept
+        details = [e["detail"] for e in read_manifest(str(out))["drop_examples"]["template_error"]]
+        assert all("roles must alternate" in d for d in details)
 
 
 def test_broken_files_count_as_bad_records(tmp_path: Path) -> None:

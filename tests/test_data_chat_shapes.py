@@ -393,6 +393,47 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
     assert developer.messages[0] == {"role": "system", "content": "Be terse."} and developer.sources[0] == "developer"
 
 
+def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_them(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    """The `chosen` side of a preference pair is the conversation: Anthropic HH-RLHF's transcript string, TRL's
+    implicit-prompt turns, Orca DPO pairs' question + chosen string, TRL's explicit prompt + chosen (string or
+    turns); `rejected` is never read. A `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant:")
+    is read too; a transcript's inline "Human:" that does not open a turn stays text."""
+    hh = {"chosen": "\n\nHuman: What is a cuss word?\n\nAssistant: A rude word.\n\nHuman: Quote Human: one?"
+                    "\n\nAssistant: No, sorry.",
+          "rejected": "\n\nHuman: What is a cuss word?\n\nAssistant: WRONG."}
+    trl_implicit = {"chosen": [{"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "Blue."}],
+                    "rejected": [{"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "WRONG."}]}
+    orca_dpo = {"system": "You are an AI assistant.", "question": "Two plus two?", "chosen": "Four, surely.",
+                "rejected": "WRONG."}
+    trl_explicit = {"prompt": "The sky is", "chosen": " blue today.", "rejected": " WRONG."}
+    trl_explicit_turns = {"prompt": [{"role": "user", "content": "Name a fruit."}],
+                          "chosen": [{"role": "assistant", "content": "A pear."}],
+                          "rejected": [{"role": "assistant", "content": "WRONG."}]}
+    guanaco = {"text": "### Human: Write a short intro.### Assistant: Here it is.### Human: Shorter?"
+                       "### Assistant: Done, shorter."}
+    records = [hh, trl_implicit, orca_dpo, trl_explicit, trl_explicit_turns, guanaco]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [
+        ["A rude word.<|im_end|>", "No, sorry.<|im_end|>"], ["Blue.<|im_end|>"], ["Four, surely.<|im_end|>"],
+        [" blue today.<|im_end|>"], ["A pear.<|im_end|>"], ["Here it is.<|im_end|>", "Done, shorter.<|im_end|>"]]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    reader = ShardReader(str(tmp_path / "out"))
+    texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
+    assert not any("WRONG" in t for t in texts)
+    assert "<|im_start|>user\nQuote Human: one?<|im_end|>" in texts[0]
+    assert texts[2].startswith("<|im_start|>system\nYou are an AI assistant.<|im_end|>")
+    assert "<|im_start|>user\nShorter?<|im_end|>" in texts[5]
+    read = to_conversation(hh)
+    assert read.sources == ["Human", "Assistant", "Human", "Assistant"]
+    # a text that is not a transcript; a transcript of a prompt alone
+    assert to_conversation({"text": "Plain prose. Human: not a turn."}).reason == "wrong_schema"
+    assert to_conversation({"text": "Human: hi"}).reason == "no_assistant_turn"  # regenerate answers it
+    assert to_conversation({"text": "### Human: hi"}, require_assistant=False).messages == [
+        {"role": "user", "content": "hi"}]
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

@@ -10,6 +10,10 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   LIMA's plain strings (user first, then alternating);
 - a prompt held as a list of turns then the reply, as turns or a string: TRL's conversational prompt/completion,
   Llama-Nemotron's `input`/`output` (with its top-level `system_prompt`);
+- preference pairs, read by their `chosen` side (`rejected` is never read): the reply of a prompt (Orca DPO
+  pairs, TRL's explicit prompt) or the whole conversation as turns (TRL's implicit prompt) or as a transcript
+  string (Anthropic HH-RLHF's "\n\nHuman: ...\n\nAssistant: ..."); a `text` transcript (OpenAssistant
+  Guanaco's "### Human: ... ### Assistant: ...");
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
 - reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
@@ -22,6 +26,7 @@ not supervised.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,7 +45,15 @@ PROMPT_LIST_KEYS = ("prompt", "input")
 EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a user input and the assistant's output
 PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem")
 CONTEXT_KEYS = ("input", "context")
-REPLY_KEYS = ("output", "response", "completion", "solution", "answer")  # a worked solution before a bare answer
+# a worked solution before a bare answer; a preference pair's `chosen` reply (Orca DPO pairs, TRL's explicit prompt)
+REPLY_KEYS = ("output", "response", "completion", "solution", "answer", "chosen")
+# a whole conversation in one field, read when a record has neither a message list nor a prompt: a preference
+# pair's `chosen` side as turns (TRL's implicit prompt) or as a transcript (Anthropic HH-RLHF's "\n\nHuman: ...
+# \n\nAssistant: ..."), or a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...")
+TRANSCRIPT_KEYS = ("chosen", "text")
+# a transcript's opening marker -> the pattern that splits it into turns (the role as written, then its text)
+TRANSCRIPTS = (("### Human:", re.compile(r"### (Human|Assistant):")),
+               ("Human:", re.compile(r"(?:^|\n\n)(Human|Assistant):")))
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
@@ -251,9 +264,12 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         key, raw_turns = prompt
     elif key is None and (prompt_key := _prompt_key(record)) is not None:
         return _pair(record, roles, require_assistant, prompt_key)
+    elif key is None and (whole := _whole_conversation(record)) is not None:
+        key, raw_turns = whole
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
-        pairs = f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}"
+        pairs = (f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}, nor turns or "
+                 f"a Human:/Assistant: transcript under {'/'.join(TRANSCRIPT_KEYS)}")
         nulls = sorted(str(k) for k, v in record.items() if v is None)
         null = f"; null: {', '.join(nulls[:8])}" if nulls else ""
         return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])}{null})")
@@ -301,6 +317,31 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
             return key, [*turns, _new_turn(fmt, "assistant", reply)]
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
+    return None
+
+
+def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
+    """(key, turns) of a record holding a whole conversation in one of TRANSCRIPT_KEYS: a list of turns, or a
+    string that opens with a transcript's first marker; None when it holds neither."""
+    for key in TRANSCRIPT_KEYS:
+        value = record.get(key)
+        turns = _as_list(value)
+        if turns is not None and _turn_list(turns):
+            return key, turns
+        if isinstance(value, str) and (transcript := _transcript(value)) is not None:
+            return key, transcript
+    return None
+
+
+def _transcript(text: str) -> list[dict[str, Any]] | None:
+    """A Human:/Assistant: transcript as turns (the role as written, the text stripped); None when the text does
+    not open with a transcript marker."""
+    body = text.lstrip()
+    for opener, marker in TRANSCRIPTS:
+        if body.startswith(opener):
+            parts = marker.split(body)  # ["", role, text, role, text, ...]
+            return [{"role": role, "content": said.strip()} for role, said in zip(parts[1::2], parts[2::2],
+                                                                                   strict=True)]
     return None
 
 
