@@ -397,8 +397,9 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
         tmp_path: Path, qwen3_tok: str) -> None:
     """The `chosen` side of a preference pair is the conversation: Anthropic HH-RLHF's transcript string, TRL's
     implicit-prompt turns, Orca DPO pairs' question + chosen string, TRL's explicit prompt + chosen (string or
-    turns); `rejected` is never read. A `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant:")
-    is read too; a transcript's inline "Human:" that does not open a turn stays text."""
+    turns); `rejected` is never read. `text` transcripts (OpenAssistant Guanaco's "### Human: ... ### Assistant:",
+    rendered ChatML), UltraChat's `data` strings and OpenChat's `items` turns are read too; a transcript's inline
+    "Human:" that does not open a turn stays text."""
     hh = {"chosen": "\n\nHuman: What is a cuss word?\n\nAssistant: A rude word.\n\nHuman: Quote Human: one?"
                     "\n\nAssistant: No, sorry.",
           "rejected": "\n\nHuman: What is a cuss word?\n\nAssistant: WRONG."}
@@ -412,12 +413,21 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
                           "rejected": [{"role": "assistant", "content": "WRONG."}]}
     guanaco = {"text": "### Human: Write a short intro.### Assistant: Here it is.### Human: Shorter?"
                        "### Assistant: Done, shorter."}
-    records = [hh, trl_implicit, orca_dpo, trl_explicit, trl_explicit_turns, guanaco]
+    chatml = {"text": "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi there.<|im_end|>\n"
+                      "<|im_start|>assistant\nHello, friend.<|im_end|>\n"}
+    ultrachat = {"id": "7", "data": ["Name a river.", "The Nile.", "Another?", "The Amazon."]}
+    openchat = {"items": [{"from": "human", "value": "Count to two."}, {"from": "gpt", "value": "One, two."}],
+                "system": ""}
+    openmath = {"problem": "Two plus two?", "generated_solution": "It is \\boxed{4}.", "expected_answer": "4"}
+    records = [hh, trl_implicit, orca_dpo, trl_explicit, trl_explicit_turns, guanaco, chatml, ultrachat, openchat,
+               openmath]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
     assert _supervised(tmp_path, qwen3_tok) == [
         ["A rude word.<|im_end|>", "No, sorry.<|im_end|>"], ["Blue.<|im_end|>"], ["Four, surely.<|im_end|>"],
-        [" blue today.<|im_end|>"], ["A pear.<|im_end|>"], ["Here it is.<|im_end|>", "Done, shorter.<|im_end|>"]]
+        [" blue today.<|im_end|>"], ["A pear.<|im_end|>"], ["Here it is.<|im_end|>", "Done, shorter.<|im_end|>"],
+        ["Hello, friend.<|im_end|>"], ["The Nile.<|im_end|>", "The Amazon.<|im_end|>"], ["One, two.<|im_end|>"],
+        ["It is \\boxed{4}.<|im_end|>"]]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
     texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
@@ -425,11 +435,13 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     assert "<|im_start|>user\nQuote Human: one?<|im_end|>" in texts[0]
     assert texts[2].startswith("<|im_start|>system\nYou are an AI assistant.<|im_end|>")
     assert "<|im_start|>user\nShorter?<|im_end|>" in texts[5]
+    assert texts[6].startswith("<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi there.<|im_end|>")
     read = to_conversation(hh)
     assert read.sources == ["Human", "Assistant", "Human", "Assistant"]
     # a text that is not a transcript; a transcript of a prompt alone
     assert to_conversation({"text": "Plain prose. Human: not a turn."}).reason == "wrong_schema"
     assert to_conversation({"text": "Human: hi"}).reason == "no_assistant_turn"  # regenerate answers it
+    assert to_conversation({"data": ["one string"]}).reason == "wrong_schema"
     assert to_conversation({"text": "### Human: hi"}, require_assistant=False).messages == [
         {"role": "user", "content": "hi"}]
 

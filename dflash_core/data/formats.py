@@ -12,8 +12,8 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   Llama-Nemotron's `input`/`output` (with its top-level `system_prompt`);
 - preference pairs, read by their `chosen` side (`rejected` is never read): the reply of a prompt (Orca DPO
   pairs, TRL's explicit prompt) or the whole conversation as turns (TRL's implicit prompt) or as a transcript
-  string (Anthropic HH-RLHF's "\n\nHuman: ...\n\nAssistant: ..."); a `text` transcript (OpenAssistant
-  Guanaco's "### Human: ... ### Assistant: ...");
+  string (Anthropic HH-RLHF's "\n\nHuman: ...\n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items`
+  turns; a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", or rendered ChatML);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
 - reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
@@ -45,15 +45,18 @@ PROMPT_LIST_KEYS = ("prompt", "input")
 EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a user input and the assistant's output
 PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem")
 CONTEXT_KEYS = ("input", "context")
-# a worked solution before a bare answer; a preference pair's `chosen` reply (Orca DPO pairs, TRL's explicit prompt)
-REPLY_KEYS = ("output", "response", "completion", "solution", "answer", "chosen")
+# a worked solution before a bare answer (NVIDIA's OpenMath sets: generated_solution); a preference pair's `chosen`
+# reply (Orca DPO pairs, TRL's explicit prompt)
+REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen")
 # a whole conversation in one field, read when a record has neither a message list nor a prompt: a preference
 # pair's `chosen` side as turns (TRL's implicit prompt) or as a transcript (Anthropic HH-RLHF's "\n\nHuman: ...
-# \n\nAssistant: ..."), or a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...")
-TRANSCRIPT_KEYS = ("chosen", "text")
+# \n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items` turns (plain strings, user first, or turn objects);
+# a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", or ChatML as rendered)
+TRANSCRIPT_KEYS = ("chosen", "data", "items", "text")
 # a transcript's opening marker -> the pattern that splits it into turns (the role as written, then its text)
 TRANSCRIPTS = (("### Human:", re.compile(r"### (Human|Assistant):")),
-               ("Human:", re.compile(r"(?:^|\n\n)(Human|Assistant):")))
+               ("Human:", re.compile(r"(?:^|\n\n)(Human|Assistant):")),
+               ("<|im_start|>", re.compile(r"<\|im_start\|>(\w+)\n")))
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
@@ -321,12 +324,13 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
 
 
 def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
-    """(key, turns) of a record holding a whole conversation in one of TRANSCRIPT_KEYS: a list of turns, or a
-    string that opens with a transcript's first marker; None when it holds neither."""
+    """(key, turns) of a record holding a whole conversation in one of TRANSCRIPT_KEYS: a list of turns (turn
+    objects, or two or more plain strings), or a string that opens with a transcript's first marker; None when it
+    holds neither."""
     for key in TRANSCRIPT_KEYS:
         value = record.get(key)
         turns = _as_list(value)
-        if turns is not None and _turn_list(turns):
+        if turns is not None and (_turn_list(turns) or (len(turns) > 1 and all(isinstance(t, str) for t in turns))):
             return key, turns
         if isinstance(value, str) and (transcript := _transcript(value)) is not None:
             return key, transcript
@@ -334,14 +338,14 @@ def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
 
 
 def _transcript(text: str) -> list[dict[str, Any]] | None:
-    """A Human:/Assistant: transcript as turns (the role as written, the text stripped); None when the text does
-    not open with a transcript marker."""
+    """A transcript as turns (the role as written, the text stripped, ChatML's <|im_end|> cut off); None when the
+    text does not open with a transcript marker."""
     body = text.lstrip()
     for opener, marker in TRANSCRIPTS:
         if body.startswith(opener):
             parts = marker.split(body)  # ["", role, text, role, text, ...]
-            return [{"role": role, "content": said.strip()} for role, said in zip(parts[1::2], parts[2::2],
-                                                                                   strict=True)]
+            return [{"role": role, "content": said.strip().removesuffix("<|im_end|>").strip()}
+                    for role, said in zip(parts[1::2], parts[2::2], strict=True)]
     return None
 
 
