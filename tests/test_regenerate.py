@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from common.regenerate import (
     data_config,
@@ -204,6 +205,26 @@ def test_a_dying_endpoint_leaves_its_records_to_the_other(target_server, example
     assert reference["kept"] == 8 and output_records(out) == output_records(tmp_path / "ref")
 
 
+def test_replicas_are_local_servers_side_by_side_sharing_the_records(target_server, example_assets, example_slice,
+                                                                    tmp_path):
+    """data.regenerate.replicas: 2 starts two servers of the target, each with its own log, both answer real
+    requests, and the output equals one server's (greedy); both are stopped when the stage ends."""
+    source = example_slice(8)
+    out = tmp_path / "out"
+    small_cache = ["--cb-max-memory-percent", "0.05"]  # warm-up ~10 s instead of ~30 s; throughput is not tested
+    summary = regenerate_dataset(source, str(out), data_config(source, replicas=2, concurrency=2,
+                                                               serve_args=small_cache),
+                                 target=example_assets.target, tokenizer=example_assets.tokenizer)
+    assert summary["complete"] and summary["read"] == 8 and summary["dropped"] == {}
+    logs = [(out / ".work" / name).read_text() for name in ("server.log", "server-1.log")]
+    assert all(log.count("POST /v1/chat/completions") > 1 for log in logs)  # the warm-up and real requests
+    assert all("Finished server process" in log for log in logs)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["endpoints"] == ["local transformers serve"] * 2
+    regenerate_dataset(source, str(tmp_path / "ref"), data_config(source, endpoints=[target_server.url]))
+    assert [r["messages"] for r in output_records(out)] == [r["messages"] for r in output_records(tmp_path / "ref")]
+
+
 def test_when_every_endpoint_dies_the_run_fails_then_resumes_elsewhere(target_server, example_slice, tmp_path):
     source = example_slice(6)
     port = free_port()
@@ -266,6 +287,44 @@ def test_the_server_process_group_is_stopped_and_a_failed_start_shows_the_log(tm
     with pytest.raises(RegenerateError, match="(?s)code 3.*model not found"):
         failing.wait_ready(30)
     failing.stop()
+
+
+# A server that lists its model and then refuses every request with 503 (e.g. a continuous-batching cache too
+# small to hold one request).
+REFUSING = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m"}]}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        print("cache too small for one request", flush=True)
+        self.send_response(503); self.send_header("Content-Length", "0"); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_that_refuses_its_first_request_is_one_error_with_its_log(tmp_path, monkeypatch):
+    """Both replicas start; the warm-up request of each is refused: the stage's own error, with the log, and every
+    server is stopped."""
+    import dflash_core.regenerate.server as server_module
+
+    started: list[int] = []
+
+    def command(kind, model, port, extra):
+        started.append(port)
+        return [sys.executable, "-c", REFUSING, str(port)]
+
+    monkeypatch.setattr(server_module, "server_command", command)
+    logs = [tmp_path / "server.log", tmp_path / "server-1.log"]
+    with pytest.raises(RegenerateError, match="(?s)failed its first request.*503.*cache too small"):
+        with server_module.local_servers("transformers", "m", [], logs, 30):
+            pass
+    assert len(set(started)) == 2
+    for port in started:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
 
 
 @pytest.mark.usefixtures("prefect_harness")

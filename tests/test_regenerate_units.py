@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from dflash_app.config import load_config
 from dflash_core.config import ConfigError
@@ -44,6 +45,17 @@ def test_the_cache_key_changes_with_a_turn_setting_only_when_it_changes_what_is_
     key = {v: settings(load_config("tiny-cpu", {f"data.{name}": v}).data, "t") for v in ("auto", "keep", "merge")}
     assert key["auto"] == key["keep"] != key["merge"]
     assert key["merge"]["reader"][name] == "merge" and name not in key["auto"]["reader"]
+
+
+def test_replicas_are_for_transformers_serve_only():
+    """Several vLLM or SGLang servers on one machine would fight over its GPUs: the config says to use their own
+    data parallelism instead."""
+    assert RegenerateConfig(replicas=2).replicas == 2
+    with pytest.raises(ValidationError, match="--data-parallel-size"):
+        RegenerateConfig(serve="vllm", replicas=2)
+    with pytest.raises(ValidationError, match="--dp-size"):
+        RegenerateConfig(serve="sglang", replicas=4)
+    assert RegenerateConfig(serve="vllm", replicas=1).serve == "vllm"
 
 
 def test_record_shapes_become_openai_messages():

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from dflash_core.schema import StrictModel
 
@@ -17,6 +17,10 @@ class RegenerateConfig(StrictModel):
     serve: Literal["transformers", "vllm", "sglang"] = Field(
         "transformers", description="the local server started for model.target when no endpoint is given")
     serve_args: list[str] = Field(default_factory=list, description="extra command-line flags of that server")
+    replicas: PositiveInt = Field(
+        1, description="local servers started side by side, the requests spread over them (transformers serve on "
+        "CPUs: one per core or two); vLLM and SGLang spread over GPUs themselves (serve_args "
+        "--data-parallel-size N / --dp-size N)")
     model: str | None = Field(None, description="model id sent in requests; None = the server's first (/v1/models)")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -34,6 +38,14 @@ class RegenerateConfig(StrictModel):
         False, description="flow: one Prefect task run per shard, for a work pool or a Dask/Ray task runner to "
                            "spread over machines (give endpoints: each task run would start its own server)")
     limit: PositiveInt | None = Field(None, description="regenerate only the first N input records")
+
+    @model_validator(mode="after")
+    def _replicas_on_cpu(self) -> "RegenerateConfig":
+        if self.replicas > 1 and self.serve != "transformers":
+            raise ValueError(f"replicas: {self.replicas} would start that many {self.serve} servers on the same "
+                             f"GPUs; use the server's own data parallelism in serve_args ("
+                             f"{'--data-parallel-size' if self.serve == 'vllm' else '--dp-size'} N) instead")
+        return self
 
     @field_validator("endpoints")
     @classmethod

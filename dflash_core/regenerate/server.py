@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -157,15 +158,43 @@ def warm_up(url: str) -> None:
     }).raise_for_status()
 
 
+def _warmed(server: LocalServer) -> None:
+    """warm_up, a refusal told as the server's own error with its log."""
+    try:
+        warm_up(server.url)
+    except httpx.HTTPError as exc:
+        raise RegenerateError(f"the local server failed its first request ({exc}); log {server.log_path}:\n"
+                              f"{server.log_tail()}") from None
+
+
+@contextmanager
+def local_servers(kind: str, model: str, extra: list[str], log_paths: list[Path],
+                  timeout_s: float) -> Iterator[list[str]]:
+    """Serve `model` once per log path, side by side (each its own process group and port: data parallel on one
+    machine), for the duration of the block; yields their base URLs; all are stopped on exit, error or cancel.
+    They start and warm up together, so a second replica costs little start-up time."""
+    servers: list[LocalServer] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < len(log_paths):  # a port just released can come back: each replica needs its own
+            if (port := free_port()) not in ports:
+                ports.append(port)
+        for port, path in zip(ports, log_paths, strict=True):
+            servers.append(LocalServer(server_command(kind, model, port, extra), port, path, DEFAULT_ENV[kind]))
+        deadline = time.monotonic() + timeout_s
+        for server in servers:
+            server.wait_ready(max(deadline - time.monotonic(), 1.0))
+        if kind == "transformers":  # side by side too: each takes ~30 s on the example (its cache is built)
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(_warmed, servers))
+        yield [server.url for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @contextmanager
 def local_server(kind: str, model: str, extra: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
     """Serve `model` for the duration of the block; yields its base URL; stopped on exit, error or cancel."""
-    port = free_port()
-    server = LocalServer(server_command(kind, model, port, extra), port, log_path, DEFAULT_ENV[kind])
-    try:
-        server.wait_ready(timeout_s)
-        if kind == "transformers":
-            warm_up(server.url)
-        yield server.url
-    finally:
-        server.stop()
+    with local_servers(kind, model, extra, [log_path], timeout_s) as urls:
+        yield urls[0]

@@ -29,7 +29,7 @@ from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
 from dflash_core.regenerate.records import Messages, Regenerated, record_messages, regenerate, rejection
-from dflash_core.regenerate.server import local_server, servable_model
+from dflash_core.regenerate.server import local_servers, servable_model
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
@@ -120,7 +120,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     model, seconds = cfg.model, 0.0
     if todo:
         with ExitStack() as stack:
-            urls = cfg.endpoints or [stack.enter_context(_serve(cfg, target, tokenizer, output))]
+            urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output))
             model, seconds = asyncio.run(run.execute(read_items(files, data), urls, todo))
     counts = tally(output, total_shards, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
@@ -130,22 +130,25 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
                "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint}
     if complete:
         output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
-                               "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"],
+                               "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"] * cfg.replicas,
                                "sampling": settings(data, target)["sampling"], "keep_truncated": cfg.keep_truncated,
                                "sources": [{"file": f.name, "bytes": f.size} for f in files]})
     return summary
 
 
 def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, output: OutputDir):
-    """The local server of the target (data.regenerate.serve), its log under .work/."""
+    """The local servers of the target (data.regenerate.serve, `replicas` of them), their logs under .work/
+    (server.log, then server-1.log, ...)."""
     if target is None:
         raise RegenerateError("no endpoint and no target: give --endpoint URL (or data.regenerate.endpoints) "
                               "or model.target for a local server")
     local = is_local(output.fs)
     workdir = Path(output.root, WORK) if local else Path(tempfile.mkdtemp(prefix="dflash-regenerate-"))
     model = servable_model(target, tokenizer or target, workdir)
-    log.info("starting a local %s server for %s", cfg.serve, model)
-    return local_server(cfg.serve, model, cfg.serve_args, workdir / "server.log", cfg.startup_timeout_s)
+    log.info("starting %s local %s server%s for %s", cfg.replicas, cfg.serve, "s" if cfg.replicas > 1 else "",
+             model)
+    logs = [workdir / ("server.log" if i == 0 else f"server-{i}.log") for i in range(cfg.replicas)]
+    return local_servers(cfg.serve, model, cfg.serve_args, logs, cfg.startup_timeout_s)
 
 
 class _Run:
