@@ -81,9 +81,9 @@ async def _ceiling(url: str, model: str, prompts: list[list[dict]], max_tokens: 
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def stage(url: str, source: str, out: str, max_tokens: int, concurrency: int) -> dict[str, float]:
+def stage(url: str, source: str, out: str, tokenizer: str, max_tokens: int, concurrency: int) -> dict[str, float]:
     """The stage as the CLI runs it, against the same server."""
-    data = DataConfig(source=source, tokenizer="unused", regenerate=RegenerateConfig(
+    data = DataConfig(source=source, tokenizer=tokenizer, regenerate=RegenerateConfig(
         endpoints=[url], max_tokens=max_tokens, concurrency=concurrency, keep_truncated=True))
     start = time.monotonic()
     summary = regenerate_dataset(source, out, data)
@@ -112,7 +112,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             result = {"server": "transformers serve --continuous-batching (example target, CPU)",
                       "server_ready_s": round(ready, 1), "max_tokens": args.max_tokens,
                       "naive": naive(url, model, _first_turns(naive_set)[:args.naive_records], args.max_tokens),
-                      "stage": stage(url, str(source), str(Path(tmp, "out")), args.max_tokens, args.concurrency),
+                      "stage": stage(url, str(source), str(Path(tmp, "out")), assets.tokenizer, args.max_tokens,
+                                     args.concurrency),
                       "ceiling": asyncio.run(_ceiling(url, model, _first_turns(ceiling_set), args.max_tokens))}
     result["stage_vs_naive"] = round(result["stage"]["tokens_per_s"] / result["naive"]["tokens_per_s"], 2)
     result["stage_vs_ceiling"] = round(result["stage"]["tokens_per_s"] / result["ceiling"]["tokens_per_s"], 3)

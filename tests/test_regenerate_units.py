@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -45,6 +46,40 @@ def test_the_cache_key_changes_with_a_turn_setting_only_when_it_changes_what_is_
     key = {v: settings(load_config("tiny-cpu", {f"data.{name}": v}).data, "t") for v in ("auto", "keep", "merge")}
     assert key["auto"] == key["keep"] != key["merge"]
     assert key["merge"]["reader"][name] == "merge" and name not in key["auto"]["reader"]
+
+
+def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
+    """data.system_turn / same_role_turns auto: the requests are shaped as the target's chat template needs (Gemma
+    2's refuses system turns and same-role turns in a row, its server answers 400); the cache key then says merge,
+    as an explicit merge does; ChatML gets the conversations as they are and the key of before. A tokenizer that
+    cannot be loaded sends them as they are."""
+    from common.chat import tokenizer_dir
+
+    from dflash_core.data.config import DataConfig
+    from dflash_core.data.sources import list_files
+    from dflash_core.regenerate.stage import read_items, sent_turns
+
+    source = tmp_path / "d.jsonl"
+    source.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+        {"role": "user", "content": "Count."}, {"role": "assistant", "content": "old"}]}) + "\n")
+
+    def data(tokenizer: str, **turns: str) -> DataConfig:
+        return DataConfig(source=str(source), tokenizer=tokenizer, **turns)
+
+    gemma2, chatml = tokenizer_dir("gemma2"), tokenizer_dir("chatml")
+    assert sent_turns(data(gemma2)) == (True, True) and sent_turns(data(chatml)) == (False, False)
+    assert sent_turns(data(gemma2, system_turn="keep")) == (False, True)
+    assert sent_turns(data(chatml, same_role_turns="merge")) == (False, True)
+    assert sent_turns(data(str(tmp_path / "missing"))) == (False, False)
+    [item] = read_items(list_files(str(source)), data(gemma2))
+    assert item.messages == [{"role": "user", "content": "Be brief.\n\nHi.\n\nCount."},
+                             {"role": "assistant", "content": "old"}]
+    [item] = read_items(list_files(str(source)), data(chatml))
+    assert [m["role"] for m in item.messages] == ["system", "user", "user", "assistant"]
+    explicit = settings(data(chatml, system_turn="merge", same_role_turns="merge"), "t")
+    assert settings(data(gemma2), "t") == explicit != settings(data(chatml), "t")
+    assert settings(data(chatml), "t")["reader"] == {"format": "auto", "messages_key": None, "role_map": {}}
 
 
 def test_replicas_are_for_transformers_serve_only():

@@ -7,6 +7,7 @@ endpoint dies goes back in the queue for the others; when none is left the stage
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -20,9 +21,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from dflash_core.data.config import DataConfig
+from dflash_core.data.errors import TemplateError
 from dflash_core.data.fingerprint import files_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.data.template import load_tokenizer, renders_same_role_turns, renders_system
 from dflash_core.io import is_local
 from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
@@ -53,17 +56,45 @@ def thinking_enabled(data: DataConfig) -> bool:
     return data.thinking == "keep"
 
 
+def sent_turns(data: DataConfig) -> tuple[bool, bool]:
+    """(fold, merge): whether a leading system turn is folded into the first user turn, and whether consecutive
+    same-role turns are merged, before a conversation is sent. `merge` always, `keep` never; `auto` as tokenize
+    does, when the chat template of data.tokenizer (the target's, whose server renders the requests) refuses
+    them: Gemma's and Mistral's servers answer HTTP 400 to such conversations."""
+    auto = {k for k in ("system_turn", "same_role_turns") if getattr(data, k) == "auto"}
+    fold, merge = data.system_turn == "merge", data.same_role_turns == "merge"
+    if auto:
+        refuses = _template_refuses(data.tokenizer)
+        fold = fold or ("system_turn" in auto and refuses[0])
+        merge = merge or ("same_role_turns" in auto and refuses[1])
+    return fold, merge
+
+
+@functools.lru_cache(maxsize=8)
+def _template_refuses(tokenizer: str) -> tuple[bool, bool]:
+    """(system turns, same-role turns in a row): what the tokenizer's chat template cannot render. A tokenizer
+    that cannot be loaded refuses nothing here (the requests go as they are; tokenize reports it)."""
+    try:
+        tok = load_tokenizer(tokenizer)
+    except TemplateError as exc:
+        log.warning("data.system_turn / data.same_role_turns auto: %s; conversations are sent as they are", exc)
+        return False, False
+    if not getattr(tok, "chat_template", None):
+        return False, False
+    return not renders_system(tok), not renders_same_role_turns(tok)
+
+
 def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
     """Everything besides the input bytes that changes the output (the cache key's other half)."""
     cfg = data.regenerate
-    # system_turn and same_role_turns only when they change what is sent (merge): caches made before the settings
-    # existed stay valid
-    reader = {"format", "messages_key", "role_map"} | {k for k in ("system_turn", "same_role_turns")
-                                                       if getattr(data, k) == "merge"}
+    # system_turn and same_role_turns only when they change what is sent (merged, by `merge` or by `auto` on a
+    # template that refuses them): caches made before the settings existed stay valid
+    merged = {"system_turn": "merge", "same_role_turns": "merge"}
+    reader = {**data.model_dump(mode="json", include={"format", "messages_key", "role_map"}),
+              **{k: merged[k] for k, sent in zip(merged, sent_turns(data), strict=True) if sent}}
     return {"format": FORMAT, "target": target, "model": cfg.model,
             "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
-            "records_per_shard": cfg.records_per_shard, "limit": cfg.limit,
-            "reader": data.model_dump(mode="json", include=reader)}
+            "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader}
 
 
 def regenerate_fingerprint(source: str, data: DataConfig, target: str | None) -> str:
@@ -79,7 +110,7 @@ def _fingerprint(files: list[SourceFile], data: DataConfig, target: str | None) 
 def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
     """Every input record in order (up to data.regenerate.limit) with its shard and messages."""
     roles, per_shard = role_table(data.role_map), data.regenerate.records_per_shard
-    fold, merge = data.system_turn == "merge", data.same_role_turns == "merge"
+    fold, merge = sent_turns(data)
     g = 0
     for file in files:
         records = iter(FileRecords(file))

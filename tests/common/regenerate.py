@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from common.chat import tokenizer_dir
 from dflash_core.data.config import DataConfig
 from dflash_core.regenerate.config import RegenerateConfig
 
@@ -54,9 +55,11 @@ def direct_reply(url: str, model: str, messages: list[dict], max_tokens: int) ->
 
 
 def data_config(source: str, **regenerate) -> DataConfig:
-    """A data section for the tests: short replies kept even when cut, quick retries."""
+    """A data section for the tests: short replies kept even when cut, quick retries; a ChatML tokenizer (its
+    template renders system turns and same-role turns in a row, so conversations are sent as they are)."""
     base = {"max_tokens": 24, "keep_truncated": True, "backoff_s": 0.2, "retries": 1, "concurrency": 4}
-    return DataConfig(source=source, tokenizer="unused", regenerate=RegenerateConfig(**{**base, **regenerate}))
+    return DataConfig(source=source, tokenizer=tokenizer_dir("chatml"),
+                      regenerate=RegenerateConfig(**{**base, **regenerate}))
 
 
 def write_jsonl(path: Path, records: list) -> str:
