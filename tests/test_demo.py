@@ -35,6 +35,11 @@ def test_demo_on_a_fresh_machine_completes_with_verdict_pass(tmp_path: Path, exa
     assert (cache / "prefect-home").is_dir()
     assert summary["regenerated"]["read"] == 1000 and summary["promoted"] and summary["tau"] > 1.5, summary
     assert (work / summary["drafter"] / "model.safetensors").exists()  # relative paths resolve from the cwd
+    # the preset's data.regenerate.replicas: 2 -> two servers side by side, each answered real requests (its
+    # warm-up is one) and was stopped
+    logs = [(work / summary["regenerated"]["out"] / ".work" / name).read_text() for name in ("server.log",
+                                                                                               "server-1.log")]
+    assert all(log.count("POST /v1/chat/completions") > 100 and "Finished server process" in log for log in logs)
     assert "Traceback" not in proc.stderr
 
 

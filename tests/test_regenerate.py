@@ -205,26 +205,6 @@ def test_a_dying_endpoint_leaves_its_records_to_the_other(target_server, example
     assert reference["kept"] == 8 and output_records(out) == output_records(tmp_path / "ref")
 
 
-def test_replicas_are_local_servers_side_by_side_sharing_the_records(target_server, example_assets, example_slice,
-                                                                    tmp_path):
-    """data.regenerate.replicas: 2 starts two servers of the target, each with its own log, both answer real
-    requests, and the output equals one server's (greedy); both are stopped when the stage ends."""
-    source = example_slice(8)
-    out = tmp_path / "out"
-    small_cache = ["--cb-max-memory-percent", "0.05"]  # warm-up ~10 s instead of ~30 s; throughput is not tested
-    summary = regenerate_dataset(source, str(out), data_config(source, replicas=2, concurrency=2,
-                                                               serve_args=small_cache),
-                                 target=example_assets.target, tokenizer=example_assets.tokenizer)
-    assert summary["complete"] and summary["read"] == 8 and summary["dropped"] == {}
-    logs = [(out / ".work" / name).read_text() for name in ("server.log", "server-1.log")]
-    assert all(log.count("POST /v1/chat/completions") > 1 for log in logs)  # the warm-up and real requests
-    assert all("Finished server process" in log for log in logs)
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["endpoints"] == ["local transformers serve"] * 2
-    regenerate_dataset(source, str(tmp_path / "ref"), data_config(source, endpoints=[target_server.url]))
-    assert [r["messages"] for r in output_records(out)] == [r["messages"] for r in output_records(tmp_path / "ref")]
-
-
 def test_when_every_endpoint_dies_the_run_fails_then_resumes_elsewhere(target_server, example_slice, tmp_path):
     source = example_slice(6)
     port = free_port()

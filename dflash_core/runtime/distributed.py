@@ -100,9 +100,13 @@ def gather_objects(obj: Any, env: DistEnv) -> list[Any]:
     return out
 
 
-def shutdown(env: DistEnv) -> None:
-    """Wait for every rank, then destroy the process group."""
+def wait_for_all(env: DistEnv) -> None:
+    """Return when every rank got here (every rank's files are written)."""
+    if dist.is_initialized() and env.world_size > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Destroy the process group, if there is one."""
     if dist.is_initialized():
-        if env.world_size > 1:
-            dist.barrier()
         dist.destroy_process_group()

@@ -4,7 +4,8 @@ DFLASH_FAULT is a comma-separated list of `kind@step` or `kind@step:rank` (rank 
 - `prefetch@N`, `target@N`, `drafter@N`: raise InjectedFault in that stage on the first micro-batch of plan step N;
 - `nan@N`: multiply the first micro-batch's loss of step N by NaN (the step must be skipped and counted);
 - `kill@N`: SIGKILL this process before step N starts (a rank dying without any cleanup);
-- `crash_in_checkpoint@N`: SIGKILL the writing rank halfway through writing the checkpoint of step N.
+- `crash_in_checkpoint@N`: SIGKILL the writing rank halfway through writing the checkpoint of step N;
+- `hang_at_exit@0`: the rank's teardown after a finished run never returns (the exit watchdog must end it).
 Unset in production; nothing here runs unless the variable is set.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from dflash_core.errors import InputError
 
-KINDS = ("prefetch", "target", "drafter", "nan", "kill", "crash_in_checkpoint")
+KINDS = ("prefetch", "target", "drafter", "nan", "kill", "crash_in_checkpoint", "hang_at_exit")
 
 
 class InjectedFault(RuntimeError):

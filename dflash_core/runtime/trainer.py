@@ -33,7 +33,7 @@ from dflash_core.runtime.distributed import (
     init_process_group,
     replica_devices,
     resolve_device,
-    shutdown,
+    wait_for_all,
 )
 from dflash_core.runtime.efficiency import FlopMeter, SteadyRate
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
@@ -244,7 +244,7 @@ class Trainer:
     def _export(self) -> None:
         if self.env.is_main:  # swapped in whole: a crash mid-export never leaves a half drafter to serve
             replace_dir(str(self.out / "drafter"), lambda staged: save_dflash(self.drafter, staged))
-        shutdown(self.env)
+        wait_for_all(self.env)
 
     def _summary(self, last: dict[str, Any], loop: DrafterTrainLoop, tokens: int, elapsed: float) -> dict[str, Any]:
         def num(key: str) -> float | None:

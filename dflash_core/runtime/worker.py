@@ -12,6 +12,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -19,12 +21,16 @@ from transformers.utils import logging as transformers_logging
 
 from dflash_core.errors import InputError
 from dflash_core.runtime.config import RunConfig, load_run_config
-from dflash_core.runtime.distributed import DistEnv, resolve_device
+from dflash_core.runtime.distributed import DistEnv, resolve_device, shutdown
 from dflash_core.runtime.efficiency import intra_op_threads
 from dflash_core.runtime.faults import FaultPlan
 from dflash_core.runtime.process import die_with_parent, rank_error_line
 from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.trainer import Trainer, summary_line
+
+# After the summary, what is left (the process group's teardown, the log handlers) may take this long before the
+# rank leaves anyway: every file is written and every rank is past the final barrier by then.
+EXIT_GRACE_S = 15.0
 
 
 class MaskTokenError(InputError):
@@ -105,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     if env.is_main:
         print(summary_line(summary), flush=True)
-    # Everything is written (checkpoints, drafter, metrics, the W&B run finished) and the process group is gone:
-    # leave without the interpreter's teardown, which can hang with stage threads still inside torch (seen once
-    # in CI on a loaded machine: the summary printed, the rank never exited, torchrun waited)
+    # Everything is written (checkpoints, drafter, metrics, the W&B run finished) and every rank is past the final
+    # barrier. Seen twice in CI on a loaded machine: the summary printed, a rank never exited, and torchrun waited
+    # out the test's 400 s. So the teardown (process group, log handlers) gets EXIT_GRACE_S, then a watchdog ends
+    # the rank with status 0; os._exit skips the interpreter's own teardown, where such hangs live too.
+    watchdog = threading.Timer(EXIT_GRACE_S, os._exit, (0,))
+    watchdog.daemon = True
+    watchdog.start()
+    if FaultPlan.from_env(env.rank).hit("hang_at_exit", 0):  # test hook: a teardown that never returns
+        print(f"DFLASH_FAULT: hang_at_exit: rank {env.rank} hangs in its teardown", file=sys.stderr, flush=True)
+        time.sleep(3600)
+    shutdown()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
