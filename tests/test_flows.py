@@ -64,11 +64,7 @@ def test_cache_follows_content_not_paths(tmp_path, example_assets):
     replanned = retrain_drafter(config=cfg2, run_name="c", return_state=True)
     states = task_states(replanned.state_details.flow_run_id)
     assert states["tokenize"] == "Cached" and states["plan"] == "Completed"
-
-    # The output folder vanished: the cache entry is not trusted, the stage runs again.
-    shutil.rmtree(tmp_path / "store" / "tokenized")
-    rebuilt = retrain_drafter(config=cfg2, run_name="d", return_state=True)
-    assert task_states(rebuilt.state_details.flow_run_id)["tokenize"] == "Completed"
+    # a vanished output folder is not trusted as cached: test_flows_tasks.test_cached_refreshes_when_the_output_is_gone
 
 
 def test_failed_check_fails_the_flow_with_the_reason(tmp_path, example_assets, monkeypatch):
