@@ -11,10 +11,10 @@ PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build. --no-compile: Python
-	# compiles the modules it imports on first use; compiling all of torch at install took 27 of its 38 s.
-	$(PY) -m pip install -q --no-compile $(PIP_LINKS) torch==2.13.0
-	$(PY) -m pip install -q --no-compile $(PIP_LINKS) -e '.[dev,serving]'
+	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build. Installed compiled
+	# (no --no-compile): with PYTHONDONTWRITEBYTECODE set, as on CI machines, every process would compile torch anew.
+	$(PY) -m pip install -q $(PIP_LINKS) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_LINKS) -e '.[dev,serving]'
 	touch $(STAMP)
 
 demo: $(STAMP)
