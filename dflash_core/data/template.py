@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,15 +95,26 @@ def renders_same_role_turns(tokenizer: Any) -> bool:
     return isinstance(text, str) and all(_MARK.format(k) in text for k in range(len(probe)))
 
 
+def turn_shaping(tokenizer: Any, system_turn: str = "auto", same_role_turns: str = "auto") -> tuple[bool, bool]:
+    """(fold, merge): whether a leading system turn is folded into the first user turn (data.system_turn), and
+    whether consecutive same-role turns become one turn (data.same_role_turns). `merge` always, `keep` never,
+    `auto` where the chat template refuses them or leaves their text out. The template is probed only for an
+    `auto` setting; no tokenizer (None) refuses nothing."""
+    def refuses(setting: str, renders: Callable[[Any], bool]) -> bool:
+        return setting == "merge" or (setting == "auto" and tokenizer is not None and not renders(tokenizer))
+    return refuses(system_turn, renders_system), refuses(same_role_turns, renders_same_role_turns)
+
+
 def for_template(tokenizer: Any, messages: Messages) -> Messages:
-    """Messages as the template takes them, as tokenize does by default (data.system_turn and
-    data.same_role_turns auto; for prompts): a leading system turn folded into the first user turn where the
-    template cannot render system turns, and consecutive same-role turns merged where it refuses them."""
-    folded = system_folded(messages)
-    if folded is not None and not renders_system(tokenizer):
+    """Messages as the template takes them, shaped as tokenize does by default (data.system_turn and
+    data.same_role_turns auto), for prompts. The template is probed only when there is something to shape."""
+    folded, merged = system_folded(messages), same_roles_merged(messages)
+    if folded is None and len(merged) == len(messages):
+        return messages
+    fold, merge = turn_shaping(tokenizer)
+    if fold and folded is not None:
         messages = folded
-    merged = same_roles_merged(messages)
-    return merged if len(merged) < len(messages) and not renders_same_role_turns(tokenizer) else messages
+    return same_roles_merged(messages) if merge else messages
 
 
 def _looks_local(path: str) -> bool:
@@ -153,13 +165,7 @@ class ChatEncoder:
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.tools = self._renders_tools()
-        # data.system_turn: fold a leading system turn into the first user turn (always, or when auto finds the
-        # template refuses system turns or leaves their text out)
-        self.fold_system = system_turn == "merge" or (system_turn == "auto" and not renders_system(tokenizer))
-        # data.same_role_turns: merge consecutive user (or assistant) turns into one (always, or when auto finds
-        # the template refuses them or leaves one out)
-        self.merge_roles = same_role_turns == "merge" or (same_role_turns == "auto"
-                                                           and not renders_same_role_turns(tokenizer))
+        self.fold_system, self.merge_roles = turn_shaping(tokenizer, system_turn, same_role_turns)
 
     @property
     def identity(self) -> dict[str, Any]:

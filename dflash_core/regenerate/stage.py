@@ -25,7 +25,7 @@ from dflash_core.data.errors import TemplateError
 from dflash_core.data.fingerprint import files_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
-from dflash_core.data.template import load_tokenizer, renders_same_role_turns, renders_system
+from dflash_core.data.template import load_tokenizer, turn_shaping
 from dflash_core.io import is_local
 from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
@@ -57,31 +57,23 @@ def thinking_enabled(data: DataConfig) -> bool:
 
 
 def sent_turns(data: DataConfig) -> tuple[bool, bool]:
-    """(fold, merge): whether a leading system turn is folded into the first user turn, and whether consecutive
-    same-role turns are merged, before a conversation is sent. `merge` always, `keep` never; `auto` as tokenize
-    does, when the chat template of data.tokenizer (the target's, whose server renders the requests) refuses
-    them: Gemma's and Mistral's servers answer HTTP 400 to such conversations."""
-    auto = {k for k in ("system_turn", "same_role_turns") if getattr(data, k) == "auto"}
-    fold, merge = data.system_turn == "merge", data.same_role_turns == "merge"
-    if auto:
-        refuses = _template_refuses(data.tokenizer)
-        fold = fold or ("system_turn" in auto and refuses[0])
-        merge = merge or ("same_role_turns" in auto and refuses[1])
-    return fold, merge
+    """(fold, merge) for the conversations sent, as tokenize shapes them (template.turn_shaping), `auto` probing
+    the chat template of data.tokenizer: the target's, whose server renders the requests (Gemma's and
+    Mistral's servers answer HTTP 400 to a system turn or to two user turns in a row)."""
+    auto = "auto" in (data.system_turn, data.same_role_turns)
+    return turn_shaping(_probe_tokenizer(data.tokenizer) if auto else None, data.system_turn, data.same_role_turns)
 
 
 @functools.lru_cache(maxsize=8)
-def _template_refuses(tokenizer: str) -> tuple[bool, bool]:
-    """(system turns, same-role turns in a row): what the tokenizer's chat template cannot render. A tokenizer
-    that cannot be loaded refuses nothing here (the requests go as they are; tokenize reports it)."""
+def _probe_tokenizer(tokenizer: str) -> Any:
+    """The tokenizer whose chat template `auto` probes, or None where there is none to probe: one that cannot be
+    loaded (the requests go as they are; tokenize reports it), or one without a chat template."""
     try:
         tok = load_tokenizer(tokenizer)
     except TemplateError as exc:
         log.warning("data.system_turn / data.same_role_turns auto: %s; conversations are sent as they are", exc)
-        return False, False
-    if not getattr(tok, "chat_template", None):
-        return False, False
-    return not renders_system(tok), not renders_same_role_turns(tok)
+        return None
+    return tok if getattr(tok, "chat_template", None) else None
 
 
 def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
