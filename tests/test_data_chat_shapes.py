@@ -398,8 +398,9 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     """The `chosen` side of a preference pair is the conversation: Anthropic HH-RLHF's transcript string, TRL's
     implicit-prompt turns, Orca DPO pairs' question + chosen string, TRL's explicit prompt + chosen (string or
     turns); `rejected` is never read. `text` transcripts (OpenAssistant Guanaco's "### Human: ... ### Assistant:",
-    rendered ChatML), UltraChat's `data` strings and OpenChat's `items` turns are read too; a transcript's inline
-    "Human:" that does not open a turn stays text."""
+    chats rendered by ChatML, Llama 2 and 3, Gemma and Vicuna templates, Glaive's `chat`), UltraChat's `data`
+    strings and OpenChat's `items` turns are read too; a transcript's inline "Human:" that does not open a turn
+    stays text; a prompt written as a transcript is its turns."""
     hh = {"chosen": "\n\nHuman: What is a cuss word?\n\nAssistant: A rude word.\n\nHuman: Quote Human: one?"
                     "\n\nAssistant: No, sorry.",
           "rejected": "\n\nHuman: What is a cuss word?\n\nAssistant: WRONG."}
@@ -419,15 +420,31 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     openchat = {"items": [{"from": "human", "value": "Count to two."}, {"from": "gpt", "value": "One, two."}],
                 "system": ""}
     openmath = {"problem": "Two plus two?", "generated_solution": "It is \\boxed{4}.", "expected_answer": "4"}
+    # chats rendered by other templates, as tutorials' datasets store them (guanaco-llama2: Llama 2's [INST])
+    llama2 = {"text": "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nName a colour. [/INST] Red. </s>"
+                      "<s>[INST] Another? [/INST] Blue. </s>"}
+    llama3 = {"text": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nName a metal.<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\nIron.<|eot_id|>"}
+    gemma = {"text": "<bos><start_of_turn>user\nName a gas.<end_of_turn>\n<start_of_turn>model\nNeon.<end_of_turn>\n"}
+    vicuna = {"text": "USER: Name a fish. ASSISTANT: Cod.</s>USER: Another? ASSISTANT: Hake.</s>"}
+    # Glaive function calling: a "SYSTEM: " prompt beside a transcript whose calls stay text (as Hermes's)
+    glaive = {"system": "SYSTEM: You are a helpful assistant with access to the following functions.\n{...}",
+              "chat": "USER: Price of AAPL?\n\n\nASSISTANT: <functioncall> {\"name\": \"price\"} <|endoftext|>"
+                      "\n\n\nFUNCTION RESPONSE: {\"price\": 150}\n\n\nASSISTANT: It is $150. <|endoftext|>\n\n\n"}
+    # HH-RLHF's prompt/response split (Dahoas): the prompt a transcript ending in an empty "Assistant:"
+    hh_split = {"prompt": "\n\nHuman: Hi.\n\nAssistant: Hello.\n\nHuman: Bye?\n\nAssistant:",
+                "response": " Bye now.", "chosen": " Bye now.", "rejected": " WRONG."}
     records = [hh, trl_implicit, orca_dpo, trl_explicit, trl_explicit_turns, guanaco, chatml, ultrachat, openchat,
-               openmath]
+               openmath, llama2, llama3, gemma, vicuna, glaive, hh_split]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
     assert _supervised(tmp_path, qwen3_tok) == [
         ["A rude word.<|im_end|>", "No, sorry.<|im_end|>"], ["Blue.<|im_end|>"], ["Four, surely.<|im_end|>"],
         [" blue today.<|im_end|>"], ["A pear.<|im_end|>"], ["Here it is.<|im_end|>", "Done, shorter.<|im_end|>"],
         ["Hello, friend.<|im_end|>"], ["The Nile.<|im_end|>", "The Amazon.<|im_end|>"], ["One, two.<|im_end|>"],
-        ["It is \\boxed{4}.<|im_end|>"]]
+        ["It is \\boxed{4}.<|im_end|>"], ["Red.<|im_end|>", "Blue.<|im_end|>"], ["Iron.<|im_end|>"],
+        ["Neon.<|im_end|>"], ["Cod.<|im_end|>", "Hake.<|im_end|>"],
+        ['<functioncall> {"name": "price"}<|im_end|>', "It is $150.<|im_end|>"], ["Hello.<|im_end|>", "Bye now.<|im_end|>"]]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
     texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
@@ -438,6 +455,12 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     assert texts[6].startswith("<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi there.<|im_end|>")
     read = to_conversation(hh)
     assert read.sources == ["Human", "Assistant", "Human", "Assistant"]
+    assert texts[10].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>")
+    assert "<|im_start|>system\nYou are a helpful assistant with access" in texts[14]
+    assert "<tool_response>\n{\"price\": 150}\n</tool_response>" in texts[14]  # FUNCTION RESPONSE: a tool turn
+    assert to_conversation(hh_split).sources == ["Human", "Assistant", "Human", "response"]
+    assert to_conversation({"prompt": "\n\nHuman: Hi.\n\nAssistant:"}, require_assistant=False).messages == [
+        {"role": "user", "content": "Hi."}]
     # a text that is not a transcript; a transcript of a prompt alone
     assert to_conversation({"text": "Plain prose. Human: not a turn."}).reason == "wrong_schema"
     assert to_conversation({"text": "Human: hi"}).reason == "no_assistant_turn"  # regenerate answers it

@@ -51,12 +51,36 @@ REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solutio
 # a whole conversation in one field, read when a record has neither a message list nor a prompt: a preference
 # pair's `chosen` side as turns (TRL's implicit prompt) or as a transcript (Anthropic HH-RLHF's "\n\nHuman: ...
 # \n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items` turns (plain strings, user first, or turn objects);
-# a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", or ChatML as rendered)
-TRANSCRIPT_KEYS = ("chosen", "data", "items", "text")
-# a transcript's opening marker -> the pattern that splits it into turns (the role as written, then its text)
-TRANSCRIPTS = (("### Human:", re.compile(r"### (Human|Assistant):")),
-               ("Human:", re.compile(r"(?:^|\n\n)(Human|Assistant):")),
-               ("<|im_start|>", re.compile(r"<\|im_start\|>(\w+)\n")))
+# a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", a chat rendered by a template);
+# Glaive's `chat` ("USER: ... ASSISTANT: ... FUNCTION RESPONSE: ...")
+TRANSCRIPT_KEYS = ("chosen", "data", "items", "text", "chat")
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """A way of writing a conversation as one string: what it opens with (after any leading BOS marks), the
+    pattern that splits it at each turn marker (group 1: the role as written) and, where a marker is not a role
+    name, the role each marker stands for."""
+    opens: tuple[str, ...]
+    marker: re.Pattern[str]
+    roles: Mapping[str, str] = field(default_factory=dict)
+
+
+TRANSCRIPTS = (
+    Transcript(("### Human:",), re.compile(r"### (Human|Assistant):")),  # OpenAssistant Guanaco
+    Transcript(("Human:",), re.compile(r"(?:^|\n\n)(Human|Assistant):")),  # Anthropic HH-RLHF
+    Transcript(("<|im_start|>",), re.compile(r"<\|im_start\|>(\w+)\n")),  # ChatML (Qwen, Hermes)
+    Transcript(("<|start_header_id|>",), re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>")),  # Llama 3
+    Transcript(("<start_of_turn>",), re.compile(r"<start_of_turn>(\w+)\n")),  # Gemma
+    Transcript(("[INST]",), re.compile(r"\[(/?INST)\]"), {"INST": "user", "/INST": "assistant"}),  # Llama 2, Mistral
+    # Vicuna and Glaive: upper-case names after a space or a mark ("Hi ASSISTANT: Hello!</s>USER: ...")
+    Transcript(("USER:", "SYSTEM:"), re.compile(r"(?:^|(?<=[\s>]))(USER|ASSISTANT|SYSTEM|FUNCTION RESPONSE):")),
+)
+BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>")
+# what ends a turn in a rendered transcript (cut from its text): end-of-turn and end-of-sequence marks, and the
+# BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
+EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", *BOS_MARKS)
+LLAMA2_SYSTEM = re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)  # in Llama 2's first [INST]
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
@@ -65,6 +89,7 @@ DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-
     "system": "system", "developer": "system", "human": "user", "user": "user", "gpt": "assistant",
     "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
+    "function response": "tool",  # Glaive's transcripts
 }
 CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -272,7 +297,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
         pairs = (f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}, nor turns or "
-                 f"a Human:/Assistant: transcript under {'/'.join(TRANSCRIPT_KEYS)}")
+                 f"a transcript (Human:/Assistant:, USER:/ASSISTANT:, [INST], ChatML) under {'/'.join(TRANSCRIPT_KEYS)}")
         nulls = sorted(str(k) for k, v in record.items() if v is None)
         null = f"; null: {', '.join(nulls[:8])}" if nulls else ""
         return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])}{null})")
@@ -338,15 +363,32 @@ def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
 
 
 def _transcript(text: str) -> list[dict[str, Any]] | None:
-    """A transcript as turns (the role as written, the text stripped, ChatML's <|im_end|> cut off); None when the
-    text does not open with a transcript marker."""
-    body = text.lstrip()
-    for opener, marker in TRANSCRIPTS:
-        if body.startswith(opener):
-            parts = marker.split(body)  # ["", role, text, role, text, ...]
-            return [{"role": role, "content": said.strip().removesuffix("<|im_end|>").strip()}
-                    for role, said in zip(parts[1::2], parts[2::2], strict=True)]
+    """A transcript as turns (the role as written, the text stripped of end-of-turn marks); None when the text
+    does not open with a transcript's first marker. Llama 2's <<SYS>> block becomes a system turn of its own."""
+    body = _without_prefix(text.lstrip(), BOS_MARKS)
+    for way in TRANSCRIPTS:
+        if body.startswith(way.opens):
+            parts = way.marker.split(body)  # [before, role, text, role, text, ...]
+            turns = [{"role": way.roles.get(role, role), "content": _without_suffix(said.strip(), EOT_MARKS)}
+                     for role, said in zip(parts[1::2], parts[2::2], strict=True)]
+            system = LLAMA2_SYSTEM.match(turns[0]["content"]) if way.roles and turns else None
+            if system is not None:
+                turns[:1] = [{"role": "system", "content": system.group(1).strip()},
+                             {"role": "user", "content": turns[0]["content"][system.end():]}]
+            return turns
     return None
+
+
+def _without_prefix(text: str, marks: tuple[str, ...]) -> str:
+    while text.startswith(marks):
+        text = text[len(next(m for m in marks if text.startswith(m))):].lstrip()
+    return text
+
+
+def _without_suffix(text: str, marks: tuple[str, ...]) -> str:
+    while text.endswith(marks):
+        text = text[:-len(next(m for m in marks if text.endswith(m)))].rstrip()
+    return text
 
 
 def _prompt_key(record: dict[str, Any]) -> str | None:
@@ -401,27 +443,38 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     extra = next((record[k] for k in CONTEXT_KEYS
                   if k != prompt_key and isinstance(record.get(k), str) and record[k].strip()), None)
     turns: list[dict[str, Any]] = [{"role": "user", "content": user if extra is None else f"{user}\n\n{extra}"}]
+    # a prompt written as a transcript (HH-RLHF's "\n\nHuman: ...\n\nAssistant:"): its turns, less the empty
+    # reply slot at its end
+    transcript = _transcript(user) if isinstance(user, str) and extra is None else None
+    if transcript:
+        slot = roles.get(transcript[-1]["role"].lower()) == "assistant" and not transcript[-1]["content"]
+        turns = transcript[:-1] if slot else transcript
     reply_key = _reply_key(record)
     if reply_key is not None:
         if not isinstance(record[reply_key], str):
             return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
-        turns.append({"role": "assistant", "content": record[reply_key]})
+        reply = record[reply_key]  # after a transcript's "Assistant:", its leading space is the marker's
+        turns.append({"role": "assistant", "content": reply.lstrip() if transcript else reply})
     conv = _system_prefix(record)
     for i, raw in enumerate(turns):
         problem = _add_turn(conv, raw, i, "openai", roles)
         if problem is not None:
             return problem
-    # the fields as written, for messages that name a turn's source
-    conv.sources[-len(turns):] = [prompt_key] + ([reply_key] if reply_key is not None else [])
+    # the fields as written, for messages that name a turn's source (a transcript's turns: the roles as written)
+    written = ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
+    if written:
+        conv.sources[-len(written):] = written
     return _checked(conv) if require_assistant else conv
 
 
 def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
     """The record's top-level system prompt as the first turn (when `wanted`): LLaMA-Factory's ShareGPT keeps it
-    in "system", OpenOrca and Llama-Nemotron in "system_prompt"."""
+    in "system", OpenOrca and Llama-Nemotron in "system_prompt", Glaive in "system" as "SYSTEM: ..." (the marker
+    cut off, as in its transcript)."""
     key = next((k for k in SYSTEM_KEYS if isinstance(record.get(k), str) and record[k]), None)
     if wanted and key is not None:
-        return Conversation([{"role": "system", "content": record[key]}], sources=[key])
+        text = record[key].removeprefix("SYSTEM:").lstrip() if record[key].startswith("SYSTEM:") else record[key]
+        return Conversation([{"role": "system", "content": text}], sources=[key])
     return Conversation([])
 
 
