@@ -82,8 +82,9 @@ def test_above_the_bad_fraction_the_stage_fails_showing_examples(tmp_path: Path)
 
 
 def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Path) -> None:
-    """A conversation that opens with the assistant cannot be made to alternate: dropped with the template's
-    message; two user turns in a row are merged by default (data.same_role_turns auto) and dropped under keep."""
+    """A template that insists on user/assistant/user/...: by default (data.same_role_turns auto) two user turns
+    in a row are merged and a reply before the first user turn is left out (noted); under keep both are dropped
+    with the template's message. A conversation without a user turn cannot be made to alternate: dropped."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
@@ -93,13 +94,15 @@ def test_records_the_template_rejects_are_dropped_with_its_message(tmp_path: Pat
              {"role": "assistant", "content": "the model can sort the list"}]
     greeting = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "a b c"},
                 {"role": "assistant", "content": "the model can sort the list"}]
-    convs = [*conversations(4, seed=12, system=False), twice, greeting]
+    alone = [{"role": "assistant", "content": "the model talks to nobody at all"}]
+    convs = [*conversations(4, seed=12, system=False), twice, greeting, alone]
     data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(convs)])
-    for same_role_turns, kept in (("auto", 5), ("keep", 4)):
+    for same_role_turns, kept, notes in (("auto", 6, {"reply_before_user": 1}), ("keep", 4, {})):
         cfg = data_config(max_bad_fraction=0.5, same_role_turns=same_role_turns)
         out = tmp_path / same_role_turns
         summary = tokenize_dataset(str(data), str(tmp_path / "tok"), str(out), cfg, block_size=2)
-        assert summary["dropped"] == {"template_error": 6 - kept} and summary["kept"] == kept
+        assert summary["dropped"] == {"template_error": 7 - kept} and summary["kept"] == kept
+        assert summary["notes"] == notes
         details = [e["detail"] for e in read_manifest(str(out))["drop_examples"]["template_error"]]
         assert all("roles must alternate" in d for d in details)
 

@@ -16,7 +16,13 @@ from common.chat import data_config, tokenizer_dir, write_jsonl
 from transformers import AutoTokenizer
 
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.formats import Conversation, merge_same_roles, same_role_groups, to_conversation
+from dflash_core.data.formats import (
+    Conversation,
+    alternate,
+    merge_same_roles,
+    same_role_groups,
+    to_conversation,
+)
 from dflash_core.data.shards import ShardReader, read_manifest
 from dflash_core.data.template import chat_template_inputs, load_tokenizer
 from dflash_core.data.tokenize import tokenize_dataset
@@ -592,30 +598,39 @@ def test_same_role_turns_in_a_row_are_merged_for_a_template_that_refuses_them(tm
                            turn("gpt", "Then four."), turn("human", "Five?"), turn("gpt", "Five.")]},
         {"conversations": [turn("human", "Six?"), turn("gpt", "Not this.", weight=0), turn("gpt", "Six.")]},
         {"conversations": [turn("human", "Seven?"), turn("gpt", "Seven and more.")]},
+        # a ShareGPT dump's reply to a prompt it lost: left out (FastChat, EAGLE and SpecForge drop it always)
+        {"conversations": [turn("system", "Be brief."), turn("gpt", "A lost answer."), turn("human", "Eight?"),
+                           turn("gpt", "Eight.")]},
     ]
     gemma2 = tokenizer_dir("gemma2")
     summary = _run(tmp_path, records, gemma2, max_bad_fraction=1.0)
-    assert summary["kept"] == 3 and summary["dropped"] == {"template_error": 1}
-    assert _supervised(tmp_path, gemma2) == [["The model is one.<end_of_turn>"], ["Three.\n\nThen four.<end_of_turn>",
-                                                                       "Five.<end_of_turn>"], ["Seven and more.<end_of_turn>"]]
+    assert summary["kept"] == 4 and summary["dropped"] == {"template_error": 1}
+    assert summary["notes"] == {"reply_before_user": 1}
+    assert _supervised(tmp_path, gemma2) == [
+        ["The model is one.<end_of_turn>"], ["Three.\n\nThen four.<end_of_turn>", "Five.<end_of_turn>"],
+        ["Seven and more.<end_of_turn>"], ["Eight.<end_of_turn>"]]
     manifest = read_manifest(str(tmp_path / "out"))
-    assert manifest["tokenizer"]["same_role_turns"] == "merged into one turn"
+    assert manifest["tokenizer"]["same_role_turns"] == "merged into one turn, replies before the first user turn left out"
+    assert "turn(s) 1 ('gpt') come before any user turn" in manifest["note_examples"]["reply_before_user"][0]["detail"]
     assert "roles must alternate" in manifest["drop_examples"]["template_error"][0]["detail"]
     tok = AutoTokenizer.from_pretrained(gemma2)
     reader = ShardReader(str(tmp_path / "out"))
     assert tok.decode(reader.rows([0])[0][0]).startswith("<bos><start_of_turn>user\nOne?\n\nOr two?<end_of_turn>")
     assert tok.decode(reader.rows([1])[0][0]).startswith("<bos><start_of_turn>user\nCount.\n\nThree?<end_of_turn>")
+    assert tok.decode(reader.rows([3])[0][0]).startswith("<bos><start_of_turn>user\nBe brief.\n\nEight?<end_of_turn>")
 
     summary = _run(tmp_path, records, gemma2, same_role_turns="keep", max_bad_fraction=1.0)
-    assert summary["kept"] == 1 and summary["dropped"] == {"template_error": 3}
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_error": 4}
     manifest = read_manifest(str(tmp_path / "out"))
     assert manifest["tokenizer"]["same_role_turns"] == "kept"
-    assert manifest["drop_examples"]["template_error"][0]["detail"].endswith(
-        "data.same_role_turns: merge makes turns of one role in a row one turn)")
+    assert all(d["detail"].endswith("data.same_role_turns: merge makes the turns alternate user/assistant)")
+               for d in manifest["drop_examples"]["template_error"])
 
     chatml = tokenizer_dir("chatml")
     assert _run(tmp_path, records[:2], chatml)["kept"] == 2
     assert _supervised(tmp_path, chatml)[1] == ["Three.<|im_end|>", "Then four.<|im_end|>", "Five.<|im_end|>"]
+    assert _run(tmp_path, records[-1:], chatml)["notes"] == {}  # a template that renders a reply first keeps it
+    assert _supervised(tmp_path, chatml) == [["A lost answer.<|im_end|>", "Eight.<|im_end|>"]]
     assert _run(tmp_path, records[:2], chatml, same_role_turns="merge")["kept"] == 2
     assert _supervised(tmp_path, chatml)[1] == ["Three.\n\nThen four.<|im_end|>", "Five.<|im_end|>"]
     text = AutoTokenizer.from_pretrained(chatml).decode(ShardReader(str(tmp_path / "out")).rows([0])[0][0])
@@ -649,6 +664,16 @@ def test_merging_same_role_turns_keeps_sources_supervision_and_structured_turns(
     assert merge_same_roles(conv).messages[-1] == {"role": "assistant", "content": "p\n\nq"}
     plain = Conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     assert merge_same_roles(plain) is plain
+    # alternate: the turns before the first user turn that are not system turns are left out, with a note
+    lead = Conversation([{"role": "system", "content": "s"}, {"role": "assistant", "content": "hi"},
+                         {"role": "tool", "content": "1"}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}],
+                        sources=["system", "gpt", "observation", "human", "gpt", "gpt"], unsupervised={1, 4})
+    shaped = alternate(lead)
+    assert [m["content"] for m in shaped.messages] == ["s", "q", "x", "y"]
+    assert shaped.sources == ["system", "human", "gpt", "gpt"] and shaped.unsupervised == {2}
+    assert [n.reason for n in shaped.notes] == ["reply_before_user"] and lead.notes == []
+    assert alternate(plain) is plain
 
 
 def test_parquet_rows_of_different_shapes_read_their_own_fields_and_nulls_are_absent(

@@ -150,8 +150,8 @@ def test_a_system_prompt_reaches_a_template_that_refuses_system_turns_in_the_fir
 
 
 def test_same_role_turns_in_a_prompt_are_merged_for_a_template_that_refuses_them():
-    """Gemma 2's template raises unless roles alternate: a prompt's two user turns in a row become one, as tokenize
-    does; a template that renders them gets them apart."""
+    """Gemma 2's template raises unless roles alternate: a prompt's two user turns in a row become one and a reply
+    before its first user turn is left out, as tokenize does; a template that renders them gets them as they are."""
     from common.chat import tokenizer_dir
 
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to two."},
@@ -161,6 +161,10 @@ def test_same_role_turns_in_a_prompt_are_merged_for_a_template_that_refuses_them
         "<bos><start_of_turn>user\nBe brief.\n\nCount to two.\n\nThen stop.<end_of_turn>\n<start_of_turn>model\n")
     chatml = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
     assert "Count to two.<|im_end|>\n<|im_start|>user\nThen stop." in chatml.decode(render_prompt(chatml, chat, False))
+    greeting = [{"role": "assistant", "content": "Ask me."}, *chat[1:]]  # a reply before the first user turn
+    assert gemma2.decode(render_prompt(gemma2, greeting, False)) == (
+        "<bos><start_of_turn>user\nCount to two.\n\nThen stop.<end_of_turn>\n<start_of_turn>model\n")
+    assert chatml.decode(render_prompt(chatml, greeting, False)).startswith("<|im_start|>assistant\nAsk me.")
 
 
 def hub_copy(root, repo, config, split, rows):

@@ -50,7 +50,8 @@ def test_the_cache_key_changes_with_a_turn_setting_only_when_it_changes_what_is_
 
 def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
     """data.system_turn / same_role_turns auto: the requests are shaped as the target's chat template needs (Gemma
-    2's refuses system turns and same-role turns in a row, its server answers 400); the cache key then says merge,
+    2's refuses system turns, same-role turns in a row and a reply before the first user turn, its server answers
+    400); the cache key then says merge,
     as an explicit merge does; ChatML gets the conversations as they are and the key of before. A tokenizer that
     cannot be loaded sends them as they are."""
     from common.chat import tokenizer_dir
@@ -61,8 +62,9 @@ def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
 
     source = tmp_path / "d.jsonl"
     source.write_text(json.dumps({"messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-        {"role": "user", "content": "Count."}, {"role": "assistant", "content": "old"}]}) + "\n")
+        {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Ask me."},
+        {"role": "user", "content": "Hi."}, {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "old"}]}) + "\n")
 
     def data(tokenizer: str, **turns: str) -> DataConfig:
         return DataConfig(source=str(source), tokenizer=tokenizer, **turns)
@@ -76,7 +78,7 @@ def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
     assert item.messages == [{"role": "user", "content": "Be brief.\n\nHi.\n\nCount."},
                              {"role": "assistant", "content": "old"}]
     [item] = read_items(list_files(str(source)), data(chatml))
-    assert [m["role"] for m in item.messages] == ["system", "user", "user", "assistant"]
+    assert [m["role"] for m in item.messages] == ["system", "assistant", "user", "user", "assistant"]
     explicit = settings(data(chatml, system_turn="merge", same_role_turns="merge"), "t")
     assert settings(data(gemma2), "t") == explicit != settings(data(chatml), "t")
     assert settings(data(chatml), "t")["reader"] == {"format": "auto", "messages_key": None, "role_map": {}}
@@ -119,6 +121,9 @@ def test_record_shapes_become_openai_messages():
     alternate = Rejected(400, '{"error": "Conversation roles must alternate user/assistant/user/assistant/..."}')
     assert rejection(alternate, record_messages(twice, Schema(), roles)).endswith("set data.same_role_turns: merge")
     assert rejection(alternate, record_messages(twice, Schema(), roles, merge=True)) == str(alternate)
+    greeting = {"messages": [{"role": "assistant", "content": "Ask me."}, *twice["messages"][1:]]}
+    assert rejection(alternate, record_messages(greeting, Schema(), roles)).endswith("set data.same_role_turns: merge")
+    assert record_messages(greeting, Schema(), roles, merge=True) == twice["messages"][1:]
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):

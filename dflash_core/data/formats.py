@@ -204,6 +204,35 @@ def merge_same_roles(conv: Conversation) -> Conversation:
                    unsupervised={k for k, g in enumerate(groups) if g[0] in conv.unsupervised})
 
 
+def leading_replies(messages: list[dict[str, Any]]) -> list[int]:
+    """The turns before the first user turn that are not system turns: a reply to a prompt the data lost (ShareGPT
+    dumps open with a "gpt" turn now and then) or a greeting; none when there is no user turn."""
+    first = next((j for j, m in enumerate(messages) if m["role"] == "user"), 0)
+    return [j for j in range(first) if messages[j]["role"] != "system"]
+
+
+def alternating(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as a template that insists on user/assistant/user/... takes them (Gemma, Mistral, Llama 2):
+    the turns before the first user turn left out (as FastChat, EAGLE and SpecForge always do), then each run of
+    same-role turns made one (see same_roles_merged)."""
+    lead = set(leading_replies(messages))
+    return same_roles_merged([m for j, m in enumerate(messages) if j not in lead])
+
+
+def alternate(conv: Conversation) -> Conversation:
+    """The conversation shaped as `alternating` does, with a note when leading turns were left out."""
+    lead = leading_replies(conv.messages)
+    if lead:
+        keep = [j for j in range(len(conv.messages)) if j not in lead]
+        sources = ", ".join(repr(conv.source(j)) for j in lead)
+        conv = replace(conv, messages=[conv.messages[j] for j in keep], sources=[conv.source(j) for j in keep],
+                       unsupervised={k for k, j in enumerate(keep) if j in conv.unsupervised},
+                       notes=[*conv.notes, Drop("reply_before_user", f"turn(s) {', '.join(map(str, lead))} "
+                                            f"({sources}) come before any user turn; left out, as the chat template "
+                                            "must open with a user turn")])
+    return merge_same_roles(conv)
+
+
 def role_table(role_map: Mapping[str, str]) -> dict[str, str]:
     """The default role names plus the config's role_map (which wins), keyed by lower-case name."""
     return {**DEFAULT_ROLES, **{k.lower(): v for k, v in role_map.items()}}

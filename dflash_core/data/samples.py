@@ -80,6 +80,7 @@ class SampleBuilder:
         parsed = [parse_payload(r.payload) for r in chunk.records]
         ids = [record_id(p) for p in parsed]
         convs = [p if isinstance(p, Drop) else to_conversation(p, chunk.schema, self.roles) for p in parsed]
+        convs = [c if isinstance(c, Drop) else self.encoder.shape(c) for c in convs]
         valid = [c for c in convs if not isinstance(c, Drop)]
         encoded = iter(self.encoder.encode(valid)) if valid else iter(())
         outcomes: list[Sample | Dropped] = []

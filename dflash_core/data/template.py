@@ -28,10 +28,11 @@ from dflash_core.data.errors import TemplateError
 from dflash_core.data.formats import (
     Conversation,
     Drop,
+    alternate,
+    alternating,
     fold_system,
-    merge_same_roles,
+    leading_replies,
     same_role_groups,
-    same_roles_merged,
     system_folded,
 )
 
@@ -84,10 +85,12 @@ def renders_system(tokenizer: Any) -> bool:
     return isinstance(text, str) and _MARK.format(0) in text
 
 
-def renders_same_role_turns(tokenizer: Any) -> bool:
-    """Whether the chat template renders two user turns in a row and two assistant turns in a row, each text
-    kept (Gemma's and Mistral's templates raise: roles must alternate)."""
-    probe = [{"role": r, "content": _MARK.format(k)} for k, r in enumerate(("user", "user", "assistant", "assistant"))]
+def renders_any_turn_order(tokenizer: Any) -> bool:
+    """Whether the chat template renders turns in any order, each text kept: a conversation that opens with an
+    assistant turn, two user turns in a row and two assistant turns in a row (Gemma's, Mistral's and Llama 2's
+    templates raise: roles must alternate user/assistant/user/...)."""
+    roles = ("assistant", "user", "user", "assistant", "assistant")
+    probe = [{"role": r, "content": _MARK.format(k)} for k, r in enumerate(roles)]
     try:
         text = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # the template's own refusal (raise_exception) is the answer
@@ -102,19 +105,18 @@ def turn_shaping(tokenizer: Any, system_turn: str = "auto", same_role_turns: str
     `auto` setting; no tokenizer (None) refuses nothing."""
     def refuses(setting: str, renders: Callable[[Any], bool]) -> bool:
         return setting == "merge" or (setting == "auto" and tokenizer is not None and not renders(tokenizer))
-    return refuses(system_turn, renders_system), refuses(same_role_turns, renders_same_role_turns)
+    return refuses(system_turn, renders_system), refuses(same_role_turns, renders_any_turn_order)
 
 
 def for_template(tokenizer: Any, messages: Messages) -> Messages:
     """Messages as the template takes them, shaped as tokenize does by default (data.system_turn and
     data.same_role_turns auto), for prompts. The template is probed only when there is something to shape."""
-    folded, merged = system_folded(messages), same_roles_merged(messages)
-    if folded is None and len(merged) == len(messages):
+    folded, alternated = system_folded(messages), alternating(messages)
+    if folded is None and alternated == messages:
         return messages
     fold, merge = turn_shaping(tokenizer)
-    if fold and folded is not None:
-        messages = folded
-    return same_roles_merged(messages) if merge else messages
+    messages = alternating(messages) if merge else messages
+    return (system_folded(messages) or messages) if fold else messages
 
 
 def _looks_local(path: str) -> bool:
@@ -175,7 +177,8 @@ class ChatEncoder:
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
                 "system_turn": "merged into the first user turn" if self.fold_system else "kept",
-                "same_role_turns": "merged into one turn" if self.merge_roles else "kept",
+                "same_role_turns": "merged into one turn, replies before the first user turn left out"
+                if self.merge_roles else "kept",
                 "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
 
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
@@ -244,12 +247,14 @@ class ChatEncoder:
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         return sorted(set(added) | set(self.tokenizer.all_special_tokens), key=len, reverse=True)
 
+    def shape(self, conv: Conversation) -> Conversation:
+        """The conversation as this template takes it: made to alternate user/assistant (data.same_role_turns),
+        then its leading system turn folded into the first user turn (data.system_turn)."""
+        conv = alternate(conv) if self.merge_roles else conv
+        return fold_system(conv) if self.fold_system else conv
+
     def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
-        """Token ids and assistant-only loss masks for a batch of conversations (or why each failed)."""
-        if self.fold_system:
-            convs = [fold_system(c) for c in convs]
-        if self.merge_roles:
-            convs = [merge_same_roles(c) for c in convs]
+        """Token ids and assistant-only loss masks for a batch of shaped conversations (or why each failed)."""
         items = [self.inputs(c) for c in convs]
         real = self._render(items)
         marked = [_marked(messages) for messages, _ in items]
@@ -292,8 +297,9 @@ class ChatEncoder:
                         f"'{self.name}' does not render tool calls; use a tool-calling model's tokenizer")
         if isinstance(text, Exception):
             roles = ", ".join(dict.fromkeys(f"{conv.source(j)}->{m['role']}" for j, m in enumerate(messages)))
-            runs = "" if self.merge_roles or len(same_role_groups(messages)) == len(messages) else (
-                "; data.same_role_turns: merge makes turns of one role in a row one turn")
+            order = len(same_role_groups(messages)) < len(messages) or leading_replies(messages)
+            runs = "; data.same_role_turns: merge makes the turns alternate user/assistant" if (
+                order and not self.merge_roles) else ""
             return Drop("template_error", f"the chat template raised {type(text).__name__}: {str(text)[:160]} "
                         f"(roles as read: {roles}; data.role_map maps a source role to another{runs})")
         spans = _spliced_spans(messages, slots, text, skeleton)

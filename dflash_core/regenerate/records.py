@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from dflash_core.data.formats import Drop, Schema, fold_system, merge_same_roles, to_conversation
+from dflash_core.data.formats import Drop, Schema, alternate, fold_system, leading_replies, to_conversation
 from dflash_core.regenerate.client import Rejected, Reply
 
 Messages = list[dict[str, str]]
@@ -18,15 +18,16 @@ def record_messages(record: Any, schema: Schema, roles: Mapping[str, str], fold:
                     merge: bool = False) -> Messages | Drop:
     """A parsed chat record -> OpenAI-style [{role, content}] through the tokenize stage's normaliser (every
     shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts); tool results pass through verbatim. For a
-    server whose template refuses them: `fold` (data.system_turn merge) puts a leading system turn into the first
-    user turn, `merge` (data.same_role_turns merge) makes consecutive user (or assistant) turns one."""
+    server whose template refuses them: `merge` (data.same_role_turns merge) makes the turns alternate (replies
+    before the first user turn left out, consecutive user or assistant turns one), `fold` (data.system_turn merge)
+    puts a leading system turn into the first user turn."""
     conv = to_conversation(record, schema, roles, require_assistant=False)
     if isinstance(conv, Drop):
         return conv
+    if merge:
+        conv = alternate(conv)
     if fold:
         conv = fold_system(conv)
-    if merge:
-        conv = merge_same_roles(conv)
     if not any(m["role"] == "user" for m in conv.messages):
         return Drop("no_user_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
     return [_plain(m) for m in conv.messages]
@@ -42,15 +43,15 @@ def _plain(message: dict[str, Any]) -> dict[str, str]:
 
 def rejection(exc: Rejected, messages: Messages) -> str:
     """Why the server refused a conversation, with the fix when its template refuses the system turn (Gemma 2,
-    early Mistral: HTTP 400 'System role not supported') or two turns of one role in a row ('Conversation roles
-    must alternate user/assistant/...')."""
+    early Mistral: HTTP 400 'System role not supported') or turns out of the user/assistant order ('Conversation
+    roles must alternate user/assistant/...')."""
     detail = exc.detail.lower()
     if messages and messages[0]["role"] == "system" and "system" in detail:
         return f"{exc}; the server's chat template may refuse system turns: set data.system_turn: merge"
     repeated = any(a["role"] == b["role"] in ("user", "assistant") for a, b in pairwise(messages))
-    if repeated and "alternate" in detail:
-        return (f"{exc}; the server's chat template refuses two turns of one role in a row: set "
-                "data.same_role_turns: merge")
+    if (repeated or leading_replies(messages)) and "alternate" in detail:
+        return (f"{exc}; the server's chat template insists on user/assistant/user/... (no two turns of one role "
+                "in a row, a user turn first): set data.same_role_turns: merge")
     return str(exc)
 
 
