@@ -59,11 +59,12 @@ TRANSCRIPT_KEYS = ("chosen", "data", "items", "text", "chat")
 @dataclass(frozen=True)
 class Transcript:
     """A way of writing a conversation as one string: what it opens with (after any leading BOS marks), the
-    pattern that splits it at each turn marker (group 1: the role as written) and, where a marker is not a role
-    name, the role each marker stands for."""
+    pattern that splits it at each turn marker (group 1: the role as written), where a marker is not a role name
+    the role each marker stands for, and a system block that may open the first turn (group 1: its text)."""
     opens: tuple[str, ...]
     marker: re.Pattern[str]
     roles: Mapping[str, str] = field(default_factory=dict)
+    system: re.Pattern[str] | None = None
 
 
 TRANSCRIPTS = (
@@ -72,7 +73,8 @@ TRANSCRIPTS = (
     Transcript(("<|im_start|>",), re.compile(r"<\|im_start\|>(\w+)\n")),  # ChatML (Qwen, Hermes)
     Transcript(("<|start_header_id|>",), re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>")),  # Llama 3
     Transcript(("<start_of_turn>",), re.compile(r"<start_of_turn>(\w+)\n")),  # Gemma
-    Transcript(("[INST]",), re.compile(r"\[(/?INST)\]"), {"INST": "user", "/INST": "assistant"}),  # Llama 2, Mistral
+    Transcript(("[INST]",), re.compile(r"\[(/?INST)\]"), {"INST": "user", "/INST": "assistant"},  # Llama 2, Mistral
+               re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)),
     # Vicuna and Glaive: upper-case names after a space or a mark ("Hi ASSISTANT: Hello!</s>USER: ...")
     Transcript(("USER:", "SYSTEM:"), re.compile(r"(?:^|(?<=[\s>]))(USER|ASSISTANT|SYSTEM|FUNCTION RESPONSE):")),
 )
@@ -80,7 +82,6 @@ BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>")
 # what ends a turn in a rendered transcript (cut from its text): end-of-turn and end-of-sequence marks, and the
 # BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
 EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", *BOS_MARKS)
-LLAMA2_SYSTEM = re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)  # in Llama 2's first [INST]
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
@@ -393,14 +394,14 @@ def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
 
 def _transcript(text: str) -> list[dict[str, Any]] | None:
     """A transcript as turns (the role as written, the text stripped of end-of-turn marks); None when the text
-    does not open with a transcript's first marker. Llama 2's <<SYS>> block becomes a system turn of its own."""
+    does not open with a transcript's first marker. A system block (Llama 2's <<SYS>>) becomes a turn of its own."""
     body = _without_prefix(text.lstrip(), BOS_MARKS)
     for way in TRANSCRIPTS:
         if body.startswith(way.opens):
             parts = way.marker.split(body)  # [before, role, text, role, text, ...]
             turns = [{"role": way.roles.get(role, role), "content": _without_suffix(said.strip(), EOT_MARKS)}
                      for role, said in zip(parts[1::2], parts[2::2], strict=True)]
-            system = LLAMA2_SYSTEM.match(turns[0]["content"]) if way.roles and turns else None
+            system = way.system.match(turns[0]["content"]) if way.system and turns else None
             if system is not None:
                 turns[:1] = [{"role": "system", "content": system.group(1).strip()},
                              {"role": "user", "content": turns[0]["content"][system.end():]}]
