@@ -149,3 +149,17 @@ def test_intra_op_threads_leave_room_for_the_pipeline_threads():
     assert intra_op_threads(None, "cuda", 8, None, 8) == 1
     assert intra_op_threads(None, "cpu", 1, "3", 16) == 3  # OMP_NUM_THREADS wins over the default
     assert intra_op_threads(6, "cpu", 1, "3", 16) == 6  # train.torch_threads wins over both
+
+
+def test_the_launcher_keeps_the_users_thread_count_apart_from_the_one_it_gives_torchrun():
+    """`dflash train` sets OMP_NUM_THREADS=1 for torchrun (as torchrun does for several ranks); the ranks follow
+    only what the user set, so an unset OMP_NUM_THREADS still gets the core share."""
+    from dflash_core.runtime.launch import asked_threads, worker_env
+
+    unset = worker_env({"PATH": "/bin"})
+    assert unset["OMP_NUM_THREADS"] == "1" and asked_threads(unset) is None
+    assert intra_op_threads(None, "cuda", 1, asked_threads(unset), 32) == 4
+    asked = worker_env({"OMP_NUM_THREADS": "6"})
+    assert asked["OMP_NUM_THREADS"] == "6" and asked_threads(asked) == "6"
+    assert asked_threads({"OMP_NUM_THREADS": "1"}) == "1"  # a bare torchrun: its (or the user's) setting
+    assert asked_threads({}) is None

@@ -165,8 +165,9 @@ class SteadyRate:
 def intra_op_threads(
     requested: int | None, device_type: str, local_world_size: int, omp_env: str | None, cores: int
 ) -> int:
-    """Intra-op threads of one rank: train.torch_threads, else OMP_NUM_THREADS, else the rank's share of the
-    cores less one for the pipeline's own threads (loading, target forward), at most 4 on a GPU.
+    """Intra-op threads of one rank: train.torch_threads, else OMP_NUM_THREADS as the user set it (`omp_env`,
+    see runtime/launch.py asked_threads), else the rank's share of the cores less one for the pipeline's own
+    threads (loading, target forward), at most 4 on a GPU.
 
     torch's default (every core) made the worker 3-20x slower than the same steps in one process on a shared
     CPU: its OpenMP teams wait for threads that the prefetch and target threads (and other processes) keep

@@ -63,6 +63,29 @@ def parse_summary(lines: Iterable[str]) -> dict:
     raise ValueError("training finished but printed no JSON summary line; see the log above")
 
 
+# OMP_NUM_THREADS as the user set it ("" when unset): the worker's intra-op threads follow it, not the 1 the
+# launcher sets for torchrun (see runtime/efficiency.py intra_op_threads)
+ASKED_THREADS_ENV = "DFLASH_OMP_NUM_THREADS"
+
+
+def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment torchrun and its ranks run in: OMP_NUM_THREADS=1 unless set (torchrun sets it anyway for
+    more than one rank, with a warning per run; each rank then sets its own count), what the user asked for
+    kept in ASKED_THREADS_ENV, and unbuffered output so lines reach the caller as they are printed."""
+    out = dict(environ)
+    out.setdefault(ASKED_THREADS_ENV, out.get("OMP_NUM_THREADS", ""))
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    return out
+
+
+def asked_threads(environ: Mapping[str, str]) -> str | None:
+    """The intra-op thread count the user asked for through OMP_NUM_THREADS, None when none: under the launcher
+    its record of it; under a bare torchrun OMP_NUM_THREADS itself."""
+    asked = environ.get(ASKED_THREADS_ENV, environ.get("OMP_NUM_THREADS"))
+    return asked or None
+
+
 def launch_train(
     tokenized: str,
     plan: str,
@@ -84,9 +107,7 @@ def launch_train(
         tokenized, plan, out, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id
     )
     lines: collections.deque[str] = collections.deque(maxlen=200)
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it anyway, with a warning per run
-    full_env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the caller as they are printed
+    full_env = worker_env({**os.environ, **(env or {})})
     check_output(out, "train", ("config.yaml",))
     with output_lock(out, "train"), RunLog(out) as log:
         errors: list[str] = []

@@ -24,6 +24,7 @@ from dflash_core.runtime.config import RunConfig, load_run_config
 from dflash_core.runtime.distributed import DistEnv, resolve_device, shutdown
 from dflash_core.runtime.efficiency import intra_op_threads
 from dflash_core.runtime.faults import FaultPlan
+from dflash_core.runtime.launch import asked_threads
 from dflash_core.runtime.process import die_with_parent, rank_error_line
 from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.trainer import Trainer, summary_line
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     device = resolve_device(cfg.train.device, env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(intra_op_threads(
-        cfg.train.torch_threads, device.type, env.local_world_size, os.environ.get("OMP_NUM_THREADS"), cores
+        cfg.train.torch_threads, device.type, env.local_world_size, asked_threads(os.environ), cores
     ))
     reader = ShardReader(args.tokenized)
     plan = read_run_plan(args.plan, env.world_size, reader.fingerprint, args.tokenized, cfg.train.max_steps)
