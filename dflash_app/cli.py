@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -192,6 +194,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    yaml.safe_dump(_config(args).model_dump(mode="json"), sys.stdout, sort_keys=False)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _resolved(_config(args))
     from flows.retrain import retrain_drafter
@@ -227,14 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `dflash` and its subcommands."""
     parser = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks behind errors")
+    # -v after the command too (`dflash tokenize ... -v`); SUPPRESS keeps a -v given before it
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging; tracebacks behind errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add = functools.partial(sub.add_parser, parents=[verbose])
 
-    p = sub.add_parser("example", help="build (or reuse) the built-in example assets and print their paths")
+    p = add("example", help="build (or reuse) the built-in example assets and print their paths")
     p.add_argument("--out", default=None, help="cache folder (default: $DFLASH_HOME or ~/.cache/dflash-pipeline)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_example)
 
-    p = sub.add_parser("tokenize", help="chat data -> token shards with assistant-only loss masks")
+    p = add("tokenize", help="chat data -> token shards with assistant-only loss masks")
     p.add_argument("--data", help="chat data: file, glob, folder or fsspec URI (default: the config's)")
     p.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's)")
     p.add_argument("--out", required=True)
@@ -244,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(func=cmd_tokenize)
 
-    p = sub.add_parser("regenerate", help="the target re-answers every assistant turn (OpenAI-compatible servers)")
+    p = add("regenerate", help="the target re-answers every assistant turn (OpenAI-compatible servers)")
     p.add_argument("--data", help="chat data: file, glob, folder or fsspec URI (default: the config's)")
     p.add_argument("--out", required=True, help="output folder; running the same command again resumes it")
     p.add_argument("--endpoint", action="append", help="base URL such as http://host:8000/v1 (repeatable); "
@@ -257,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(func=cmd_regenerate)
 
-    p = sub.add_parser("plan", help="length buckets, token-budget batches, interleaved order, rank balance")
+    p = add("plan", help="length buckets, token-budget batches, interleaved order, rank balance")
     p.add_argument("--tokenized", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-tokens", type=int)
@@ -270,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("train", help="train the drafter with torchrun (1..N processes, 1..M nodes)")
+    p = add("train", help="train the drafter with torchrun (1..N processes, 1..M nodes)")
     p.add_argument("--tokenized", required=True)
     p.add_argument("--plan", required=True)
     p.add_argument("--out", required=True)
@@ -283,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("check", help="grad-norm and loss logs vs stability thresholds; exit 1 on fail")
+    p = add("check", help="grad-norm and loss logs vs stability thresholds; exit 1 on fail")
     p.add_argument("--metrics", help="metrics.jsonl (any fsspec URI), or wandb://entity/project/run_id")
     p.add_argument("--wandb-run", help="entity/project/run_id: read the full history from W&B instead")
     p.add_argument("--baseline", help="report.json of an earlier healthy run to compare against")
@@ -291,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p, default=None)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("eval", help="greedy speculative decoding: acceptance length of a drafter")
+    p = add("eval", help="greedy speculative decoding: acceptance length of a drafter")
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--tokenizer", required=True)
@@ -312,12 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the summary adds its tau and the paired gain (mean, 95%% lower bound, p-value)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("run", help="the whole pipeline as a Prefect flow run")
+    p = add("config", help="print the config a command would use (preset or file, --set applied, every default "
+                           "filled in) as YAML")
+    _add_config(p)
+    p.set_defaults(func=cmd_config)
+
+    p = add("run", help="the whole pipeline as a Prefect flow run")
     p.add_argument("--run-name", default=None)
     _add_config(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("demo", help="build the example assets if missing and run the flow on them")
+    p = add("demo", help="build the example assets if missing and run the flow on them")
     p.add_argument("--run-name", default=None)
     p.set_defaults(func=cmd_demo)
     return parser
@@ -344,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except DflashError as exc:  # an expected failure: one clear line, no traceback; anything else keeps it
         return _fail(args.command, exc, exc.exit_code, args.verbose)
+    except BrokenPipeError:  # the reader went away (`dflash config | head`): nothing left to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
     except OSError as exc:  # a missing or unreadable file, a read-only folder, a model or tokenizer that won't load
         return _fail(args.command, exc, EXIT_BAD_INPUT, args.verbose)
     except KeyboardInterrupt:

@@ -112,3 +112,15 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "cmd_plan", bug)
     with pytest.raises(ValueError, match="a bug"):  # not swallowed into one line: the traceback is printed
         cli.main(["plan", "--tokenized", "t", "--out", "o"])
+
+
+@pytest.mark.parametrize("argv", [["-v", "plan", "--tokenized", "t", "--out", "o"],
+                                  ["plan", "--tokenized", "t", "--out", "o", "--verbose"]])
+def test_verbose_before_or_after_the_command_adds_the_traceback(monkeypatch, capsys, argv):
+    def fail(args):
+        raise UsageError("--buckets expects integers")
+
+    monkeypatch.setattr(cli, "cmd_plan", fail)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1] == "dflash plan: error: --buckets expects integers"
