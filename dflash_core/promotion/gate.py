@@ -28,21 +28,26 @@ def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
             "max_new_tokens": cfg.eval.max_new_tokens}
 
 
-def _tau(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
+def _tau(cfg: PipelineConfig, target: Any, drafter_dir: str) -> dict[str, Any]:
     from dflash_core.model.evaluate import evaluate  # loads torch and transformers: only when measuring
 
     prompts = eval_set(cfg)
-    return evaluate(target=cfg.model.target, drafter_dir=drafter_dir, tokenizer=cfg.data.tokenizer,
+    return evaluate(target=target, drafter_dir=drafter_dir, tokenizer=cfg.data.tokenizer,
                     data=prompts["data"], limit=prompts["limit"], max_new_tokens=prompts["max_new_tokens"],
-                    thinking=cfg.data.thinking == "keep", per_response=True)  # evaluated as it was trained
+                    thinking=cfg.data.thinking == "keep", trust_remote_code=cfg.model.trust_remote_code,
+                    per_response=True)  # evaluated as it was trained
 
 
 def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     """tau of `drafter_dir` and of the promoted drafter (None while none is promoted) on eval_set(cfg), and
-    the paired gain over the responses both decoded (None while none is promoted)."""
-    new = _tau(cfg, drafter_dir)
+    the paired gain over the responses both decoded (None while none is promoted). The target is loaded once,
+    as training loads it (model.dtype, model.trust_remote_code)."""
+    from dflash_core.model.evaluate import eval_target
+
+    target = eval_target(cfg.model.target, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    new = _tau(cfg, target, drafter_dir)
     incumbent = read_promoted(cfg.storage.root)
-    old = _tau(cfg, promoted_drafter(cfg.storage.root)) if incumbent is not None else None
+    old = _tau(cfg, target, promoted_drafter(cfg.storage.root)) if incumbent is not None else None
     new_means, gain = new.pop("per_response"), None
     if old is not None:
         gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
