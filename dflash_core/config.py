@@ -28,7 +28,8 @@ __all__ = ["ConfigError", "PipelineConfig", "StorageConfig", "dump_config", "loa
 class StorageConfig(StrictModel):
     """Where the flow keeps stage outputs: a local path or any fsspec URI."""
 
-    root: str = "./runs"
+    root: str = Field("./runs", description="folder (path or fsspec URI) under which the flow writes regenerated/, "
+                      "tokenized/, plans/, runs/ and promoted/")
 
 
 class PipelineConfig(StrictModel):

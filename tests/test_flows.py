@@ -19,6 +19,7 @@ from common.flows import (
 )
 
 from dflash_app.config import load_config
+from dflash_core.config import parse_config
 from flows.retrain import retrain_drafter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -111,4 +112,16 @@ def test_deployment_parameters_match_the_tiny_preset():
     trigger = nightly["triggers"][0]
     assert trigger["expect"] == ["dflash.dataset.updated"]
     assert trigger["parameters"]["data_source"] == "{{ event.payload.data_uri }}"
+
+
+def test_the_gpu_deployment_is_the_8gpu_preset_warm_started():
+    """The qwen3-8b-gpu deployment's inline config is the qwen3-8b-8gpu preset (held-out promotion prompts
+    included), but for a nightly warm start from the promoted drafter and validation every 1000 steps."""
+    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
+    gpu = next(d for d in spec["deployments"] if d["name"] == "qwen3-8b-gpu")
+    deployed, preset = parse_config(gpu["parameters"]["config"]), load_config("qwen3-8b-8gpu")
+    assert deployed.train.init_from == "promoted" and deployed.train.eval_every == 1000
+    train = deployed.train.model_copy(update={"init_from": preset.train.init_from,
+                                              "eval_every": preset.train.eval_every})
+    assert deployed.model_copy(update={"train": train}) == preset
 

@@ -20,42 +20,74 @@ class CheckConfig(StrictModel):
 
     # A hard figure that cannot be computed (too few steps, a required field never logged) fails the run: the gate
     # never passes what it cannot judge. Only smoke runs of a few steps should set this to false.
-    fail_unjudged: bool = True
+    fail_unjudged: bool = Field(
+        True, description="a hard figure that cannot be computed (too few steps, loss or grad_norm not logged) fails "
+        "the run; false only for smoke runs")
     # Non-finite loss or gradient norm.
-    max_nonfinite: NonNegativeInt = 0
+    max_nonfinite: NonNegativeInt = Field(
+        0, description="hard: steps allowed with a non-finite loss or gradient norm (or logged as skipped)")
     # Gradient-norm spikes: the OLMo 2 spike score (mean/std of the trailing window) ...
-    spike_k: PositiveFloat = 7.0
-    spike_window: PositiveInt = 1000
-    max_spike_score: NonNegativeFloat = 0.001
+    spike_k: PositiveFloat = Field(
+        7.0, description="a gradient-norm spike is a pre-clip norm above the trailing mean + spike_k std")
+    spike_window: PositiveInt = Field(
+        1000, description="trailing window of both gradient-norm spike figures, in optimizer steps")
+    max_spike_score: NonNegativeFloat = Field(
+        0.001, description="hard: largest share of scored steps allowed to be gradient-norm spikes (the OLMo 2 "
+        "spike score)")
     # ... and its robust variant (median/MAD of log grad norm over the same window).
-    robust_k: PositiveFloat = 6.0
-    max_robust_spike_rate: NonNegativeFloat = 0.01
+    robust_k: PositiveFloat = Field(
+        6.0, description="a robust spike is a log grad norm above the trailing median + robust_k MAD (scaled to std)")
+    max_robust_spike_rate: NonNegativeFloat = Field(
+        0.01, description="soft: largest share of scored steps allowed to be robust gradient-norm spikes")
     min_window: PositiveInt = Field(20, description="smallest trailing window after scaling down for short runs")
     # Clipping: share of steps whose pre-clip norm exceeded the threshold, and the longest run of them.
-    max_clip_rate: float = Field(0.5, ge=0.0, le=1.0)
-    max_clip_run: PositiveInt = 50
+    max_clip_rate: float = Field(
+        0.5, ge=0.0, le=1.0, description="soft: largest share of steps allowed a pre-clip norm above train.clip_grad")
+    max_clip_run: PositiveInt = Field(50, description="soft: longest run of consecutive clipped steps allowed")
     # Loss spikes (transient) and cliffs (a jump that stays up for at least cliff_min_steps, then decays).
-    loss_window: PositiveInt = 100
-    loss_k: PositiveFloat = 6.0
+    loss_window: PositiveInt = Field(
+        100, description="trailing window (steps) of the loss median and MAD that spikes and cliffs are measured "
+        "against")
+    loss_k: PositiveFloat = Field(
+        6.0, description="a loss spike is a log loss above the trailing median + loss_k MAD (scaled to std); cliffs: "
+        "a lower level, as their median over cliff_min_steps is less noisy")
     loss_min_jump: PositiveFloat = Field(0.1, description="a loss spike is at least this much above the median")
-    cliff_min_steps: PositiveInt = 5
-    max_loss_spike_rate: NonNegativeFloat = 0.005
-    max_loss_cliffs: NonNegativeInt = 0
+    cliff_min_steps: PositiveInt = Field(
+        5, description="a jump is a cliff when the median of it and the next steps, this many in all, stays up")
+    max_loss_spike_rate: NonNegativeFloat = Field(
+        0.005, description="soft: largest share of scored steps allowed to start a transient loss spike")
+    max_loss_cliffs: NonNegativeInt = Field(0, description="hard: loss cliffs allowed")
     # Do loss spikes follow gradient-norm spikes (same step or up to `coincidence_lag` steps before)?
-    coincidence_lag: NonNegativeInt = 5
-    coincidence_alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    coincidence_lag: NonNegativeInt = Field(
+        5, description="steps a grad-norm spike may precede a loss spike or cliff and still coincide with it; also "
+        "the steps after a long-bucket run that count as on it")
+    coincidence_alpha: float = Field(
+        0.05, gt=0.0, lt=1.0, description="significance level of the spike-coincidence test (circular shifts) and "
+        "of the long-run spike lift (Fisher)")
     # Batch composition: a long-bucket step has at least `long_share` of its micro-batches in the longest bucket.
-    long_share: float = Field(0.75, gt=0.0, le=1.0)
-    long_run_min: PositiveInt = 3
-    max_long_bucket_run: PositiveInt = 10
-    max_long_run_spike_lift: PositiveFloat = 3.0
+    long_share: float = Field(
+        0.75, gt=0.0, le=1.0, description="a step is a long-bucket step when at least this share of its "
+        "micro-batches is from the longest bucket")
+    long_run_min: PositiveInt = Field(
+        3, description="long-bucket runs of at least this many steps count for the spike lift")
+    max_long_bucket_run: PositiveInt = Field(
+        10, description="soft: longest run of consecutive long-bucket steps allowed")
+    max_long_run_spike_lift: PositiveFloat = Field(
+        3.0, description="soft: spike rate on long-bucket runs over the rate elsewhere (warns only when also "
+        "significant at coincidence_alpha)")
     # Trends: loss at the end over loss at the start; fitted growth of the grad norm over the run.
-    max_loss_end_ratio: PositiveFloat = 1.0
-    max_grad_norm_growth: PositiveFloat = 2.0
+    max_loss_end_ratio: PositiveFloat = Field(
+        1.0, description="soft: median loss of the last tenth of the steps over that of the first tenth")
+    max_grad_norm_growth: PositiveFloat = Field(
+        2.0, description="soft: fitted growth factor of the grad norm after the first 10% of the run (Theil-Sen; "
+        "warns only when significant)")
     # Baseline: report.json of an earlier healthy run; a figure worse by more than the tolerance regresses.
     baseline: str | None = Field(None, description="report.json of an earlier healthy run")
-    baseline_tolerance: NonNegativeFloat = 0.5
-    baseline_severity: Literal["warn", "fail"] = "warn"
+    baseline_tolerance: NonNegativeFloat = Field(
+        0.5, description="a figure regresses when worse than the baseline's by more than this times "
+        "max(|baseline value|, threshold / 10)")
+    baseline_severity: Literal["warn", "fail"] = Field(
+        "warn", description="what regressions against the baseline do to the verdict: warn or fail the run")
 
     @model_validator(mode="after")
     def _windows(self) -> "CheckConfig":
@@ -70,9 +102,11 @@ class CheckConfig(StrictModel):
 class WandbConfig(StrictModel):
     """Weights & Biases sink: offline by default, online only when a key is configured."""
 
-    enabled: bool = True
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "dflash"
-    entity: str | None = None
-    name: str | None = None
-    tags: list[str] = Field(default_factory=list)
+    enabled: bool = Field(True, description="false = no W&B at all, whatever the mode")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline writes the runs locally; online only when WANDB_API_KEY is set (offline "
+        "otherwise); disabled = no W&B")
+    project: str = Field("dflash", description="W&B project of the training runs and the promoted-drafter artifact")
+    entity: str | None = Field(None, description="W&B team or user; None = the API key's default entity")
+    name: str | None = Field(None, description="display name of the training run; None = a name W&B generates")
+    tags: list[str] = Field(default_factory=list, description="tags of the training run")

@@ -10,15 +10,25 @@ from dflash_core.schema import StrictModel
 class PlanConfig(StrictModel):
     """Length buckets, token budget, interleaving and the shape of an optimizer step."""
 
-    max_tokens: PositiveInt = 16384
-    buckets: Literal["auto"] | list[PositiveInt] = "auto"
-    num_buckets: PositiveInt = 6
+    max_tokens: PositiveInt = Field(
+        16384, description="token budget of a micro-batch: as many samples padded to their bucket's edge (plus the "
+        "attention_cost term) as fit; also caps validation batches")
+    buckets: Literal["auto"] | list[PositiveInt] = Field(
+        "auto", description="length-bucket upper edges in tokens, ascending, the last covering the longest sample; "
+        "auto = the edges that waste the least budget on padding (exact dynamic programming over the lengths)")
+    num_buckets: PositiveInt = Field(
+        6, description="most buckets the auto edges use (fewer when fewer already reach the same cost)")
     attention_cost: NonNegativeFloat = Field(0.0, description="quadratic cost term per token pair")
-    world_size: PositiveInt = 1
-    grad_accum: PositiveInt = 1
-    epochs: PositiveInt = 1
-    seed: NonNegativeInt = 0
-    last_step: Literal["drop", "pad"] = "drop"
+    world_size: PositiveInt = Field(
+        1, description="training processes the plan is made for (nodes x nproc_per_node); training refuses a plan "
+        "made for another count")
+    grad_accum: PositiveInt = Field(1, description="micro-batches per rank per optimizer step")
+    epochs: PositiveInt = Field(1, description="passes over the training samples, each reshuffled with its own seed")
+    seed: NonNegativeInt = Field(
+        0, description="seeds the batch shuffles, the bucket interleaving and which samples are held out")
+    last_step: Literal["drop", "pad"] = Field(
+        "drop", description="micro-batches left over that do not fill a last optimizer step: drop them, or pad the "
+        "step with the last epoch's first micro-batches again")
     sort_chunk: PositiveInt = Field(
         64, description="most batches per length-sorted chunk of a bucket (larger: less padding, less mixing)"
     )

@@ -10,7 +10,8 @@ class EvalConfig(StrictModel):
 
     data: str | None = Field(None, description="chat prompts (any fsspec URI); None = data.source")
     limit: PositiveInt = Field(16, description="the first N prompts of `data`: the same set for both drafters")
-    max_new_tokens: PositiveInt = 64
+    max_new_tokens: PositiveInt = Field(
+        64, description="most tokens decoded per response (it also ends at end-of-turn) when measuring tau")
     min_gain: NonNegativeFloat = Field(
         0.0, description="promote only when tau > the promoted drafter's tau + min_gain"
     )

@@ -23,7 +23,9 @@ class RegenerateConfig(StrictModel):
         "--data-parallel-size N / --dp-size N)")
     model: str | None = Field(None, description="model id sent in requests; None = the server's first (/v1/models)")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0,
+                                description="nucleus sampling threshold sent with each request; None = not sent (the "
+                                "server's default)")
     max_tokens: PositiveInt = Field(1024, description="per reply; longer replies end with finish_reason=length")
     keep_truncated: bool = Field(False, description="keep replies cut by max_tokens (counted either way)")
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")

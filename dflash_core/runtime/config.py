@@ -21,34 +21,52 @@ from dflash_core.schema import StrictModel, read_yaml, validate_mapping
 class TrainConfig(StrictModel):
     """Optimizer, schedule, the asynchronous loop's sizes, checkpoints and launch."""
 
-    lr: PositiveFloat = 6e-4
-    min_lr_ratio: NonNegativeFloat = 0.0
-    warmup_ratio: float = Field(0.04, ge=0.0, le=1.0)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: NonNegativeFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip_grad: PositiveFloat = 1.0
-    max_steps: PositiveInt | None = None
-    prefetch_threads: PositiveInt = 4
-    queue_size: PositiveInt = 8
+    lr: PositiveFloat = Field(6e-4, description="peak AdamW learning rate, reached at the end of warmup")
+    min_lr_ratio: NonNegativeFloat = Field(
+        0.0, description="the cosine schedule decays to this fraction of lr by the end of the run (constant: unused)")
+    warmup_ratio: float = Field(
+        0.04, ge=0.0, le=1.0, description="share of the run's optimizer steps over which lr rises linearly; 0 = none")
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="lr after warmup: cosine decay to min_lr_ratio * lr over the other steps, or constant")
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
+    clip_grad: PositiveFloat = Field(
+        1.0, description="max global gradient norm: a step whose pre-clip norm exceeds it has its gradients "
+        "scaled down to it")
+    max_steps: PositiveInt | None = Field(
+        None, description="train at most this many optimizer steps of the plan (the lr schedule spans them); "
+        "None = the whole plan")
+    prefetch_threads: PositiveInt = Field(
+        4, description="threads per rank that read and collate micro-batches from the token shards")
+    queue_size: PositiveInt = Field(
+        8, description="micro-batches each bounded channel holds (prefetch -> target forward -> drafter), per rank")
     target_devices: list[str] | None = Field(
         None,
         description="target replicas per node, split evenly over the node's ranks in order (e.g. 2 ranks with "
         "[cuda:0, cuda:1, cuda:2, cuda:3]: rank 0 gets cuda:0,1); None = one replica on the rank's own device",
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    checkpoint_every: PositiveInt = 100
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="the drafter's device: cuda = cuda:<local rank> (an error without CUDA), cpu; auto = "
+        "cuda when available, else cpu")
+    checkpoint_every: PositiveInt = Field(
+        100, description="write a checkpoint every N optimizer steps and after the last")
     eval_every: PositiveInt = Field(100, description="validation on the plan's val slice every N steps and at the end")
     init_from: str | None = Field(
         None,
         description="warm start: an exported drafter folder/URI, or 'promoted' (<storage root>/promoted/drafter, "
         "from scratch while none is promoted); optimizer state starts fresh; a resumed checkpoint wins",
     )
-    keep_checkpoints: PositiveInt = 3
-    max_nonfinite: NonNegativeInt = 10
-    nproc_per_node: PositiveInt = 1
-    seed: NonNegativeInt = 0
-    timeout_s: PositiveFloat | None = None
+    keep_checkpoints: PositiveInt = Field(3, description="newest complete checkpoints kept; older ones are deleted")
+    max_nonfinite: NonNegativeInt = Field(
+        10, description="steps with a non-finite loss or gradient norm are skipped; the run fails once more than "
+        "this many were")
+    nproc_per_node: PositiveInt = Field(
+        1, description="training processes (ranks) torchrun starts on each node; --nproc-per-node overrides it")
+    seed: NonNegativeInt = Field(
+        0, description="seeds the drafter's initial weights and the anchor sampling (per step, micro-batch and rank)")
+    timeout_s: PositiveFloat | None = Field(
+        None, description="wall-clock limit of the training launch in seconds: past it every rank is killed and the "
+        "stage fails; None = no limit")
     torch_threads: PositiveInt | None = Field(
         None,
         description="intra-op threads per rank; None = OMP_NUM_THREADS, else the rank's share of the cores less one "
