@@ -76,10 +76,39 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         if value is not None:
             extra[f"data.{key}"] = value
     cfg = _resolved(_config(args, extra))
+    if args.preview is not None:
+        from dflash_core.data.tokenize import preview_samples
+
+        preview = preview_samples(cfg.data.source, cfg.data.tokenizer, cfg.data, cfg.model.block_size, args.preview)
+        for record in preview["records"]:
+            print(_shown(record, color=sys.stdout.isatty()))
+        _print_summary(preview["summary"])
+        return 0
+    if args.out is None:
+        raise UsageError("--out is required (or --preview N to see the first N records, nothing written)")
     summary = tokenize_dataset(cfg.data.source, cfg.data.tokenizer, args.out, cfg.data,
                                block_size=cfg.model.block_size, overwrite=args.overwrite)
     _print_summary(summary)
     return 0
+
+
+SUPERVISED = ("\N{LEFT-POINTING DOUBLE ANGLE QUOTATION MARK}", "\N{RIGHT-POINTING DOUBLE ANGLE QUOTATION MARK}")
+SUPERVISED_COLOR = ("\033[1;32m", "\033[0m")  # bold green on a terminal
+
+
+def _shown(record: dict[str, Any], color: bool = False) -> str:
+    """A previewed record: a header (where, kept or why not), then its text with the supervised spans marked."""
+    where = " · ".join(x for x in (f"{record['file']} record {record['record']}",
+                                   f"line {record['line']}" if record["line"] is not None else "",
+                                   f"id {record['id']}" if record["id"] else "") if x)
+    if not record["kept"]:
+        return f"── {where} · dropped: {record['reason']}: {record['detail']}\n"
+    facts = [f"{record['tokens']} tokens, {record['supervised']} supervised"]
+    facts += [f"cut: {record['truncated']}"] if record["truncated"] else []
+    facts += record["notes"]
+    opening, closing = SUPERVISED_COLOR if color else SUPERVISED
+    text = "".join(f"{opening}{t}{closing}" if supervised else t for t, supervised in record["segments"])
+    return f"── {where} · kept: {'; '.join(facts)}\n{text.rstrip(chr(10))}\n"
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
@@ -249,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("tokenize", help="chat data -> token shards with assistant-only loss masks")
     p.add_argument("--data", help="chat data: file, glob, folder or fsspec URI (default: the config's)")
     p.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="output folder (required unless --preview)")
+    p.add_argument("--preview", type=_positive_int, metavar="N",
+                   help="print the first N records as they would be trained on (supervised text between « and », "
+                        "in green on a terminal) or why each is dropped; nothing is written")
     p.add_argument("--format", choices=["auto", "sharegpt", "openai"])
     p.add_argument("--max-length", type=int)
     p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a tokenize output")

@@ -124,3 +124,31 @@ def test_verbose_before_or_after_the_command_adds_the_traceback(monkeypatch, cap
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1] == "dflash plan: error: --buckets expects integers"
+
+
+def test_tokenize_preview_shows_what_is_trained_on_and_writes_nothing(tmp_path, capsys):
+    """`dflash tokenize --preview N`: the first N records rendered with the supervised text marked, or why each
+    is dropped, then the one-line summary; no output folder. Without --preview, --out is required."""
+    from common.chat import tokenizer_dir, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": "Sort the list b a c please."},
+                                 {"role": "assistant", "content": "the model can sort the list: a b c"}]},
+        {"messages": [{"role": "narrator", "content": "Once."}, {"role": "assistant", "content": "Upon."}]},
+        {"messages": [{"role": "user", "content": "never shown"}, {"role": "assistant", "content": "past N"}]}])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {{source: {data}, tokenizer: {tokenizer_dir('chatml')}}}\n"
+                      "model: {target: unused, block_size: 2}\n")
+    before = set(tmp_path.iterdir())
+    assert cli.main(["tokenize", "--config", str(config), "--preview", "2"]) == 0
+    out = capsys.readouterr().out
+    first, second, summary = out.split("── ")[1], out.split("── ")[2], json.loads(out.strip().splitlines()[-1])
+    assert first.startswith("d.jsonl record 0 · line 1 · id a · kept:")
+    assert "user\nSort the list b a c please.<|im_end|>" in first
+    assert "«the model can sort the list: a b c<|im_end|>»" in first and first.count("«") == 1
+    assert second.startswith("d.jsonl record 1 · line 2 · dropped: unknown_role: turn 0 has role 'narrator'")
+    assert "never shown" not in out
+    assert summary["previewed"] == 2 and summary["kept"] == 1 and summary["dropped"] == {"unknown_role": 1}
+    assert set(tmp_path.iterdir()) == before  # nothing written
+    assert cli.main(["tokenize", "--config", str(config)]) == 2
+    assert "--out is required" in capsys.readouterr().err

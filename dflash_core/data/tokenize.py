@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from itertools import chain, islice
+from itertools import chain, islice, pairwise
 from typing import Any
 
 import fsspec
@@ -39,7 +39,7 @@ from dflash_core.data.template import ChatEncoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
 from dflash_core.publish import check_output, staged_output
 
-__all__ = ["input_fingerprint", "tokenize_dataset"]
+__all__ = ["input_fingerprint", "preview_samples", "tokenize_dataset"]
 
 log = logging.getLogger(__name__)
 _DETECT_HEAD = 32
@@ -57,17 +57,14 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
     """
     check_output(out, "tokenize", OWN_FILES, overwrite)  # before the slow set-up: a wrong --out fails at once
     files = _without_output(list_files(source), out)
-    tok = load_tokenizer(tokenizer)
-    # fails here, before any work, on an unusable template
-    encoder = ChatEncoder(tok, tokenizer, cfg.thinking, cfg.system_turn, cfg.same_role_turns)
-    spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking,
-                     cfg.system_turn, cfg.same_role_turns)
-    fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, tok), output_params(cfg, block_size))
+    local = _builder(tokenizer, cfg, block_size)  # fails here, before any work, on an unusable template
+    encoder, spec = local.encoder, local.spec
+    fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, encoder.tokenizer),
+                          output_params(cfg, block_size))
     run = _Run(files, cfg, progress)
     with staged_output(out, "tokenize", OWN_FILES, overwrite) as staging:
         writer = ShardWriter(staging, cfg.rows_per_part, cfg.rows_per_group)
         try:
-            local = SampleBuilder(spec, encoder)
             for result in _ordered(run.chunks(), spec, cfg.num_proc, local):
                 run.account(result, writer)
             run.report(final=True)
@@ -79,6 +76,46 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
     return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "notes": run.notes.dropped(),
             "truncated_files": run.truncated_files, "tokens": run.tokens, "supervised_tokens": run.supervised,
             "out": out, "fingerprint": fingerprint}
+
+
+def preview_samples(source: str, tokenizer: str, cfg: DataConfig, block_size: int, limit: int) -> dict[str, Any]:
+    """The first `limit` records as tokenize makes them, nothing written: each kept one as its token count,
+    supervised count and rendered text in segments (text, supervised or not), each dropped one with its reason;
+    plus the counts. For checking a dataset and a template before paying for a run."""
+    builder = _builder(tokenizer, cfg, block_size)
+    run = _Run(list_files(source), cfg.model_copy(update={"batch_size": min(cfg.batch_size, limit)}), None)
+    records: list[dict[str, Any]] = []
+    for chunk in run.chunks():
+        name = run.files[chunk.file].name
+        for o in builder.build(chunk).outcomes[:limit - len(records)]:
+            where = {"file": name, "record": o.record, "line": o.line, "id": o.record_id}
+            if isinstance(o, Dropped):
+                records.append({**where, "kept": False, "reason": o.reason, "detail": o.detail})
+                continue
+            records.append({**where, "kept": True, "tokens": len(o.ids), "supervised": int(o.mask.sum()),
+                            "truncated": o.truncated, "notes": [f"{n.reason}: {n.detail}" for n in o.notes],
+                            "segments": _segments(builder.encoder.tokenizer, o.ids, o.mask)})
+        if len(records) >= limit:
+            break
+    kept = sum(r["kept"] for r in records)
+    dropped = Counter(r["reason"] for r in records if not r["kept"])
+    return {"records": records, "summary": {"previewed": len(records), "kept": kept, "dropped": dict(dropped),
+                                            "tokenizer": builder.encoder.identity}}
+
+
+def _segments(tokenizer: Any, ids: Any, mask: Any) -> list[tuple[str, bool]]:
+    """The decoded text in runs of equal loss mask: (text, supervised)."""
+    edges = [0, *(int(i) + 1 for i in (mask[1:] != mask[:-1]).nonzero()[0]), len(ids)]
+    return [(tokenizer.decode(ids[a:b].tolist()), bool(mask[a])) for a, b in pairwise(edges) if b > a]
+
+
+def _builder(tokenizer: str, cfg: DataConfig, block_size: int) -> SampleBuilder:
+    """The sample builder of this config; loading the tokenizer and checking its chat template."""
+    tok = load_tokenizer(tokenizer)
+    encoder = ChatEncoder(tok, tokenizer, cfg.thinking, cfg.system_turn, cfg.same_role_turns)
+    spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking,
+                     cfg.system_turn, cfg.same_role_turns)
+    return SampleBuilder(spec, encoder)
 
 
 def _without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
