@@ -172,7 +172,8 @@ def test_chat_template_inputs_strip_or_keep_reasoning() -> None:
 
 
 def test_empty_turns_are_kept_unsupervised_and_counted(tmp_path: Path, qwen3_tok: str) -> None:
-    """LMSYS-like data: an empty assistant reply keeps the other turns; only an all-empty record is dropped."""
+    """LMSYS-like data: an empty assistant reply keeps the other turns; only an all-empty record is dropped; an
+    empty system turn is left out (noted)."""
     ok = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple, said the model."}]
     records = [{"conversation_id": f"ok{i}", "conversation": ok} for i in range(6)] + [
         {"conversation_id": "empty-reply", "conversation": [
@@ -182,12 +183,19 @@ def test_empty_turns_are_kept_unsupervised_and_counted(tmp_path: Path, qwen3_tok
                                                            {"role": "assistant", "content": None}]},
         {"conversation_id": "nothing", "conversation": [{"role": "user", "content": "Hi"},
                                                         {"role": "assistant", "content": " \n"}]},
+        # NVIDIA's Nemotron post-training sets: an empty system turn in every record, empty tool_calls lists
+        {"uuid": "nemotron", "reasoning": "off", "messages": [
+            {"role": "system", "content": "", "tool_calls": []}, {**ok[0], "tool_calls": []},
+            {**ok[1], "tool_calls": []}]},
     ]
     summary = _run(tmp_path, records, qwen3_tok)  # default max_bad_fraction: data quality never fails the stage
-    assert summary["kept"] == 9 and summary["dropped"] == {"no_assistant_content": 1}
-    assert summary["notes"] == {"empty_assistant_turn": 2, "empty_user_turn": 1}
+    assert summary["kept"] == 10 and summary["dropped"] == {"no_assistant_content": 1}
+    assert summary["notes"] == {"empty_assistant_turn": 2, "empty_user_turn": 1, "empty_system_turn": 1}
     spans = _supervised(tmp_path, qwen3_tok)
-    assert spans[6] == spans[7] == spans[8] == ["An apple, said the model.<|im_end|>"]
+    assert spans[6] == spans[7] == spans[8] == spans[9] == ["An apple, said the model.<|im_end|>"]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    nemotron = tok.decode(ShardReader(str(tmp_path / "out")).rows([9])[0][0])
+    assert nemotron.startswith("<|im_start|>user\nName a fruit.")  # no empty system block serving never shows
     examples = read_manifest(str(tmp_path / "out"))["note_examples"]
     assert [(e["id"], e["line"]) for e in examples["empty_assistant_turn"]] == [("empty-reply", 7), ("null-reply", 9)]
     assert "turn 0 (user) is empty" in examples["empty_user_turn"][0]["detail"]

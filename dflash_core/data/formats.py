@@ -224,14 +224,18 @@ def alternate(conv: Conversation) -> Conversation:
     """The conversation shaped as `alternating` does, with a note when leading turns were left out."""
     lead = leading_replies(conv.messages)
     if lead:
-        keep = [j for j in range(len(conv.messages)) if j not in lead]
         sources = ", ".join(repr(conv.source(j)) for j in lead)
-        conv = replace(conv, messages=[conv.messages[j] for j in keep], sources=[conv.source(j) for j in keep],
-                       unsupervised={k for k, j in enumerate(keep) if j in conv.unsupervised},
-                       notes=[*conv.notes, Drop("reply_before_user", f"turn(s) {', '.join(map(str, lead))} "
-                                            f"({sources}) come before any user turn; left out, as the chat template "
-                                            "must open with a user turn")])
+        conv = _left_out(conv, lead, [Drop("reply_before_user", f"turn(s) {', '.join(map(str, lead))} ({sources}) "
+                                           "come before any user turn; left out, as the chat template must open "
+                                           "with a user turn")])
     return merge_same_roles(conv)
+
+
+def _left_out(conv: Conversation, turns: list[int], notes: list[Drop]) -> Conversation:
+    """The conversation without the given turns (sources and supervision following), the notes added."""
+    keep = [j for j in range(len(conv.messages)) if j not in turns]
+    return replace(conv, messages=[conv.messages[j] for j in keep], sources=[conv.source(j) for j in keep],
+                   unsupervised={k for k, j in enumerate(keep) if j in conv.unsupervised}, notes=[*conv.notes, *notes])
 
 
 def role_table(role_map: Mapping[str, str]) -> dict[str, str]:
@@ -350,7 +354,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         problem = _add_turn(conv, raw, i, schema.format, roles)
         if problem is not None:
             return problem
-    return _checked(conv) if require_assistant else conv
+    return _finished(conv, require_assistant)
 
 
 def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
@@ -494,7 +498,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     written = ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
     if written:
         conv.sources[-len(written):] = written
-    return _checked(conv) if require_assistant else conv
+    return _finished(conv, require_assistant)
 
 
 def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
@@ -506,6 +510,17 @@ def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
         text = record[key].removeprefix("SYSTEM:").lstrip() if record[key].startswith("SYSTEM:") else record[key]
         return Conversation([{"role": "system", "content": text}], sources=[key])
     return Conversation([])
+
+
+def _finished(conv: Conversation, require_assistant: bool) -> Conversation | Drop:
+    """The conversation as read, its empty system turns left out (Nemotron's post-training sets carry one in
+    every record: a template would render an empty system block that serving never shows), then checked for
+    something to learn unless a prompt alone will do."""
+    empty = [j for j, m in enumerate(conv.messages) if m["role"] == "system" and not _has_output(m)]
+    if empty:
+        conv = _left_out(conv, empty, [Drop("empty_system_turn", f"turn {j} ({conv.source(j)}) is empty; left out")
+                                       for j in empty])
+    return _checked(conv) if require_assistant else conv
 
 
 def _checked(conv: Conversation) -> Conversation | Drop:
