@@ -479,6 +479,8 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     assert to_conversation({"text": "Plain prose. Human: not a turn."}).reason == "wrong_schema"
     assert to_conversation({"text": "Human: hi"}).reason == "no_assistant_turn"  # regenerate answers it
     assert to_conversation({"data": ["one string"]}).reason == "wrong_schema"
+    oasst_row = {"message_id": "m2", "parent_id": "m1", "text": "Hello!", "role": "assistant", "lang": "en"}
+    assert "message tree" in to_conversation(oasst_row).detail and "oasst_top1" in to_conversation(oasst_row).detail
     assert to_conversation({"text": "### Human: hi"}, require_assistant=False).messages == [
         {"role": "user", "content": "hi"}]
 

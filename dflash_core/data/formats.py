@@ -328,6 +328,10 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         return _pair(record, roles, require_assistant, prompt_key)
     elif key is None and (whole := _whole_conversation(record)) is not None:
         key, raw_turns = whole
+    elif key is None and {"message_id", "parent_id"} <= record.keys():
+        return Drop("wrong_schema", "one message of a message tree (OpenAssistant's oasst1/oasst2 rows: message_id, "
+                    "parent_id): a record must hold a whole conversation; use an export of its threads, e.g. "
+                    "OpenAssistant/oasst_top1_2023-08-25 (ChatML text) or timdettmers/openassistant-guanaco")
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
         pairs = (f", nor a pair of {'/'.join(PROMPT_KEYS)} (or input) and {'/'.join(REPLY_KEYS)}, nor turns or "
