@@ -91,6 +91,7 @@ DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-
     "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
     "function response": "tool",  # Glaive's transcripts
+    "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs
 }
 CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
