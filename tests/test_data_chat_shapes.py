@@ -405,6 +405,9 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
     developer = to_conversation({"messages": [{"role": "developer", "content": "Be terse."},  # OpenAI since o1
                                               {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hi."}]})
     assert developer.messages[0] == {"role": "system", "content": "Be terse."} and developer.sources[0] == "developer"
+    for user, assistant in (("prompter", "assistant"), ("Human", "Bot"), ("user", "AI")):  # OpenAssistant, chat logs
+        read = to_conversation({"conversations": [{"from": user, "value": "Hi."}, {"from": assistant, "value": "Yo."}]})
+        assert [m["role"] for m in read.messages] == ["user", "assistant"] and read.sources == [user, assistant]
 
 
 def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_them(
