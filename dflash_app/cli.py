@@ -212,8 +212,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                "benches": parse_benches(args.bench), "limit": args.limit, "sample": args.sample,
                "sample_seed": args.sample_seed, "max_new_tokens": args.max_new_tokens,
                "thinking": args.thinking == "on", "kv_cache": not args.no_kv_cache,
-               "per_response": args.against is not None}
-    loaded = eval_target(target) if args.against else target  # loaded once for both drafters
+               "per_response": args.against is not None, "trust_remote_code": args.trust_remote_code}
+    # loaded once for both drafters
+    loaded = eval_target(target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     summary = evaluate(target=loaded, drafter_dir=args.drafter, baseline=True, **prompts)
     if args.against:
         other = evaluate(target=loaded, drafter_dir=args.against, **prompts)
@@ -351,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", choices=["on", "off"], default="off",
                    help="enable_thinking in the template (off, as the public drafters; match data.thinking)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="the target's dtype (auto: as its checkpoint stores it; match model.dtype of training)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model code shipped with the target and tokenizer (model.trust_remote_code)")
     p.add_argument("--against", default=None, metavar="DRAFTER",
                    help="another drafter (e.g. <storage root>/promoted/drafter) decoded on the same prompts: "
                         "the summary adds its tau and the paired gain (mean, 95%% lower bound, p-value)")
