@@ -107,7 +107,8 @@ def test_a_scaled_rope_reaches_every_reader_of_the_config(tmp_path):
 
 def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, drafter):
     """The published drafters' config.json is transformers 4's: rope_theta + rope_scaling null, no
-    rope_parameters. Loading it (dflash eval of an incumbent, a warm start) keeps the theta."""
+    rope_parameters. Loading it (dflash eval of an incumbent, a warm start) keeps the theta; a block size given
+    only in dflash_config is read there."""
     save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     del cfg["rope_parameters"]
@@ -115,6 +116,9 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     loaded = load_dflash(str(tmp_path / "d"), target)
     assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 1000000}
+    cfg["dflash_config"]["block_size"] = cfg.pop("block_size")  # as newer z-lab drafters write it
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert load_dflash(str(tmp_path / "d"), target).block_size == drafter.block_size
 
 
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):

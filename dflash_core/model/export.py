@@ -129,6 +129,8 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
             f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
         )
     dflash = raw.get("dflash_config")
+    if isinstance(dflash, dict) and "block_size" in dflash:  # newer published drafters keep it there alone
+        raw.setdefault("block_size", dflash["block_size"])
     missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
     if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
         missing.append("dflash_config.mask_token_id")
