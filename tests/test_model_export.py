@@ -1,6 +1,7 @@
 """The serving checkpoint: exact tensor names and shapes, config fields, round trip."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_a_scaled_rope_reaches_every_reader_of_the_config(tmp_path):
     assert load_dflash(str(tmp_path / "d"), TargetModel(model)).config.rope_parameters == yarn
 
 
-def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, drafter):
+def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, drafter, caplog):
     """The published drafters' config.json is transformers 4's: rope_theta + rope_scaling null, no
     rope_parameters. Loading it (dflash eval of an incumbent, a warm start) keeps the theta; a block size given
     only in dflash_config is read there."""
@@ -119,6 +120,11 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     cfg["dflash_config"]["block_size"] = cfg.pop("block_size")  # as newer z-lab drafters write it
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     assert load_dflash(str(tmp_path / "d"), target).block_size == drafter.block_size
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2048)  # not implemented: said
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="dflash_core.model.export"):
+        load_dflash(str(tmp_path / "d"), target)
+    assert "layers [0] attend through a sliding window of 2048 tokens" in caplog.text
 
 
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):

@@ -155,6 +155,11 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         raise ExportError(
             f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab"
         )
+    sliding = [i for i, kind in enumerate(raw.get("layer_types") or []) if kind != "full_attention"]
+    if sliding or raw.get("use_sliding_window"):
+        log.warning("%s: layers %s attend through a sliding window of %s tokens; this drafter attends to the whole "
+                    "context, so contexts longer than the window are drafted differently than by the engines",
+                    path, sliding or "all", raw.get("sliding_window"))
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
     # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
