@@ -28,6 +28,8 @@ from dflash_core.data.template import chat_template_inputs, load_tokenizer
 from dflash_core.data.tokenize import tokenize_dataset
 
 QWEN3_LIKE = Path(__file__).parent / "fixtures" / "qwen3_like.jinja"
+GPT_OSS_LIKE = Path(__file__).parent / "fixtures" / "gpt_oss_like.jinja"
+HARMONY = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 QUESTION, ANSWER = "What is the weather in Paris?", "It is 18 degrees and sunny in Paris."
@@ -105,6 +107,55 @@ def _supervised(tmp: Path, tok: str) -> list[list[str]]:
     reader, t = ShardReader(str(tmp / "out")), AutoTokenizer.from_pretrained(tok)
     rows = reader.rows(list(range(len(reader))))
     return [[t.decode(ids[a:b]) for a, b in _runs(mask)] for ids, mask in rows]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tok(tmp_path_factory) -> str:
+    """A tokenizer with gpt-oss's harmony special tokens and a template written after gpt-oss's."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    tok.add_special_tokens({"additional_special_tokens": HARMONY})
+    tok.chat_template = GPT_OSS_LIKE.read_text()
+    path = tmp_path_factory.mktemp("tok") / "gpt-oss-like"
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_gpt_oss_harmony_reasoning_and_tool_calls_are_supervised_as_the_model_writes_them(
+        tmp_path: Path, gpt_oss_tok: str) -> None:
+    """gpt-oss reads reasoning from `thinking` (its datasets store it there too) and renders it only for the last
+    reply, on the analysis channel; a tool call ends with <|call|>, not the end-of-turn <|return|>. Supervised:
+    everything after the generation prompt `<|start|>assistant`: the call up to <|call|>, the last reply's
+    analysis and final channels up to <|return|> (keep), the final channel alone (strip). An earlier reply's
+    <|end|> is history's rewrite of the <|return|> the model wrote there: not supervised."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}
+    records = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                      {"role": "assistant", "content": "Hello friend", "thinking": "greet them"},
+                      {"role": "user", "content": "Bye now"},
+                      {"role": "assistant", "content": "Bye bye", "thinking": "say bye"}]},
+        {"tools": [weather], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 18}'},
+            {"role": "assistant", "content": "It is 18 degrees.", "thinking": "report it"}]},
+    ]
+    call = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+    assert _run(tmp_path, records, gpt_oss_tok, thinking="keep")["kept"] == 2
+    assert _supervised(tmp_path, gpt_oss_tok) == [
+        ["<|channel|>final<|message|>Hello friend",
+         "<|channel|>analysis<|message|>say bye<|end|><|start|>assistant<|channel|>final<|message|>Bye bye<|return|>"],
+        [call, "<|channel|>analysis<|message|>report it<|end|><|start|>assistant<|channel|>final<|message|>"
+               "It is 18 degrees.<|return|>"]]
+    assert _run(tmp_path, records, gpt_oss_tok)["kept"] == 2  # strip, the default
+    assert _supervised(tmp_path, gpt_oss_tok) == [
+        ["<|channel|>final<|message|>Hello friend", "<|channel|>final<|message|>Bye bye<|return|>"],
+        [call, "<|channel|>final<|message|>It is 18 degrees.<|return|>"]]
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["tokenizer"]["generation_prompts"] == ["<|start|>assistant"]
+    assert manifest["tokenizer"]["renders_tools"] is True
 
 
 def test_tool_calls_in_openai_and_llama_factory_shapes_supervise_the_call_not_the_result(

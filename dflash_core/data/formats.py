@@ -84,6 +84,7 @@ BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>")
 EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", *BOS_MARKS)
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
@@ -614,8 +615,10 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
             if isinstance(more, Drop):
                 return more
             calls += more
-    explicit = raw.get("reasoning_content", raw.get("reasoning"))
-    if isinstance(explicit, str) and explicit.strip():
+    # the reasoning as a field: reasoning_content (DeepSeek, Qwen, vLLM), reasoning (OpenRouter, newer vLLM),
+    # thinking (gpt-oss's template and its datasets)
+    explicit = next((v for v in map(raw.get, REASONING_KEYS) if isinstance(v, str) and v.strip()), None)
+    if explicit is not None:
         reasoning.insert(0, explicit)
     if role == "assistant" and not reasoning and "</think>" in text:
         head, text = text.split("</think>", 1)

@@ -129,24 +129,36 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
     """(messages, kwargs) for tokenizer.apply_chat_template(messages, **kwargs), per data.thinking.
 
     strip: reasoning is removed and the template is told enable_thinking=False (Qwen3 then writes the empty
-    think block its thinking-off prompts end with). keep: reasoning goes in `reasoning_content` (when the
-    template reads that field, or `template` is not given) or else inline as a `<think>` block before the
+    think block its thinking-off prompts end with). keep: reasoning goes in the field the template reads
+    (reasoning_field: `reasoning_content`, gpt-oss's `thinking`) or else inline as a `<think>` block before the
     content; enable_thinking=True. The record's tools go in as tools=."""
     keep = thinking == "keep"
-    inline = keep and template is not None and "reasoning_content" not in template
+    field = reasoning_field(template)
     messages = []
     for m in conv.messages:
         m = dict(m)
         reasoning = m.pop("reasoning_content", None)
-        if keep and reasoning and inline:
+        if keep and reasoning and field is None:
             m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
-        elif keep and reasoning:
-            m["reasoning_content"] = reasoning
+        elif keep and reasoning and field is not None:
+            m[field] = reasoning
         messages.append(m)
     kwargs: dict[str, Any] = {"enable_thinking": keep}
     if conv.tools:
         kwargs["tools"] = conv.tools
     return messages, kwargs
+
+
+_THINKING_FIELD = re.compile(r"""\.thinking\b|\[\s*["']thinking["']\s*\]|["']thinking["']\s+in\s""")
+
+
+def reasoning_field(template: str | None) -> str | None:
+    """The message field a chat template reads reasoning from: reasoning_content (Qwen3, DeepSeek; also when the
+    template is not known), thinking (gpt-oss), or None when it reads neither (the reasoning goes inline as a
+    <think> block)."""
+    if template is None or "reasoning_content" in template:
+        return "reasoning_content"
+    return "thinking" if _THINKING_FIELD.search(template) else None
 
 
 class ChatEncoder:
@@ -166,6 +178,8 @@ class ChatEncoder:
         self.skeletons: dict[str, str | Exception] = {}
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
+        # the special token every message's header opens with (<|im_start|>, gpt-oss's <|start|>), or ''
+        self.opener = _special_prefix(self.prompts[0], self._specials()).strip() if self.prompts else ""
         self.tools = self._renders_tools()
         self.fold_system, self.merge_roles = turn_shaping(tokenizer, system_turn, same_role_turns)
 
@@ -347,7 +361,12 @@ class ChatEncoder:
             return None
         if calls:  # the calls follow the text: the turn ends at the first end-of-turn after them
             close = text.find(self.eot, end, hi) if self.eot else -1
-            return start, close + len(self.eot) if close >= 0 else end
+            if close >= 0:
+                return start, close + len(self.eot)
+            # calls closed by a mark of their own (gpt-oss: <|call|>): the turn ends where the next message's
+            # header opens (the special token the generation prompt opens with), or at the end of the text
+            header = text.rfind(self.opener, end, hi) if self.opener and hi < len(text) else -1
+            return start, header if header >= 0 else (hi if hi == len(text) else end)
         return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
 
 
@@ -368,7 +387,7 @@ def _marked(messages: Messages) -> tuple[Messages, list[Slot]]:
     slots: list[Slot] = []
     for j, m in enumerate(messages):
         m = dict(m)
-        for f in ("reasoning_content", "content"):
+        for f in ("reasoning_content", "thinking", "content"):  # the reasoning fields of reasoning_field
             if isinstance(m.get(f), str) and m[f].strip():
                 m[f] = _MARK.format(len(slots))
                 slots.append((j, f))
