@@ -100,9 +100,10 @@ def renders_any_turn_order(tokenizer: Any) -> bool:
 
 def turn_shaping(tokenizer: Any, system_turn: str = "auto", same_role_turns: str = "auto") -> tuple[bool, bool]:
     """(fold, merge): whether a leading system turn is folded into the first user turn (data.system_turn), and
-    whether consecutive same-role turns become one turn (data.same_role_turns). `merge` always, `keep` never,
-    `auto` where the chat template refuses them or leaves their text out. The template is probed only for an
-    `auto` setting; no tokenizer (None) refuses nothing."""
+    whether the turns are made to alternate user/assistant (data.same_role_turns: consecutive same-role turns
+    become one, replies before the first user turn are left out). `merge` always, `keep` never, `auto` where the
+    chat template refuses them or leaves their text out. The template is probed only for an `auto` setting; no
+    tokenizer (None) refuses nothing."""
     def refuses(setting: str, renders: Callable[[Any], bool]) -> bool:
         return setting == "merge" or (setting == "auto" and tokenizer is not None and not renders(tokenizer))
     return refuses(system_turn, renders_system), refuses(same_role_turns, renders_any_turn_order)
@@ -115,7 +116,7 @@ def for_template(tokenizer: Any, messages: Messages) -> Messages:
     if folded is None and alternated == messages:
         return messages
     fold, merge = turn_shaping(tokenizer)
-    messages = alternating(messages) if merge else messages
+    messages = alternated if merge else messages
     return (system_folded(messages) or messages) if fold else messages
 
 
