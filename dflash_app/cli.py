@@ -92,23 +92,14 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-SUPERVISED = ("\N{LEFT-POINTING DOUBLE ANGLE QUOTATION MARK}", "\N{RIGHT-POINTING DOUBLE ANGLE QUOTATION MARK}")
 SUPERVISED_COLOR = ("\033[1;32m", "\033[0m")  # bold green on a terminal
 
 
 def _shown(record: dict[str, Any], color: bool = False) -> str:
-    """A previewed record: a header (where, kept or why not), then its text with the supervised spans marked."""
-    where = " · ".join(x for x in (f"{record['file']} record {record['record']}",
-                                   f"line {record['line']}" if record["line"] is not None else "",
-                                   f"id {record['id']}" if record["id"] else "") if x)
-    if not record["kept"]:
-        return f"── {where} · dropped: {record['reason']}: {record['detail']}\n"
-    facts = [f"{record['tokens']} tokens, {record['supervised']} supervised"]
-    facts += [f"cut: {record['truncated']}"] if record["truncated"] else []
-    facts += record["notes"]
-    opening, closing = SUPERVISED_COLOR if color else SUPERVISED
-    text = "".join(f"{opening}{t}{closing}" if supervised else t for t, supervised in record["segments"])
-    return f"── {where} · kept: {'; '.join(facts)}\n{text.rstrip(chr(10))}\n"
+    from dflash_core.data.tokenize import SUPERVISED_MARKS, shown
+
+    header, text = shown(record, SUPERVISED_COLOR if color else SUPERVISED_MARKS)
+    return f"── {header}\n{text}\n" if text else f"── {header}\n"
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:

@@ -124,6 +124,38 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+# --- data ------------------------------------------------------------------------------------------------------
+
+def samples_markdown(samples: list[dict[str, Any]], tokenized: str) -> str:
+    """The first samples as training reads them: each one's rendered text, the supervised spans in « »."""
+    from dflash_core.data.tokenize import shown
+
+    parts = ["## Training samples",
+             f"The first {len(samples)} samples of {storage_link(tokenized, 'the tokenized data', folder=True)}, "
+             "decoded: the drafter learns to write the text between « and » (the loss mask); the rest is "
+             "context.", ""]
+    for sample in samples:
+        header, text = shown(sample)
+        fence = "`" * max(3, _longest_backtick_run(text) + 1)  # longer than any run of backticks in the text
+        parts += [f"**{header}**", "", f"{fence}text", text, fence, ""]
+    return "\n".join(parts)
+
+
+def _longest_backtick_run(text: str) -> int:
+    longest = run = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    return longest
+
+
+def publish_samples(samples: list[dict[str, Any]], tokenized: str) -> str:
+    """The `tokenized-samples` artifact (samples_markdown)."""
+    text = samples_markdown(samples, tokenized)
+    create_markdown_artifact(text, key="tokenized-samples", description="The first samples as training reads them")
+    return text
+
+
 # --- plan ------------------------------------------------------------------------------------------------------
 
 def publish_plan(summary: dict[str, Any], plan_dir: str) -> str:

@@ -54,6 +54,7 @@ def retrain_drafter(
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
     data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
+    tasks.publish_sample_artifact(config, tokenized)
     plan_fp = tasks.plan_fingerprint(data_fp, config)
     plan_dir = storage.join(root, "plans", plan_fp[:16])
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)

@@ -12,7 +12,7 @@ from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, write_run_config
 from flows import storage
-from flows.artifacts import TrainingProgress, publish_plan, publish_report
+from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_samples
 from flows.progress import LogThrottle, follow_metrics
 from flows.promotion_artifacts import publish_promotion
 
@@ -98,6 +98,14 @@ def plan(config: PipelineConfig, tokenized: str, fingerprint: str, out: str) -> 
     run_plan(tokenized, out, config.plan)
     _, summary = read_plan(out)
     return summary
+
+
+@task(name="publish-samples")
+def publish_sample_artifact(config: PipelineConfig, tokenized: str, count: int = 3) -> None:
+    """The first tokenized samples, decoded with the supervised spans marked (also when tokenize was cached)."""
+    from dflash_core.data.tokenize import written_samples
+
+    publish_samples(written_samples(tokenized, config.data.tokenizer, count), tokenized)
 
 
 @task(name="publish-plan")

@@ -188,3 +188,29 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     assert [alt for alt, _, _ in images(live.data)] == ["training curves"]
     assert bar.data == pytest.approx(100 * 400 / len(records))
     assert bar.description.startswith(f"step 400 / {len(records)} · loss ")
+
+
+def test_the_samples_page_shows_the_first_samples_as_training_reads_them(tmp_path):
+    """tokenized-samples: the first samples decoded from the written shards, where each came from, and the
+    supervised text between « and »; a fence longer than any backtick run in the text."""
+    from common.chat import data_config, tokenizer_dir
+    from common.chat import write_jsonl as write_chat
+
+    from dflash_core.data.tokenize import tokenize_dataset, written_samples
+
+    chatml = tokenizer_dir("chatml")
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Sort the list {i} please."},
+                                            {"role": "assistant", "content": "the model can sort the list ````"}]}
+               for i in range(5)]
+    write_chat(tmp_path / "d.jsonl", records)
+    out = tmp_path / "tok"
+    tokenize_dataset(str(tmp_path / "d.jsonl"), chatml, str(out), data_config(), block_size=2)
+    samples = written_samples(str(out), chatml, 3)
+    assert [(s["file"], s["record"], s["line"], s["id"]) for s in samples] == [
+        ("d.jsonl", i, i + 1, f"r{i}") for i in range(3)]
+    page = artifacts.samples_markdown(samples, str(out))
+    assert page.startswith("## Training samples") and page.count("**d.jsonl record") == 3
+    assert "<|im_start|>user\nSort the list 0 please.<|im_end|>\n<|im_start|>assistant\n" \
+           "«the model can sort the list ````<|im_end|>»" in page
+    assert "\n`````text\n" in page  # the text holds a run of four backticks
+    assert written_samples(str(tmp_path / "empty"), chatml, 3) == []

@@ -12,6 +12,8 @@ from itertools import chain, islice, pairwise
 from typing import Any
 
 import fsspec
+import numpy as np
+import pyarrow.parquet as pq
 
 from dflash_core.data.accounting import DropLog
 from dflash_core.data.config import DataConfig
@@ -34,12 +36,14 @@ from dflash_core.data.samples import (
     build_chunk,
     init_worker,
 )
+from dflash_core.data.shards import part_name
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import ChatEncoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
+from dflash_core.io import join_uri
 from dflash_core.publish import check_output, staged_output
 
-__all__ = ["input_fingerprint", "preview_samples", "tokenize_dataset"]
+__all__ = ["input_fingerprint", "preview_samples", "shown", "tokenize_dataset", "written_samples"]
 
 log = logging.getLogger(__name__)
 _DETECT_HEAD = 32
@@ -101,6 +105,38 @@ def preview_samples(source: str, tokenizer: str, cfg: DataConfig, block_size: in
     dropped = Counter(r["reason"] for r in records if not r["kept"])
     return {"records": records, "summary": {"previewed": len(records), "kept": kept, "dropped": dict(dropped),
                                             "tokenizer": builder.encoder.identity}}
+
+
+def written_samples(tokenized: str, tokenizer: str, limit: int) -> list[dict[str, Any]]:
+    """The first `limit` samples of a tokenize output as previewed records (what training reads, decoded)."""
+    fs, path = fsspec.core.url_to_fs(join_uri(tokenized, part_name(0)))
+    if not fs.exists(path):  # nothing was kept
+        return []
+    tok = load_tokenizer(tokenizer)
+    with fs.open(path, "rb") as fh:
+        batch = next(pq.ParquetFile(fh).iter_batches(batch_size=limit), None)
+        rows = batch.to_pylist() if batch is not None else []
+    return [{"file": r["source"], "record": r["record"], "line": r["line"], "id": r["record_id"], "kept": True,
+             "tokens": len(r["input_ids"]), "supervised": int(sum(r["loss_mask"])), "truncated": None, "notes": [],
+             "segments": _segments(tok, np.asarray(r["input_ids"]), np.asarray(r["loss_mask"]))} for r in rows]
+
+
+SUPERVISED_MARKS = ("\N{LEFT-POINTING DOUBLE ANGLE QUOTATION MARK}", "\N{RIGHT-POINTING DOUBLE ANGLE QUOTATION MARK}")
+
+
+def shown(record: dict[str, Any], marks: tuple[str, str] = SUPERVISED_MARKS) -> tuple[str, str]:
+    """A previewed record as (header, text): where it is from and whether it was kept (tokens, supervised
+    tokens, a cut, notes) or why not; its rendered text with each supervised span between the two marks."""
+    where = " · ".join(x for x in (f"{record['file']} record {record['record']}",
+                                   f"line {record['line']}" if record["line"] is not None else "",
+                                   f"id {record['id']}" if record["id"] else "") if x)
+    if not record["kept"]:
+        return f"{where} · dropped: {record['reason']}: {record['detail']}", ""
+    facts = [f"{record['tokens']} tokens, {record['supervised']} supervised"]
+    facts += [f"cut: {record['truncated']}"] if record["truncated"] else []
+    facts += record["notes"]
+    text = "".join(f"{marks[0]}{t}{marks[1]}" if supervised else t for t, supervised in record["segments"])
+    return f"{where} · kept: {'; '.join(facts)}", text.rstrip("\n")
 
 
 def _segments(tokenizer: Any, ids: Any, mask: Any) -> list[tuple[str, bool]]:

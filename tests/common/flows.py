@@ -18,7 +18,7 @@ from prefect.client.schemas.filters import (
 from dflash_app.config import load_config, resolve_config
 from dflash_core.config import PipelineConfig
 
-EXPECTED_ARTIFACTS = {"batch-plan", "batch-interleaving", "training-progress", "training-live",
+EXPECTED_ARTIFACTS = {"tokenized-samples", "batch-plan", "batch-interleaving", "training-progress", "training-live",
                       "stability-report", "run-summary", "promotion"}
 
 
