@@ -502,8 +502,11 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     # HH-RLHF's prompt/response split (Dahoas): the prompt a transcript ending in an empty "Assistant:"
     hh_split = {"prompt": "\n\nHuman: Hi.\n\nAssistant: Hello.\n\nHuman: Bye?\n\nAssistant:",
                 "response": " Bye now.", "chosen": " Bye now.", "rejected": " WRONG."}
+    # Baize: a preamble, [|Human|] / [|AI|] turns, an empty [|Human|] slot at the end
+    baize = {"topic": "Fish", "input": "The conversation between human and AI assistant.\n[|Human|] Name a fish."
+                                       "\n[|AI|] Carp.\n[|Human|] "}
     records = [hh, trl_implicit, orca_dpo, trl_explicit, trl_explicit_turns, guanaco, chatml, ultrachat, openchat,
-               openmath, llama2, llama3, gemma, vicuna, glaive, hh_split]
+               openmath, llama2, llama3, gemma, vicuna, glaive, hh_split, baize]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
     assert _supervised(tmp_path, qwen3_tok) == [
@@ -512,7 +515,8 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
         ["Hello, friend.<|im_end|>"], ["The Nile.<|im_end|>", "The Amazon.<|im_end|>"], ["One, two.<|im_end|>"],
         ["It is \\boxed{4}.<|im_end|>"], ["Red.<|im_end|>", "Blue.<|im_end|>"], ["Iron.<|im_end|>"],
         ["Neon.<|im_end|>"], ["Cod.<|im_end|>", "Hake.<|im_end|>"],
-        ['<functioncall> {"name": "price"}<|im_end|>', "It is $150.<|im_end|>"], ["Hello.<|im_end|>", "Bye now.<|im_end|>"]]
+        ['<functioncall> {"name": "price"}<|im_end|>', "It is $150.<|im_end|>"], ["Hello.<|im_end|>", "Bye now.<|im_end|>"],
+        ["Carp.<|im_end|>"]]
     tok = AutoTokenizer.from_pretrained(qwen3_tok)
     reader = ShardReader(str(tmp_path / "out"))
     texts = [tok.decode(ids) for ids, _ in reader.rows(list(range(len(reader))))]
@@ -527,6 +531,7 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     assert "<|im_start|>system\nYou are a helpful assistant with access" in texts[14]
     assert "<tool_response>\n{\"price\": 150}\n</tool_response>" in texts[14]  # FUNCTION RESPONSE: a tool turn
     assert to_conversation(hh_split).sources == ["Human", "Assistant", "Human", "response"]
+    assert texts[16].endswith("Carp.<|im_end|>\n")  # no empty user turn after it
     assert to_conversation({"prompt": "\n\nHuman: Hi.\n\nAssistant:"}, require_assistant=False).messages == [
         {"role": "user", "content": "Hi."}]
     # a text that is not a transcript; a transcript of a prompt alone

@@ -52,8 +52,8 @@ REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solutio
 # pair's `chosen` side as turns (TRL's implicit prompt) or as a transcript (Anthropic HH-RLHF's "\n\nHuman: ...
 # \n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items` turns (plain strings, user first, or turn objects);
 # a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", a chat rendered by a template);
-# Glaive's `chat` ("USER: ... ASSISTANT: ... FUNCTION RESPONSE: ...")
-TRANSCRIPT_KEYS = ("chosen", "data", "items", "text", "chat")
+# Glaive's `chat` ("USER: ... ASSISTANT: ... FUNCTION RESPONSE: ..."); Baize's `input` ("[|Human|] ... [|AI|] ...")
+TRANSCRIPT_KEYS = ("chosen", "data", "items", "text", "chat", "input")
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ TRANSCRIPTS = (
                re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)),
     # Vicuna and Glaive: upper-case names after a space or a mark ("Hi ASSISTANT: Hello!</s>USER: ...")
     Transcript(("USER:", "SYSTEM:"), re.compile(r"(?:^|(?<=[\s>]))(USER|ASSISTANT|SYSTEM|FUNCTION RESPONSE):")),
+    # Baize: a fixed preamble, then [|Human|] and [|AI|] turns
+    Transcript(("The conversation between human and AI assistant.",), re.compile(r"\[\|(Human|AI)\|\]")),
 )
 BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>")
 # what ends a turn in a rendered transcript (cut from its text): end-of-turn and end-of-sequence marks, and the
@@ -92,7 +94,7 @@ DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-
     "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
     "function response": "tool",  # Glaive's transcripts
-    "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs
+    "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs, Baize
 }
 CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -415,7 +417,9 @@ def _transcript(text: str) -> list[dict[str, Any]] | None:
             if system is not None:
                 turns[:1] = [{"role": "system", "content": system.group(1).strip()},
                              {"role": "user", "content": turns[0]["content"][system.end():]}]
-            return turns
+            # a marker with nothing after it ends the transcript: the slot of a turn not written (HH-RLHF's
+            # prompts end with "Assistant:", Baize's with "[|Human|] ")
+            return turns[:-1] if turns and not turns[-1]["content"] else turns
     return None
 
 
@@ -483,12 +487,10 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     extra = next((record[k] for k in CONTEXT_KEYS
                   if k != prompt_key and isinstance(record.get(k), str) and record[k].strip()), None)
     turns: list[dict[str, Any]] = [{"role": "user", "content": user if extra is None else f"{user}\n\n{extra}"}]
-    # a prompt written as a transcript (HH-RLHF's "\n\nHuman: ...\n\nAssistant:"): its turns, less the empty
-    # reply slot at its end
+    # a prompt written as a transcript (HH-RLHF's "\n\nHuman: ...\n\nAssistant:"): its turns
     transcript = _transcript(user) if isinstance(user, str) and extra is None else None
     if transcript:
-        slot = roles.get(transcript[-1]["role"].lower()) == "assistant" and not transcript[-1]["content"]
-        turns = transcript[:-1] if slot else transcript
+        turns = transcript
     reply_key = _reply_key(record)
     if reply_key is not None:
         if not isinstance(record[reply_key], str):
