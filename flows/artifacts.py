@@ -351,8 +351,11 @@ def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[
 
 
 def _data_line(data: dict[str, Any]) -> str:
-    dropped = sum((data.get("dropped") or {}).values())
-    return (f"{data.get('kept')} of {data.get('read')} records kept ({dropped} dropped), "
+    reasons = data.get("dropped") or {}
+    dropped = sum(reasons.values())
+    top = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    why = ": " + ", ".join(f"{r} {n}" for r, n in top) + (", ..." if len(reasons) > 3 else "") if top else ""
+    return (f"{data.get('kept')} of {data.get('read')} records kept ({dropped} dropped{why}), "
             f"{_rate(data.get('tokens'))} tokens, {_rate(data.get('supervised_tokens'))} supervised")
 
 

@@ -132,7 +132,7 @@ def test_summary_is_the_run_in_five_lines(failed_run, tmp_path):
     page = artifacts.summary_markdown(report=report, **_synthetic_inputs(run, records))
     lines = [line for line in page.splitlines() if re.match(r"\d\. \*\*", line)]
     assert [line.split("**")[1] for line in lines] == ["Data", "Plan", "Training", "Stability", "Drafter"]
-    assert "990 of 1000 records kept (10 dropped), 512,000 tokens" in lines[0]
+    assert "990 of 1000 records kept (10 dropped: too_long 7, no_assistant 3), 512,000 tokens" in lines[0]
     assert "longest run of bucket 3 (the longest sequences): 1 micro-batches (random shuffle: 7)" in lines[1]
     assert "1200 steps in 1 h 02 min, final loss 0.61, 5,322 tokens/s" in lines[2]
     assert lines[3].startswith("4. **Stability**: **FAIL**; failed: " + ", ".join(report["failed"]))
