@@ -75,6 +75,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                        ("max_length", args.max_length)):
         if value is not None:
             extra[f"data.{key}"] = value
+    if args.out is None and args.preview is None:
+        raise UsageError("--out is required (or --preview N to see the first N records, nothing written)")
     cfg = _resolved(_config(args, extra))
     if args.preview is not None:
         from dflash_core.data.tokenize import preview_samples
@@ -84,8 +86,6 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             print(_shown(record, color=sys.stdout.isatty()))
         _print_summary(preview["summary"])
         return 0
-    if args.out is None:
-        raise UsageError("--out is required (or --preview N to see the first N records, nothing written)")
     summary = tokenize_dataset(cfg.data.source, cfg.data.tokenizer, args.out, cfg.data,
                                block_size=cfg.model.block_size, overwrite=args.overwrite)
     _print_summary(summary)
