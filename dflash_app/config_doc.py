@@ -65,7 +65,7 @@ def type_text(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> st
         return " | ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
-        text = " | ".join(type_text(a) for a in options)
+        text = " | ".join(type_text(a, metadata) for a in options)  # a Field's bounds hold for the value
         return f"{text} or null" if len(options) < len(args) else text
     if origin is list:
         return f"list of {type_text(args[0])}"

@@ -49,14 +49,15 @@ def test_types_and_defaults_read_as_a_user_writes_them():
         pair: tuple[float, float] = (0.9, 0.95)
         roles: dict[str, str] = Field(default_factory=dict)
         share: float = Field(0.5, ge=0.0, lt=1.0)
+        confidence: float | None = Field(None, gt=0.5, lt=1.0)
         target: str
 
     fields = Section.model_fields
     assert [type_text(f.annotation, f.metadata) for f in fields.values()] == [
         "auto | keep", "int > 0", "int > 0 or null", "list of str", "[float, float]", "mapping str -> str",
-        "float >= 0.0, < 1.0", "str"]
+        "float >= 0.0, < 1.0", "float > 0.5, < 1.0 or null", "str"]
     assert [default_text(f) for f in fields.values()] == [
-        '"auto"', "8", "null", "[]", "[0.9, 0.95]", "{}", "0.5", "required"]
+        '"auto"', "8", "null", "[]", "[0.9, 0.95]", "{}", "0.5", "null", "required"]
 
     class Root(StrictModel):
         section: Section

@@ -12,9 +12,11 @@ class ModelConfig(StrictModel):
 
     target: str = Field(description="target model path or hub id (example://target for the demo)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype the target is loaded in for training; auto = the dtype its checkpoint stores")
+        "auto", description="dtype the target is loaded in for training and the promotion gate; auto = the dtype its "
+        "checkpoint stores")
     trust_remote_code: bool = Field(
-        False, description="let transformers run the model code shipped with the target when loading it for training")
+        False, description="let transformers run the model code shipped with the target and tokenizer (training, the "
+        "promotion gate)")
     num_draft_layers: PositiveInt = Field(1, description="transformer layers of the drafter")
     block_size: int = Field(16, ge=2, description="B: the anchor token plus B-1 drafted slots")
     target_layer_ids: list[int] | None = Field(
