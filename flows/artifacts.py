@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 import time
 from typing import Any, cast
 from uuid import UUID
@@ -136,17 +137,10 @@ def samples_markdown(samples: list[dict[str, Any]], tokenized: str) -> str:
              "context.", ""]
     for sample in samples:
         header, text = shown(sample)
-        fence = "`" * max(3, _longest_backtick_run(text) + 1)  # longer than any run of backticks in the text
+        longest = max((len(run) for run in re.findall("`+", text)), default=0)
+        fence = "`" * max(3, longest + 1)  # longer than any run of backticks in the text
         parts += [f"**{header}**", "", f"{fence}text", text, fence, ""]
     return "\n".join(parts)
-
-
-def _longest_backtick_run(text: str) -> int:
-    longest = run = 0
-    for ch in text:
-        run = run + 1 if ch == "`" else 0
-        longest = max(longest, run)
-    return longest
 
 
 def publish_samples(samples: list[dict[str, Any]], tokenized: str) -> str:

@@ -76,26 +76,25 @@ def load_tokenizer(path: str) -> Any:
 def renders_system(tokenizer: Any) -> bool:
     """Whether the chat template renders a leading system turn's text (Gemma 2 and early Mistral templates raise
     on one; some drop it silently)."""
-    probe = [{"role": "system", "content": _MARK.format(0)}, {"role": "user", "content": _MARK.format(1)},
-             {"role": "assistant", "content": _MARK.format(2)}]
-    try:
-        text = tokenizer.apply_chat_template(probe, tokenize=False)
-    except Exception:  # the template's own refusal (raise_exception) is the answer
-        return False
-    return isinstance(text, str) and _MARK.format(0) in text
+    return _renders(tokenizer, ("system", "user", "assistant"), wanted=(0,))
 
 
 def renders_any_turn_order(tokenizer: Any) -> bool:
     """Whether the chat template renders turns in any order, each text kept: a conversation that opens with an
     assistant turn, two user turns in a row and two assistant turns in a row (Gemma's, Mistral's and Llama 2's
     templates raise: roles must alternate user/assistant/user/...)."""
-    roles = ("assistant", "user", "user", "assistant", "assistant")
+    return _renders(tokenizer, ("assistant", "user", "user", "assistant", "assistant"))
+
+
+def _renders(tokenizer: Any, roles: tuple[str, ...], wanted: tuple[int, ...] | None = None) -> bool:
+    """Whether the template renders a probe of these roles (turn k's text a marker k) with the texts of the
+    `wanted` turns (all by default) in it; a template that raises on the probe does not."""
     probe = [{"role": r, "content": _MARK.format(k)} for k, r in enumerate(roles)]
     try:
         text = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # the template's own refusal (raise_exception) is the answer
         return False
-    return isinstance(text, str) and all(_MARK.format(k) in text for k in range(len(probe)))
+    return isinstance(text, str) and all(_MARK.format(k) in text for k in (wanted or range(len(roles))))
 
 
 def turn_shaping(tokenizer: Any, system_turn: str = "auto", same_role_turns: str = "auto") -> tuple[bool, bool]:
@@ -366,8 +365,10 @@ class ChatEncoder:
                 return start, close + len(self.eot)
             # calls closed by a mark of their own (gpt-oss: <|call|>): the turn ends where the next message's
             # header opens (the special token the generation prompt opens with), or at the end of the text
-            header = text.rfind(self.opener, end, hi) if self.opener and hi < len(text) else -1
-            return start, header if header >= 0 else (hi if hi == len(text) else end)
+            if hi == len(text):
+                return start, hi
+            header = text.rfind(self.opener, end, hi) if self.opener else -1
+            return start, header if header >= 0 else end
         return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
 
 

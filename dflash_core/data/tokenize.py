@@ -92,13 +92,12 @@ def preview_samples(source: str, tokenizer: str, cfg: DataConfig, block_size: in
     for chunk in run.chunks():
         name = run.files[chunk.file].name
         for o in builder.build(chunk).outcomes[:limit - len(records)]:
-            where = {"file": name, "record": o.record, "line": o.line, "id": o.record_id}
             if isinstance(o, Dropped):
-                records.append({**where, "kept": False, "reason": o.reason, "detail": o.detail})
+                records.append({"file": name, "record": o.record, "line": o.line, "id": o.record_id, "kept": False,
+                                "reason": o.reason, "detail": o.detail})
                 continue
-            records.append({**where, "kept": True, "tokens": len(o.ids), "supervised": int(o.mask.sum()),
-                            "truncated": o.truncated, "notes": [f"{n.reason}: {n.detail}" for n in o.notes],
-                            "segments": _segments(builder.encoder.tokenizer, o.ids, o.mask)})
+            records.append(_kept(builder.encoder.tokenizer, name, o.record, o.line, o.record_id, o.ids, o.mask,
+                                 o.truncated, [f"{n.reason}: {n.detail}" for n in o.notes]))
         if len(records) >= limit:
             break
     kept = sum(r["kept"] for r in records)
@@ -116,9 +115,16 @@ def written_samples(tokenized: str, tokenizer: str, limit: int) -> list[dict[str
     with fs.open(path, "rb") as fh:
         batch = next(pq.ParquetFile(fh).iter_batches(batch_size=limit), None)
         rows = batch.to_pylist() if batch is not None else []
-    return [{"file": r["source"], "record": r["record"], "line": r["line"], "id": r["record_id"], "kept": True,
-             "tokens": len(r["input_ids"]), "supervised": int(sum(r["loss_mask"])), "truncated": None, "notes": [],
-             "segments": _segments(tok, np.asarray(r["input_ids"]), np.asarray(r["loss_mask"]))} for r in rows]
+    return [_kept(tok, r["source"], r["record"], r["line"], r["record_id"], np.asarray(r["input_ids"]),
+                  np.asarray(r["loss_mask"])) for r in rows]
+
+
+def _kept(tokenizer: Any, file: str, record: int, line: int | None, rid: str | None, ids: np.ndarray,
+          mask: np.ndarray, truncated: str | None = None, notes: list[str] | None = None) -> dict[str, Any]:
+    """A kept sample as a previewed record: where it came from, its counts, its text in loss-mask segments."""
+    return {"file": file, "record": record, "line": line, "id": rid, "kept": True, "tokens": len(ids),
+            "supervised": int(mask.sum()), "truncated": truncated, "notes": notes or [],
+            "segments": _segments(tokenizer, ids, mask)}
 
 
 SUPERVISED_MARKS = ("\N{LEFT-POINTING DOUBLE ANGLE QUOTATION MARK}", "\N{RIGHT-POINTING DOUBLE ANGLE QUOTATION MARK}")
