@@ -11,6 +11,11 @@ and `benchmark.py`; SGLang's and vLLM's DFlash draft models):
   (the anchor token, then `mask_token_id`) go through the layers together, keys and values of both are
   normed, rotated (absolute positions) and appended, queries come from the block only, attention is not causal;
   then the block's entries are cropped from the cache;
+- a layer may attend differently, as vLLM's DFlash model reads its config: a layer named "sliding_attention"
+  in `layer_types` (or every layer, under `dflash_config.use_swa` when none is named so) sees only keys less
+  than `dflash_config.swa_window_size` (else `sliding_window`) positions behind the query; a layer is causal
+  (no key after the query) when `is_causal`, else `dflash_config.causal`, says so, and otherwise exactly when
+  it is named "sliding_attention";
 - the decoding loop is the published benchmark's: prefill, then while the anchor position is below
   prompt + max_new_tokens draft, verify with the target on its KV cache, accept the leading matches, append the
   target's bonus token; stop after a step that committed a stop token.
@@ -37,9 +42,32 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 
+def layer_rules(config: Qwen3Config) -> list[tuple[int | None, bool]]:
+    """(window or None, causal) of every layer, by the rules in the module docstring."""
+    extra = getattr(config, "dflash_config", None) or {}
+    named = getattr(config, "layer_types", None)
+    count = config.num_hidden_layers
+    if named is None or (extra.get("use_swa") and "sliding_attention" not in named):
+        windowed = [bool(extra.get("use_swa"))] * count
+    else:
+        windowed = [kind == "sliding_attention" for kind in named]
+    size = extra["swa_window_size"] if "swa_window_size" in extra else config.sliding_window
+    rules = []
+    for i in range(count):
+        if getattr(config, "is_causal", None) is not None:
+            causal = bool(config.is_causal)
+        elif extra.get("causal") is not None:
+            causal = bool(extra["causal"])
+        else:
+            causal = bool(named) and named[i] == "sliding_attention"
+        rules.append((size if windowed[i] else None, causal))
+    return rules
+
+
 class RefAttention(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, window: int | None = None, causal: bool = False):
         super().__init__()
+        self.window, self.causal = window, causal
         self.head_dim = config.head_dim
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         width = config.hidden_size
@@ -64,15 +92,22 @@ class RefAttention(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
         groups = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=False)
+        # keys sit at positions 0..K-1 (cached context, new context, block), queries are the last B of them
+        behind = torch.arange(k.shape[2] - q.shape[2], k.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
+        allowed = torch.ones_like(behind, dtype=torch.bool)
+        if self.causal:
+            allowed &= behind >= 0
+        if self.window is not None:
+            allowed &= behind < self.window
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
 class RefLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, window: int | None = None, causal: bool = False):
         super().__init__()
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = RefAttention(config)
+        self.self_attn = RefAttention(config, window, causal)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
@@ -94,7 +129,7 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
         self.block_size = int(config.block_size)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(RefLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(RefLayer(config, *rules) for rules in layer_rules(config))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()

@@ -176,7 +176,12 @@ def test_padding_and_batch_neighbours_do_not_change_a_sequence(target, drafter):
 # ---- training forward == inference forward -----------------------------------------------------------------
 
 
-def test_training_pass_equals_draft_block(target, drafter):
+@pytest.mark.parametrize("window", [None, 5])
+def test_training_pass_equals_draft_block(target, drafter, window):
+    """Every block of the training pass is what inference drafts, also with a causal sliding-window layer."""
+    if window is not None:
+        drafter = tiny_drafter(target, target_layer_ids=[0, 2], layer_types=["sliding_attention", "full_attention"],
+                               sliding_window=window)
     batch = random_batch(2, 30, seed=6)
     feats = features(target, drafter, batch)
     anchors = torch.tensor([[0, 7, 19, 26], [4, 5, 6, 20]])
@@ -186,6 +191,30 @@ def test_training_pass_equals_draft_block(target, drafter):
             infer = drafter.draft_block(feats[row, :a], batch["input_ids"][row, a], a)
             assert infer.shape == (B, 100)
             torch.testing.assert_close(train[row, k], infer, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_layer_forgets_what_lies_behind_it(target):
+    """Window 5 on layer 0 of a 1-layer drafter: slot j of the block at 12 sees positions 8 + j..12 + j, so
+    features before position 8 change nothing; causal: slot j sees no later slot (the later slots' tokens are
+    all the mask, so their positions are what would leak)."""
+    d = tiny_drafter(target, layers=1, layer_types=["sliding_attention"], sliding_window=5)
+    batch = random_batch(1, 24, seed=8)
+    feats = features(target, d, batch)
+    base = d.block_logits(feats, batch["input_ids"], None, torch.tensor([[12]]))
+    far = feats.clone()
+    far[0, :8] += torch.randn_like(far[0, :8])
+    torch.testing.assert_close(d.block_logits(far, batch["input_ids"], None, torch.tensor([[12]])), base,
+                               rtol=0, atol=1e-6)
+    near = feats.clone()
+    near[0, 8] += torch.randn_like(near[0, 8])  # inside slot 0's window
+    assert (d.block_logits(near, batch["input_ids"], None, torch.tensor([[12]]))[0, 0, 0] - base[0, 0, 0]).abs().max() > 1e-3
+    own = d.visibility_mask(torch.tensor([[12]]), torch.tensor([[True]]), None, 24)[0, 0, :, 24:]
+    assert torch.equal(own, torch.ones(B, B, dtype=torch.bool).tril())
+
+
+def test_layer_types_name_every_layer():
+    with pytest.raises(ValueError, match="layer_types names 1 layers, num_draft_layers is 2"):
+        ModelConfig(target="x", num_draft_layers=2, layer_types=["sliding_attention"])
 
 
 def test_draft_block_refuses_context_at_or_after_the_anchor(target, drafter):

@@ -9,6 +9,7 @@ from common.models import MASK_ID, random_batch, tiny_drafter, tiny_qwen3, tiny_
 from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
+from dflash_core.model.attention import LayerAttention
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import ExportError, load_dflash, save_dflash
@@ -120,11 +121,54 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     cfg["dflash_config"]["block_size"] = cfg.pop("block_size")  # as newer z-lab drafters write it
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     assert load_dflash(str(tmp_path / "d"), target).block_size == drafter.block_size
-    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2048)  # not implemented: said
+    # Qwen3.6's drafters: causal sliding-window layers, whose window transformers keeps only under
+    # use_sliding_window (which such a config may leave out)
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2048, use_sliding_window=False)
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
-    with caplog.at_level(logging.WARNING, logger="dflash_core.model.export"):
+    with caplog.at_level(logging.INFO, logger="dflash_core.model.export"):
+        loaded = load_dflash(str(tmp_path / "d"), target)
+    assert loaded.layer_attention == [LayerAttention(2048, causal=True), LayerAttention()]
+    assert "layer attention 0: causal, window 2048, 1: full" in caplog.text
+
+
+def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
+    """A drafter with a causal sliding-window layer exports layer_types + sliding_window (vLLM reads causal from
+    the sliding type); one with windowed but not causal layers (use_swa) also writes dflash_config.causal."""
+    mixed = tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    save_dflash(mixed, str(tmp_path / "mixed"))
+    cfg = json.loads((tmp_path / "mixed" / "config.json").read_text())
+    assert (cfg["layer_types"], cfg["use_sliding_window"], cfg["sliding_window"]) == (
+        ["sliding_attention", "full_attention"], True, 6)
+    assert "causal" not in cfg["dflash_config"]
+    assert AutoConfig.from_pretrained(tmp_path / "mixed").sliding_window == 6  # what engines load
+    assert load_dflash(str(tmp_path / "mixed"), target).layer_attention == mixed.layer_attention
+    cfg.pop("layer_types")
+    cfg.update(use_sliding_window=False, sliding_window=None,
+               dflash_config={**cfg["dflash_config"], "use_swa": True, "swa_window_size": 3})
+    (tmp_path / "mixed" / "config.json").write_text(json.dumps(cfg))
+    swa = load_dflash(str(tmp_path / "mixed"), target)
+    assert swa.layer_attention == [LayerAttention(3)] * 2
+    save_dflash(swa, str(tmp_path / "swa"))
+    again = json.loads((tmp_path / "swa" / "config.json").read_text())
+    assert (again["layer_types"], again["sliding_window"]) == (["sliding_attention"] * 2, 3)
+    assert again["dflash_config"]["causal"] is False
+    assert load_dflash(str(tmp_path / "swa"), target).layer_attention == swa.layer_attention
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "its size is None"),
+    ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+    ({"dflash_config": {"conv_kernel_size": 4}}, "DFlash 2 block convolutions"),
+    ({"is_neox_style": False}, "interleaved"),
+])
+def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter, change, says):
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg.update({k: {**cfg[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=says) as err:
         load_dflash(str(tmp_path / "d"), target)
-    assert "layers [0] attend through a sliding window of 2048 tokens" in caplog.text
+    assert str(tmp_path / "d" / "config.json") in str(err.value)
 
 
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):

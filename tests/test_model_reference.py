@@ -5,6 +5,8 @@ acceptance lengths as dflash_core's evaluation, edge cases of its loop included.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from common.models import tiny_qwen3
@@ -42,9 +44,8 @@ def _prompts(n: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(target, the float32 export folder, the bf16 export folder) of a drafter trained 150 steps on the
-    target's own greedy outputs."""
+def target_and_data():
+    """The near-bigram target and 32 of its own greedy continuations (48 tokens each)."""
     from dflash_core.model.decoding import greedy_generate
 
     torch.manual_seed(0)
@@ -52,9 +53,14 @@ def trained(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     data = torch.stack([greedy_generate(target, torch.randint(0, MASK, (6,), generator=g), 42, kv_cache=True)[0]
                         for _ in range(32)])
+    return target, data
+
+
+def _trained_drafter(target: TargetModel, data: torch.Tensor, **model: object):
+    """A 2-layer drafter trained 150 steps on `data`."""
     torch.manual_seed(3)
     drafter = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=2, block_size=BLOCK,
-                                                num_anchors=16), MASK)
+                                                num_anchors=16, **model), MASK)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(150):
@@ -67,6 +73,15 @@ def trained(tmp_path_factory):
         opt.zero_grad()
         (out.weighted_loss_sum / out.weight_sum).backward()
         opt.step()
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target_and_data):
+    """(target, the float32 export folder, the bf16 export folder) of a drafter trained 150 steps on the
+    target's own greedy outputs."""
+    target, data = target_and_data
+    drafter = _trained_drafter(target, data)
     root = tmp_path_factory.mktemp("reference")
     save_dflash(drafter, str(root / "fp32"), dtype=torch.float32)
     save_dflash(drafter, str(root / "bf16"))
@@ -138,3 +153,35 @@ def test_loop_edges_match_the_published_loop(trained):
     new, lengths, _ = reference_generate(target.model, ref, prompt, NEW, stop_token_ids=(stop,))
     out, ours = speculative_generate(target, drafter, prompt, NEW, stop_token_ids=[stop])
     assert (out[0, len(prompt):].tolist(), ours) == (new, lengths)
+
+
+def test_a_causal_sliding_window_layer_decodes_like_the_engines(target_and_data, tmp_path):
+    """A drafter whose first layer is "sliding_attention" (causal, a 5-token window: the published Qwen3.6
+    drafters' kind of layer, scaled down) is trained, exported, and read back by the reference, which applies
+    the window and causality as vLLM resolves them from config.json: the same draft logits at every step."""
+    target, data = target_and_data
+    drafter = _trained_drafter(target, data, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    save_dflash(drafter, str(tmp_path / "swa"), dtype=torch.float32)
+    config = json.loads((tmp_path / "swa" / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"]) == (["sliding_attention", "full_attention"], 5)
+    assert "causal" not in config["dflash_config"]  # vLLM's default for a sliding layer is causal already
+    ref = RefDFlashDraftModel.from_pretrained(str(tmp_path / "swa"), dtype=torch.float32).eval()
+    assert [(layer.self_attn.window, layer.self_attn.causal) for layer in ref.layers] == [(5, True), (None, False)]
+    ours = _Recording(load_dflash(str(tmp_path / "swa"), target).eval())
+    # the same weights read as two full layers: the window and the causality must change what is drafted
+    config.update(layer_types=["full_attention"] * 2, use_sliding_window=False)
+    (tmp_path / "swa" / "config.json").write_text(json.dumps(config))
+    full = _Recording(load_dflash(str(tmp_path / "swa"), target).eval())
+    differs = 0.0
+    for prompt in _prompts(4, seed=5):
+        new, lengths, ref_logits = reference_generate(target.model, ref, prompt, NEW)
+        ours.logits.clear()
+        out, our_lengths = speculative_generate(target, ours, prompt, NEW)
+        assert (out[0, len(prompt):].tolist(), our_lengths) == (new, lengths)
+        for step, (a, b) in enumerate(zip(ours.logits, ref_logits, strict=True)):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"draft logits differ at step {step}")
+        full.logits.clear()
+        speculative_generate(target, full, prompt, NEW)
+        first = zip(full.logits, ref_logits, strict=False)  # the drafts part once acceptance differs
+        differs = max(differs, max(float((a - b).abs().max()) for a, b in first))
+    assert differs > 0.1

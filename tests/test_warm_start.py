@@ -48,6 +48,20 @@ def test_another_block_size_or_target_layers_is_refused(tmp_path, target):
         load_warm_start(tiny_drafter(target, block_size=8), str(tmp_path / "b4"))
 
 
+def test_another_layer_attention_is_refused_with_the_settings_that_match(tmp_path, target):
+    """Weights trained with causal sliding-window layers (Qwen3.6's drafters) only seed a drafter whose layers
+    attend the same way; the error gives the settings that make it so."""
+    qwen36_like = tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    save_dflash(qwen36_like, str(tmp_path / "swa"), dtype=torch.float32)
+    with pytest.raises(WarmStartError, match=r"attend as \[causal, window 16; full\], the configured drafter's as "
+                       r"\[full; full\]; set model.layer_types: \['sliding_attention', 'full_attention'\] and "
+                       r"model.sliding_window: 16"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "swa"))
+    matching = tiny_drafter(target, seed=7, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    load_warm_start(matching, str(tmp_path / "swa"))
+    assert torch.equal(matching.fc.weight, qwen36_like.fc.weight)
+
+
 def test_a_missing_folder_says_what_to_give(tmp_path, target):
     with pytest.raises(WarmStartError, match="model.safetensors is missing"):
         load_warm_start(tiny_drafter(target), str(tmp_path / "nothing"))

@@ -6,12 +6,18 @@ context positions strictly before `a` and its own slots. Dense SDPA computes eve
 [nb*B] x [S + nb*B] and masks most of them away; FlexAttention skips the 128 x 128 tiles in which nothing is
 visible, so its work and memory follow the visible pairs (about 14% of the dense ones for the Qwen3-8B
 recipe, see `visible_fraction`).
+
+A layer may narrow that (`LayerAttention`, resolved from the drafter's config.json as vLLM resolves it): a
+sliding window of W tokens (the query at position p sees keys at p - W < k) and causal attention inside the
+block (slot j sees slots 0..j). The published Qwen3.6 and Gemma 4 drafters have such layers ("causal SWA").
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +31,68 @@ _TILE = 128
 
 
 class AttentionError(InputError):
-    """An attention setting that cannot run here (FlexAttention training on CPU)."""
+    """An attention setting that cannot run here (FlexAttention training on CPU), or a drafter config whose
+    layer attention this implementation does not have."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one drafter layer's queries see besides the context before the anchor and their own block.
+
+    window: a key at position k is visible to the query at position p only when p - k < window (None: no
+    window); causal: slot j of a block sees slots 0..j of it, not the later ones. The default is DFlash's
+    original layer: the whole context before the anchor and the whole block.
+    """
+
+    window: int | None = None
+    causal: bool = False
+
+    def __str__(self) -> str:
+        parts = (["causal"] if self.causal else []) + ([f"window {self.window}"] if self.window is not None else [])
+        return ", ".join(parts) or "full"
+
+    @property
+    def plain(self) -> bool:
+        """True for the original layer (no window, not causal): inference needs no mask for it."""
+        return self.window is None and not self.causal
+
+
+ORIGINAL = LayerAttention()
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_attention(config: Any) -> list[LayerAttention]:
+    """Every drafter layer's attention, read from a (transformers-initialised) drafter config the way vLLM's
+    DFlash model reads it, so that evaluation and training see what serving runs:
+
+    - a layer is windowed when `layer_types[i]` is "sliding_attention", or on every layer when
+      `dflash_config.use_swa` is set and no layer type says sliding; the window is
+      `dflash_config.swa_window_size`, else `sliding_window`;
+    - a layer is causal when `is_causal` says so, else `dflash_config.causal`, else when its layer type is
+      "sliding_attention" (the published drafters' "causal SWA").
+    """
+    n = int(config.num_hidden_layers)
+    dflash = getattr(config, "dflash_config", None) or {}
+    types = list(getattr(config, "layer_types", None) or [FULL] * n)
+    unknown = sorted({t for t in types if t not in (FULL, SLIDING)})
+    if unknown or len(types) != n:
+        raise AttentionError(
+            f"layer_types {types} must name {n} layers, each {FULL!r} or {SLIDING!r}"
+            + (f" ({unknown} are not DFlash drafter layers this implementation runs)" if unknown else ""))
+    use_swa = bool(dflash.get("use_swa", False))
+    sliding = [use_swa] * n if use_swa and SLIDING not in types else [t == SLIDING for t in types]
+    window = dflash.get("swa_window_size", getattr(config, "sliding_window", None))
+    if any(sliding) and not (isinstance(window, int) and window > 0):
+        raise AttentionError(
+            f"layers {[i for i, s in enumerate(sliding) if s]} attend through a sliding window but "
+            f"its size is {window!r}; set sliding_window (with use_sliding_window: true) or "
+            "dflash_config.swa_window_size to a positive number of tokens")
+    forced = getattr(config, "is_causal", None)
+    if forced is None:
+        forced = dflash.get("causal")
+    return [LayerAttention(window if s else None, bool(forced) if forced is not None else t == SLIDING)
+            for s, t in zip(sliding, types, strict=True)]
 
 
 def resolve_attention(kind: AttentionKind, device: torch.device) -> Literal["flex", "sdpa"]:
@@ -36,24 +103,39 @@ def resolve_attention(kind: AttentionKind, device: torch.device) -> Literal["fle
 
 
 def dense_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, attention_mask: torch.Tensor | None, seq_len: int, block_size: int
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    seq_len: int,
+    block_size: int,
+    layer: LayerAttention = ORIGINAL,
 ) -> torch.Tensor:
-    """[N, 1, nb*B, S + nb*B] True = visible: real context < anchor, plus the query's own block.
+    """[N, 1, nb*B, S + nb*B] True = visible: real context < anchor, plus the query's own block (both narrowed
+    by the layer's window and causality).
 
     A dropped block sees only its own data-free slots, so no softmax row is empty (no NaN); no loss reads it
-    and no other block sees it.
+    and no other block sees it. Slot 0 always sees itself, so a window or causality never empties a row either.
     """
     n, nb = anchors.shape
     device = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)
     q_valid = valid.repeat_interleave(block_size, dim=1)
-    ctx = torch.arange(seq_len, device=device)[None, None, :] < q_anchor[:, :, None]
+    keys = torch.arange(seq_len, device=device)[None, None, :]
+    ctx = keys < q_anchor[:, :, None]
+    slot = torch.arange(nb * block_size, device=device) % block_size
+    if layer.window is not None:  # the query at p = anchor + slot sees keys k > p - window
+        ctx &= keys > (q_anchor + slot)[:, :, None] - layer.window
     ctx &= q_valid[:, :, None]
     if attention_mask is not None:
         ctx &= attention_mask.bool()[:, None, :]
     block_id = torch.arange(nb * block_size, device=device) // block_size
-    own = (block_id[:, None] == block_id[None, :]).expand(n, -1, -1)
-    return torch.cat([ctx, own], dim=2)[:, None]
+    own = block_id[:, None] == block_id[None, :]
+    behind = slot[:, None] - slot[None, :]  # query slot - key slot
+    if layer.causal:
+        own &= behind >= 0
+    if layer.window is not None:
+        own &= behind < layer.window
+    return torch.cat([ctx, own.expand(n, -1, -1)], dim=2)[:, None]
 
 
 def _pad_to_tile(x: torch.Tensor, value: int) -> torch.Tensor:
@@ -62,7 +144,12 @@ def _pad_to_tile(x: torch.Tensor, value: int) -> torch.Tensor:
 
 
 def flex_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, attention_mask: torch.Tensor | None, seq_len: int, block_size: int
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    seq_len: int,
+    block_size: int,
+    layer: LayerAttention = ORIGINAL,
 ) -> BlockMask:
     """The same visibility as `dense_mask`, as a FlexAttention BlockMask (tiles with nothing visible skipped).
 
@@ -80,11 +167,21 @@ def flex_mask(
     # tensors, not Python ints: the compiled builder would specialise (and recompile) on every length
     context_len, queries = torch.tensor(seq_len, device=device), torch.tensor(q_len, device=device)
 
+    window, causal = layer.window, layer.causal  # Python constants: the compiled mask specialises on them
+
     def visible(b, h, q_idx, kv_idx):
         context = (kv_idx < limit[b, q_idx]) & real[b, kv_idx]  # limit <= S: only context keys pass
+        q_slot = q_idx % block_size
+        if window is not None:
+            context = context & (kv_idx > limit[b, q_idx] + q_slot - window)
         # (kv - S) // B is negative for every context key, so only the query's own block matches; padded
         # keys lie past every real query's block
         own = ((kv_idx - context_len) // block_size == q_idx // block_size) & (q_idx < queries)
+        behind = q_slot - (kv_idx - context_len) % block_size
+        if causal:
+            own = own & (behind >= 0)
+        if window is not None:
+            own = own & (behind < window)
         padded_query = (q_idx >= queries) & (kv_idx == 0)
         return context | own | padded_query
 
@@ -137,13 +234,33 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sc
         ) from exc
 
 
-def visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(query, key) pairs the mask lets through, over valid blocks: B * (a + B) per block (float64 scalar).
+def visible_pairs(
+    anchors: torch.Tensor, valid: torch.Tensor, block_size: int, layer: LayerAttention = ORIGINAL
+) -> torch.Tensor:
+    """(query, key) pairs the layer's mask lets through, over valid blocks (float64 scalar): B * (a + B) per
+    block for the original layer; a window of W leaves slot j min(a, W - 1 - j) context keys and the block
+    keys within W behind it, causality only those at or before it.
 
     Every position before a valid anchor is a real token (right padding, and the block a..a+B-1 is real).
     """
-    per_block = (anchors.double() + block_size) * block_size
-    return (per_block * valid).sum()
+    a = anchors.double()[:, :, None]
+    slot = torch.arange(block_size, dtype=torch.float64, device=anchors.device)
+    if layer.window is None:
+        context = a.expand(-1, -1, block_size)
+    else:
+        context = torch.minimum(a, (layer.window - 1 - slot).clamp(min=0))
+    own = slot + 1 if layer.causal else torch.full_like(slot, block_size)
+    if layer.window is not None:  # block keys more than W - 1 slots behind the query drop out
+        own = own - (slot - layer.window + 1).clamp(min=0)
+    return ((context + own).sum(-1) * valid).sum()
+
+
+def mean_visible_pairs(
+    anchors: torch.Tensor, valid: torch.Tensor, block_size: int, layers: Sequence[LayerAttention]
+) -> torch.Tensor:
+    """`visible_pairs` averaged over the drafter's layers: layers x this = the attention work of all of them."""
+    counts = {layer: visible_pairs(anchors, valid, block_size, layer) for layer in set(layers)}
+    return torch.stack([counts[layer] for layer in layers]).mean()
 
 
 def visible_fraction(seq_len: int, num_anchors: int, block_size: int) -> float:

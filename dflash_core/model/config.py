@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from dflash_core.schema import StrictModel
 
@@ -31,8 +31,21 @@ class ModelConfig(StrictModel):
         False,
         description="recompute drafter layers in backward: activations scale with num_anchors * block_size",
     )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="one per drafter layer: full_attention (the whole context before the anchor, the whole "
+        "block) or sliding_attention (the last sliding_window positions, block slots causal: the published Qwen3.6 "
+        "drafters' layers); None = all full_attention. A warm start must match its drafter's")
+    sliding_window: PositiveInt = Field(
+        2048, description="tokens a sliding_attention layer's query sees back to (the query included)")
     attention: Literal["auto", "flex", "sdpa"] = Field(
         "auto",
         description="drafter training attention: flex = block-sparse FlexAttention (CUDA), sdpa = dense SDPA with a "
         "boolean mask (the reference); auto = flex on CUDA, sdpa elsewhere",
     )
+
+    @model_validator(mode="after")
+    def _one_type_per_layer(self) -> "ModelConfig":
+        if self.layer_types is not None and len(self.layer_types) != self.num_draft_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, num_draft_layers is "
+                             f"{self.num_draft_layers}: give one type per drafter layer")
+        return self

@@ -2,7 +2,8 @@
 
 Training runs every sampled block of a batch in one attention call; the boolean mask lets the block anchored
 at `a` see the context strictly before `a` and its own slots, nothing else (DFLASH_SPEC.md "Training
-visibility").
+visibility"). Layers may narrow that with a sliding window and causal slots (attention.LayerAttention, read from
+config.json's layer_types as the serving engines read it); the masks then differ per layer.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash_core.errors import InputError
 from dflash_core.model.attention import (
+    FULL,
+    SLIDING,
     AttentionKind,
+    LayerAttention,
     attend,
     dense_mask,
     flex_mask,
+    layer_attention,
+    mean_visible_pairs,
     resolve_attention,
-    visible_pairs,
 )
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.loss import LossOutput, decay_weights, default_gamma, weighted_cross_entropy
@@ -55,12 +60,18 @@ def drafter_config(
     num_target_layers: int,
     vocab_size: int,
     mask_token: str | None = None,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
 ) -> Qwen3Config:
     """The drafter's Qwen3 config: the target's width and head layout plus the DFlash fields.
 
     `mask_token` is the text of the mask token when the tokenizer has one at `mask_token_id`: SGLang resolves
     the mask by that text (default "<|MASK|>") and refuses a checkpoint whose id disagrees with its tokenizer.
+    `layer_types` (default: every layer "full_attention") may make layers "sliding_attention": causal, with a
+    window of `sliding_window` tokens, as the published Qwen3.6 drafters are.
     """
+    types = list(layer_types) if layer_types is not None else [FULL] * num_layers
+    windowed = SLIDING in types
     heads = int(target_config.num_attention_heads)
     head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
     rope = getattr(target_config, "rope_parameters", None) or {
@@ -85,7 +96,10 @@ def drafter_config(
         rope_parameters=dict(rope),
         attention_bias=False,
         tie_word_embeddings=False,
-        layer_types=["full_attention"] * num_layers,
+        layer_types=types,
+        # Qwen3Config drops sliding_window unless use_sliding_window is set
+        use_sliding_window=windowed,
+        sliding_window=sliding_window if windowed else None,
         architectures=[ARCHITECTURE],
         **dflash_fields,
     )
@@ -178,6 +192,8 @@ class DFlashDrafter(nn.Module):
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
         self.gradient_checkpointing = gradient_checkpointing
         self.attention = attention
+        # what each layer sees (window, causal slots), as vLLM resolves it from this config
+        self.layer_attention: list[LayerAttention] = layer_attention(config)
         width = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * width, width, bias=False)
         self.hidden_norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
@@ -227,14 +243,14 @@ class DFlashDrafter(nn.Module):
         context: torch.Tensor,
         block: torch.Tensor,
         block_pos: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None,
+        masks: Sequence[torch.Tensor | BlockMask | None],
     ) -> torch.Tensor:
-        """Final-normed block states [N, Q, H]; context tokens sit at positions 0..S-1."""
+        """Final-normed block states [N, Q, H]; context tokens sit at positions 0..S-1; one mask per layer."""
         n, s = context.shape[:2]
         ctx_pos = torch.arange(s, device=block.device).expand(n, s)
         rope_q = self.rotary_emb(block, block_pos)
         rope_k = self.rotary_emb(block, torch.cat([ctx_pos, block_pos], dim=1))
-        for layer in self.layers:
+        for layer, mask in zip(self.layers, masks, strict=True):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # without it a layer keeps ~0.3 MB per block slot alive (Qwen3-8B shapes, measured on an H200)
                 block = checkpoint(layer, block, context, rope_q, rope_k, mask, use_reentrant=False)
@@ -261,8 +277,14 @@ class DFlashDrafter(nn.Module):
         tokens = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long)
         tokens[0, 0] = int(anchor_token)
         block = self._embed(tokens)
-        pos = (position + torch.arange(self.block_size, device=block.device))[None]
-        return self.logits(self._run_layers(self._context(feats), block, pos, None))[0]
+        device = block.device
+        pos = (position + torch.arange(self.block_size, device=device))[None]
+        # the original layer sees everything it is given: no mask; a windowed or causal one gets its own
+        anchor, valid = torch.tensor([[position]], device=device), torch.ones(1, 1, dtype=torch.bool, device=device)
+        masks = {layer: None if layer.plain else dense_mask(anchor, valid, None, feats.shape[1], self.block_size, layer)
+                 for layer in set(self.layer_attention)}
+        hidden = self._run_layers(self._context(feats), block, pos, [masks[layer] for layer in self.layer_attention])
+        return self.logits(hidden)[0]
 
     # ---- training ----------------------------------------------------------------------------------------
 
@@ -296,29 +318,37 @@ class DFlashDrafter(nn.Module):
         return torch.where(valid, order[:, :nb], 0), valid
 
     def visibility_mask(
-        self, anchors: torch.Tensor, valid: torch.Tensor, attention_mask: torch.Tensor | None, seq_len: int
+        self,
+        anchors: torch.Tensor,
+        valid: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        seq_len: int,
+        layer: int = 0,
     ) -> torch.Tensor:
-        """[N, 1, nb*B, S + nb*B] True = visible: real context < anchor, plus the query's own block.
+        """Layer `layer`'s [N, 1, nb*B, S + nb*B] True = visible: real context < anchor, plus the query's own
+        block (narrowed by that layer's window and causality).
 
         A dropped block sees only its own data-free slots, so no softmax row is empty (no NaN); no loss
         reads it and no other block sees it.
         """
-        return dense_mask(anchors, valid, attention_mask, seq_len, self.block_size)
+        return dense_mask(anchors, valid, attention_mask, seq_len, self.block_size, self.layer_attention[layer])
 
-    def _training_mask(
+    def _training_masks(
         self,
         anchors: torch.Tensor,
         valid: torch.Tensor,
         attention_mask: torch.Tensor | None,
         seq_len: int,
         device: torch.device,
-    ) -> torch.Tensor | BlockMask:
-        """The visibility mask in the form `model.attention` asks for on this device."""
+    ) -> list[torch.Tensor | BlockMask]:
+        """Every layer's visibility mask in the form `model.attention` asks for on this device (one per
+        distinct layer attention)."""
         anchors, valid = anchors.to(device), valid.to(device)
         attention_mask = None if attention_mask is None else attention_mask.to(device)
-        if resolve_attention(self.attention, device) == "flex":
-            return flex_mask(anchors, valid, attention_mask, seq_len, self.block_size)
-        return self.visibility_mask(anchors, valid, attention_mask, seq_len)
+        build = flex_mask if resolve_attention(self.attention, device) == "flex" else dense_mask
+        masks = {layer: build(anchors, valid, attention_mask, seq_len, self.block_size, layer)
+                 for layer in set(self.layer_attention)}
+        return [masks[layer] for layer in self.layer_attention]
 
     def block_hidden(
         self,
@@ -335,8 +365,8 @@ class DFlashDrafter(nn.Module):
         tokens[:, :, 0] = torch.where(valid, input_ids.gather(1, anchors), self.mask_token_id)
         block = self._embed(tokens.view(n, nb * size))
         pos = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).view(n, nb * size)
-        mask = self._training_mask(anchors, valid, attention_mask, input_ids.shape[1], block.device)
-        hidden = self._run_layers(self._context(features), block, pos.to(block.device), mask)
+        masks = self._training_masks(anchors, valid, attention_mask, input_ids.shape[1], block.device)
+        hidden = self._run_layers(self._context(features), block, pos.to(block.device), masks)
         return hidden.view(n, nb, size, -1)
 
     def block_logits(
@@ -389,7 +419,7 @@ class DFlashDrafter(nn.Module):
             correct=correct,
             counted=counted,
             n_blocks=int(valid.sum()),
-            visible_pairs=visible_pairs(anchors, valid, self.block_size).detach(),
+            visible_pairs=mean_visible_pairs(anchors, valid, self.block_size, self.layer_attention).detach(),
         )
 
 
@@ -417,6 +447,8 @@ def build_drafter(
         num_target_layers=target.num_layers,
         vocab_size=target.vocab_size,
         mask_token=mask_token,
+        layer_types=cfg.layer_types,
+        sliding_window=cfg.sliding_window,
     )
     drafter = DFlashDrafter(
         config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing,

@@ -15,6 +15,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
 from dflash_core.errors import InputError
+from dflash_core.model.attention import FULL, SLIDING, AttentionError, LayerAttention, layer_attention
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from dflash_core.model.target import TargetModel
 
@@ -32,6 +33,15 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
     """The config.json mapping (DFLASH_SPEC.md "Checkpoint that serving engines load")."""
     c = drafter.config
     rope = dict(c.rope_parameters or {})
+    layers = drafter.layer_attention
+    windows = {layer.window for layer in layers if layer.window is not None}
+    causal = {layer.causal for layer in layers}
+    if len(windows) > 1 or (len(causal) > 1 and any(layer.causal != (layer.window is not None) for layer in layers)):
+        raise ExportError(f"save_dflash: layer attention [{'; '.join(map(str, layers))}] has no config.json spelling (one sliding_window; "
+                          "causal either on the sliding layers only or the same on every layer)")
+    dflash = drafter.dflash_config
+    if any(layer.causal != (layer.window is not None) for layer in layers):
+        dflash["causal"] = causal.pop()  # vLLM's default is causal sliding layers, non-causal full ones
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -54,16 +64,17 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # the layers' attention as vLLM resolves it (attention.layer_attention reads it back)
+        "use_sliding_window": bool(windows),
+        "sliding_window": next(iter(windows), None),
         "max_window_layers": c.num_hidden_layers,
-        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "layer_types": [SLIDING if layer.window is not None else FULL for layer in layers],
         "use_cache": True,
         "dtype": _DTYPE_NAMES[dtype],
         "transformers_version": transformers.__version__,
         "block_size": drafter.block_size,
         "num_target_layers": drafter.num_target_layers,
-        "dflash_config": drafter.dflash_config,
+        "dflash_config": dflash,
         # vLLM captures "the input of layer i", so DFlash's "output of layer i" is its i + 1; vLLM releases before
         # it learnt to derive this from dflash_config read only this key and otherwise captured 3 default layers
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter.target_layer_ids],
@@ -155,16 +166,50 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         raise ExportError(
             f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab"
         )
-    sliding = [i for i, kind in enumerate(raw.get("layer_types") or []) if kind != "full_attention"]
-    if sliding or raw.get("use_sliding_window"):
-        log.warning("%s: layers %s attend through a sliding window of %s tokens; this drafter attends to the whole "
-                    "context, so contexts longer than the window are drafted differently than by the engines",
-                    path, sliding or "all", raw.get("sliding_window"))
+    _check_supported(path, raw)
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
+    config = _qwen3_config(raw)
+    try:
+        layers = layer_attention(config)
+    except AttentionError as exc:
+        raise ExportError(f"{path}: {exc}") from None
+    if not all(layer.plain for layer in layers):
+        log.info("%s: layer attention %s", path, ", ".join(f"{i}: {x}" for i, x in enumerate(layers)))
+    return config
+
+
+def _qwen3_config(raw: dict[str, Any]) -> Qwen3Config:
+    if SLIDING in (raw.get("layer_types") or []) and raw.get("sliding_window") and not raw.get("use_sliding_window"):
+        raw = {**raw, "use_sliding_window": True}  # transformers would drop the window the layers name
     # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
     # drafters' spelling) into rope_parameters; without rope_theta it would fall back to 10000
     return Qwen3Config.from_dict(raw)
+
+
+def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:
+    """Each layer's attention as a drafter's config.json sets it (AttentionError when this cannot run it)."""
+    return layer_attention(_qwen3_config(raw))
+
+
+# drafter variants whose extra weights or rules this implementation does not have: refused by name rather
+# than mis-run (or refused later by a tensor-name mismatch that does not say why)
+_UNSUPPORTED = {
+    "conv_kernel_size": "DFlash 2 block convolutions", "selector_rank": "a DFlash 2 candidate selector",
+    "attention_sink_bias": "attention sink biases",
+}
+
+
+def _check_supported(path: str, raw: dict[str, Any]) -> None:
+    dflash = raw.get("dflash_config") or {}
+    extras = [what for key, what in _UNSUPPORTED.items() if dflash.get(key) or raw.get(key)]
+    if raw.get("add_swa_attention_sink_bias"):
+        extras.append("attention sink biases")
+    if raw.get("is_neox_style") is False:
+        extras.append("interleaved (non-NeoX) RoPE")
+    if extras:
+        raise ExportError(f"{path}: this drafter has {', '.join(sorted(set(extras)))}, which this implementation "
+                          "does not run; evaluate it with the serving engine instead")
 
 
 def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int] | None:

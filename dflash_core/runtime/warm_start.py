@@ -15,8 +15,9 @@ import fsspec
 from safetensors.torch import load as load_safetensors
 
 from dflash_core.errors import InputError
+from dflash_core.model.attention import FULL, SLIDING, AttentionError
 from dflash_core.model.drafter import DFlashDrafter
-from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE, config_layer_ids
+from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE, config_layer_attention, config_layer_ids
 
 log = logging.getLogger(__name__)
 PROMOTED = "promoted"  # train.init_from: the drafter the promotion gate last promoted
@@ -58,10 +59,26 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 
 
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
-    """Same shapes are not enough: the block size and the target layers fed in must match too."""
+    """Same shapes are not enough: the block size, the target layers fed in and what each layer attends to must
+    match too."""
     for key, got, want in (("block_size", config.get("block_size"), drafter.block_size),
                            ("target_layer_ids", config_layer_ids(config, drafter.num_target_layers),
                             drafter.target_layer_ids)):
         if got != want:
             raise WarmStartError(f"train.init_from {uri}: config.json has {key} {got}, the configured drafter "
                                  f"{want}; set model.{key} to match or train from scratch")
+    # the weights were trained for what each layer sees: a causal sliding-window layer run as a full one (or
+    # the reverse) would start from weights that no longer fit, and export a drafter served another way
+    try:
+        layers = config_layer_attention(config)
+    except AttentionError as exc:
+        raise WarmStartError(f"train.init_from {uri}: config.json: {exc}") from None
+    if layers != drafter.layer_attention and len(layers) == len(drafter.layer_attention):
+        windows = {layer.window for layer in layers if layer.window is not None}
+        fits = all(layer.causal == (layer.window is not None) for layer in layers) and len(windows) <= 1
+        hint = (f"set model.layer_types: {[SLIDING if x.window else FULL for x in layers]}"
+                + (f" and model.sliding_window: {windows.pop()}" if windows else "") if fits
+                else "a layer attention model.layer_types cannot express; train from scratch")
+        raise WarmStartError(
+            f"train.init_from {uri}: its layers attend as [{'; '.join(map(str, layers))}], the configured "
+            f"drafter's as [{'; '.join(map(str, drafter.layer_attention))}]; {hint}")
