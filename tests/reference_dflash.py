@@ -16,6 +16,8 @@ and `benchmark.py`; SGLang's and vLLM's DFlash draft models):
   than `dflash_config.swa_window_size` (else `sliding_window`) positions behind the query; a layer is causal
   (no key after the query) when `is_causal`, else `dflash_config.causal`, says so, and otherwise exactly when
   it is named "sliding_attention";
+- RoPE is applied as vLLM's `get_rope` applies it: to the first head_dim * `rope_parameters.partial_rotary_factor`
+  dimensions of each head (NeoX halves within them), the rest unrotated;
 - the decoding loop is the published benchmark's: prefill, then while the anchor position is below
   prompt + max_new_tokens draft, verify with the target on its KV cache, accept the leading matches, append the
   target's bonus token; stop after a step that committed a stop token.
@@ -85,9 +87,12 @@ class RefAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))).transpose(1, 2)
         k = self.k_norm(self.k_proj(both).unflatten(-1, (self.kv_heads, self.head_dim))).transpose(1, 2)
         v = self.v_proj(both).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
-        # rotate the queries with the block positions and the new keys with theirs
-        q, _ = apply_rotary_pos_emb(q, q, *rope_block)
-        _, k = apply_rotary_pos_emb(k, k, *rope_new)
+        # rotate the queries with the block positions and the new keys with theirs (the leading `span` dims)
+        span = rope_block[0].shape[-1]
+        q_turned, _ = apply_rotary_pos_emb(q[..., :span], q[..., :span], *rope_block)
+        _, k_turned = apply_rotary_pos_emb(k[..., :span], k[..., :span], *rope_new)
+        q = torch.cat([q_turned, q[..., span:]], dim=-1)
+        k = torch.cat([k_turned, k[..., span:]], dim=-1)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
@@ -131,7 +136,10 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(RefLayer(config, *rules) for rules in layer_rules(config))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        rope = dict(config.rope_parameters or {})
+        share = rope.pop("partial_rotary_factor", 1.0)
+        turned = Qwen3Config(**{**config.to_dict(), "head_dim": int(config.head_dim * share), "rope_parameters": rope})
+        self.rotary_emb = Qwen3RotaryEmbedding(turned)
         self.post_init()
 
     def features(self, hidden_states) -> torch.Tensor:

@@ -318,3 +318,16 @@ def test_int32_shard_ids_and_uint8_masks_are_accepted(target, drafter):
     out32 = drafter(feats, ids32, batch["loss_mask"], batch["attention_mask"].to(torch.int32), gen)
     out64 = drafter(feats, **batch, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out32.weighted_loss_sum, out64.weighted_loss_sum)
+
+
+def test_a_target_with_rope_per_layer_type_is_refused_by_name():
+    """Gemma 4 rotates its sliding and full layers differently: no single RoPE for a drafter to copy."""
+    from common.models import tiny_qwen3
+
+    from dflash_core.model.target import TargetModel
+
+    model = tiny_qwen3()
+    model.config.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    with pytest.raises(DrafterError, match=r"its RoPE differs by layer type \(\['full_attention', 'sliding_attention'\]\)"):
+        build_drafter(TargetModel(model), ModelConfig(target="x"), MASK_ID)

@@ -185,3 +185,43 @@ def test_a_causal_sliding_window_layer_decodes_like_the_engines(target_and_data,
         first = zip(full.logits, ref_logits, strict=False)  # the drafts part once acceptance differs
         differs = max(differs, max(float((a - b).abs().max()) for a, b in first))
     assert differs > 0.1
+
+
+def test_a_partial_rotation_in_config_json_is_applied_as_the_engines_apply_it(trained, tmp_path):
+    """A config.json whose rope rotates half of each head (transformers 4's top-level partial_rotary_factor, as
+    an older drafter or another trainer may write it): vLLM rotates only those dimensions, so our evaluation and
+    the reference do too, and the drafts differ from whole-head rotation."""
+    target, fp32, _ = trained
+    config = json.loads((fp32 / "config.json").read_text())
+    config.pop("rope_parameters")
+    config["partial_rotary_factor"] = 0.5
+    folder = tmp_path / "half"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((fp32 / "model.safetensors").read_bytes())
+    (folder / "config.json").write_text(json.dumps(config))
+    ours = _Recording(load_dflash(str(folder), target).eval())
+    assert ours.drafter.rotary_emb.inv_freq.numel() == ours.drafter.config.head_dim // 4  # 8 of 16 dims: 4 freqs
+    ref = RefDFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    whole = RefDFlashDraftModel.from_pretrained(str(fp32), dtype=torch.float32).eval()
+    prompt = _prompts(1, seed=9)[0]
+    new, lengths, ref_logits = reference_generate(target.model, ref, prompt, NEW)
+    out, our_lengths = speculative_generate(target, ours, prompt, NEW)
+    assert (out[0, len(prompt):].tolist(), our_lengths) == (new, lengths)
+    for step, (a, b) in enumerate(zip(ours.logits, ref_logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4, msg=f"draft logits differ at step {step}")
+    _, _, whole_logits = reference_generate(target.model, whole, prompt, NEW)
+    assert float((whole_logits[0] - ref_logits[0]).abs().max()) > 0.1
+    save_dflash(ours.drafter, str(tmp_path / "again"))  # written back for both readers
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["rope_parameters"]["partial_rotary_factor"] == again["partial_rotary_factor"] == 0.5
+
+
+def test_a_new_drafter_rotates_whole_heads_whatever_the_target_does():
+    """A Qwen3.5 target rotates a quarter of each head with M-RoPE sections; its drafter keeps the theta and
+    rotates whole heads, and config.json says so, so the engines rotate it as it was trained."""
+    model = tiny_qwen3(vocab=VOCAB)
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    drafter = build_drafter(TargetModel(model), ModelConfig(target="tiny", block_size=BLOCK), MASK)
+    assert drafter.config.rope_parameters == {"rope_type": "default", "rope_theta": 1e7}
+    assert drafter.rotary_emb.inv_freq.numel() == drafter.config.head_dim // 2

@@ -70,3 +70,56 @@ def test_load_target_from_a_saved_folder(tmp_path, hf_model):
 def test_load_target_bad_path_says_where(tmp_path):
     with pytest.raises(TargetError, match="cannot load the target"):
         load_target(str(tmp_path / "nope"))
+
+
+def test_a_qwen3_5_checkpoint_is_a_target(tmp_path):
+    """Qwen3.5 / 3.6 (the newest published drafters' targets): a multimodal checkpoint whose text model mixes
+    linear-attention (Gated DeltaNet) and full-attention layers and rotates a quarter of each head. It loads as a
+    causal LM through from_pretrained, its captured layers are transformers' hidden states, and a drafter built on
+    it trains and drafts."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash_core.model.config import ModelConfig
+    from dflash_core.model.drafter import build_drafter
+
+    text = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path))
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 64, 96)
+    ids = torch.randint(0, 95, (2, 12))
+    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target.capture(ids, None, [0, 2]), torch.cat([hidden[1], hidden[3]], dim=-1))
+    drafter = build_drafter(target, ModelConfig(target=str(tmp_path), num_draft_layers=2, block_size=4,
+                                                num_anchors=4), 95)
+    assert "partial_rotary_factor" not in drafter.config.rope_parameters
+    out = drafter(target.capture(ids, None, drafter.target_layer_ids), ids, torch.ones_like(ids), None)
+    out.weighted_loss_sum.backward()
+    assert torch.isfinite(out.weighted_loss_sum) and drafter.fc.weight.grad is not None
+    assert drafter.draft_block(target.capture(ids[:1, :6], None, drafter.target_layer_ids), 3, 6).shape == (4, 96)
+
+
+def test_a_gpt_oss_checkpoint_is_a_target(tmp_path):
+    """gpt-oss (mixture of experts, attention sinks, alternating sliding layers, YaRN): its layers are captured
+    like any other, and its drafter rotates with the target's YaRN."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from dflash_core.model.config import ModelConfig
+    from dflash_core.model.drafter import build_drafter
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path))
+    ids = torch.randint(0, 95, (2, 12))
+    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target.capture(ids, None, [1, 2]), torch.cat([hidden[2], hidden[3]], dim=-1))
+    drafter = build_drafter(target, ModelConfig(target=str(tmp_path), block_size=4), 95)
+    assert drafter.config.rope_parameters["rope_type"] == "yarn"
+    assert drafter.draft_block(target.capture(ids[:1, :6], None, drafter.target_layer_ids), 3, 6).shape == (4, 96)

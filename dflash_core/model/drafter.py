@@ -72,12 +72,21 @@ def drafter_config(
     """
     types = list(layer_types) if layer_types is not None else [FULL] * num_layers
     windowed = SLIDING in types
-    heads = int(target_config.num_attention_heads)
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-    rope = getattr(target_config, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
-    }
+    kind = getattr(target_config, "model_type", type(target_config).__name__)
+    try:
+        heads = int(target_config.num_attention_heads)
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+        target_rope = getattr(target_config, "rope_parameters", None) or {
+            "rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+    except Exception as exc:  # transformers' per-layer configs refuse a global read with their own error types
+        raise DrafterError(f"target model_type {kind!r}: its config gives no single head layout to copy "
+                           f"({type(exc).__name__}: {exc}); this implementation builds drafters for targets with "
+                           "one (Qwen3, Qwen3.5/3.6, Llama, gpt-oss, ...)") from None
+    if any(isinstance(v, dict) for v in target_rope.values()):  # RoPE per layer type (Gemma 4)
+        raise DrafterError(f"target model_type {kind!r}: its RoPE differs by layer type ({sorted(target_rope)}); this "
+                           "implementation builds drafters for targets with one RoPE (Qwen3, Qwen3.5/3.6, Llama, "
+                           "gpt-oss, ...)")
+    rope = drafter_rope(target_rope)
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
                                      "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
@@ -113,9 +122,39 @@ def dflash_section(mask_token_id: int, target_layer_ids: Sequence[int], mask_tok
     return out
 
 
+# how the target rotates that a new drafter does not copy: the published drafters rotate whole heads (transformers'
+# Qwen3 layers ignore a partial factor), and their positions are text positions, one per token, for which M-RoPE's
+# sections reduce to plain RoPE (vLLM's M-RoPE takes its plain path for such positions too)
+_PARTIAL, _MROPE = "partial_rotary_factor", ("mrope_section", "mrope_interleaved")
+
+
+def drafter_rope(target_rope: dict[str, Any]) -> dict[str, Any]:
+    """A new drafter's rope_parameters: the target's type, theta and scaling; whole heads, no M-RoPE sections.
+
+    Copying a Qwen3.5 target's `partial_rotary_factor: 0.25` would have the engines rotate a quarter of each
+    head, which the drafter was never trained with."""
+    return {k: v for k, v in target_rope.items() if k != _PARTIAL and k not in _MROPE}
+
+
+def rotary_embedding(config: Qwen3Config) -> Qwen3RotaryEmbedding:
+    """RoPE as serving engines build it from a drafter's config.json: over the first head_dim *
+    `partial_rotary_factor` dimensions of every head (all of them unless a config says otherwise)."""
+    rope: dict[str, Any] = {k: v for k, v in (config.rope_parameters or {}).items() if k not in _MROPE}
+    factor = float(rope.pop(_PARTIAL, 1.0))
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    return Qwen3RotaryEmbedding(Qwen3Config(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        head_dim=int(head_dim * factor), max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=rope))
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, heads, T, D]; cos/sin: [N, T, D]
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    # x: [N, heads, T, D]; cos/sin: [N, T, d], d <= D: the first d dimensions rotate (NeoX halves), the rest pass
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    turned, kept = x[..., :d], x[..., d:]
+    return torch.cat([turned * cos[:, None] + rotate_half(turned) * sin[:, None], kept], dim=-1)
 
 
 class DFlashAttention(nn.Module):
@@ -199,7 +238,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(width, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only: not in state_dict
+        self.rotary_emb = rotary_embedding(config)  # non-persistent buffers only: not in state_dict
         # a plain tuple keeps them out of parameters(), state_dict(), .to() and DDP
         self._borrowed = (embed_tokens, lm_head)
         self._init_weights(config.initializer_range)

@@ -58,6 +58,8 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         # transformers < 5 (and the serving engines built on it) read rope_theta + rope_scaling, not rope_parameters:
         # without it a YaRN-scaled target's drafter would be served with plain RoPE
         "rope_scaling": _rope_scaling(rope),
+        # and a partial rotation at the top level, where transformers 4 kept it (absent: whole heads rotate)
+        **({"partial_rotary_factor": rope["partial_rotary_factor"]} if "partial_rotary_factor" in rope else {}),
         "max_position_embeddings": c.max_position_embeddings,
         "initializer_range": c.initializer_range,
         "vocab_size": c.vocab_size,
