@@ -147,6 +147,19 @@ def test_a_greeting_stays_and_a_truncated_reply_drops_the_record_unless_kept():
     assert kept.tokens == 9
 
 
+def test_kept_reasoning_is_written_but_not_sent_back_as_reply_text():
+    """Under data.thinking: keep the record holds each reply's reasoning; the next request's history holds the
+    reply alone, as chat templates render an earlier turn (gpt-oss's would show an inline <think> as text)."""
+    convo = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "old"},
+             {"role": "user", "content": "2+2?"}]
+    seen: list = []
+    replies = [Reply("2", "stop", 5, reasoning="one and one"), Reply("4", "stop", 5, reasoning="two and two")]
+    result = asyncio.run(regenerate(convo, _scripted(replies, seen), keep_truncated=False, keep_thinking=True))
+    assert seen[1][1] == {"role": "assistant", "content": "2"}
+    assert [m["content"] for m in result.messages if m["role"] == "assistant"] == [
+        "<think>\none and one\n</think>\n\n2", "<think>\ntwo and two\n</think>\n\n4"]
+
+
 def test_the_config_refuses_bad_values():
     with pytest.raises(ValueError):
         RegenerateConfig(concurrency=0)

@@ -77,16 +77,18 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
     System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
     prompt text (a greeting answers nothing)."""
-    out: Messages = []
-    result = Regenerated()
+    out: Messages = []  # the record written
+    history: Messages = []  # what the server is sent: earlier replies without their reasoning, as chat templates
+    result = Regenerated()  # render history (gpt-oss's would render an inline <think> block as reply text)
     seen_user = False
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for turn in turns:
         seen_user = seen_user or turn["role"] == "user"
         if turn["role"] != "assistant" or not seen_user:
             out.append(turn)
+            history.append(turn)
             continue
-        reply = await send(out)
+        reply = await send(history)
         result.finish.append(reply.finish_reason)
         result.tokens += reply.tokens
         if reply.finish_reason == "length" and not keep_truncated:
@@ -97,5 +99,6 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
                                               f"(finish_reason {reply.finish_reason})")
             return result
         out.append({"role": "assistant", "content": reply_text(reply, keep_thinking)})
+        history.append({"role": "assistant", "content": reply.content})
     result.messages = out
     return result
