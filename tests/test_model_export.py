@@ -312,3 +312,40 @@ def test_a_llama_target_gets_a_drafter_with_its_rope_that_round_trips(tmp_path):
     anchors = torch.tensor([[2, 11]])
     assert torch.equal(loaded.block_logits(feats, batch["input_ids"], None, anchors),
                        drafter.block_logits(feats, batch["input_ids"], None, anchors))
+
+
+def test_a_hub_id_is_read_through_hf_and_a_local_folder_stays_local(tmp_path, monkeypatch):
+    """`dflash eval --drafter z-lab/Qwen3-8B-DFlash-b16` (or --against, train.init_from): an owner/name that is no
+    local folder is the hub repository; a local folder or a URI is read as given."""
+    from dflash_core.model.export import drafter_location
+
+    monkeypatch.chdir(tmp_path)
+    assert drafter_location("z-lab/Qwen3-8B-DFlash-b16") == "hf://z-lab/Qwen3-8B-DFlash-b16"
+    (tmp_path / "runs" / "drafter").mkdir(parents=True)
+    assert drafter_location("runs/drafter") == "runs/drafter"
+    for given in ("s3://bucket/drafter", "/abs/drafter", "./x/y", "drafter", "a/b/c"):
+        assert drafter_location(given) == given
+
+
+def test_a_sharded_drafter_loads_from_its_index(tmp_path, target, drafter):
+    """Larger published drafters are saved as shards listed by model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    (tmp_path / "d" / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(tmp_path / "d" / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, part in shards.items() for k in part}}
+    (tmp_path / "d" / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = load_dflash(str(tmp_path / "d"), target)
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    fresh = tiny_drafter(target, layers=2, target_layer_ids=[0, 2, 3], seed=11)
+    load_warm_start(fresh, str(tmp_path / "d"))
+    assert torch.equal(fresh.fc.weight, drafter.fc.weight)
+    (tmp_path / "d" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ExportError, match="model-00002-of-00002.safetensors: missing"):
+        load_dflash(str(tmp_path / "d"), target)

@@ -63,7 +63,7 @@ def test_another_layer_attention_is_refused_with_the_settings_that_match(tmp_pat
 
 
 def test_a_missing_folder_says_what_to_give(tmp_path, target):
-    with pytest.raises(WarmStartError, match="model.safetensors is missing"):
+    with pytest.raises(WarmStartError, match=r"config.json: missing \(a DFlash drafter folder holds"):
         load_warm_start(tiny_drafter(target), str(tmp_path / "nothing"))
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
+import re
 from typing import Any
 
 import fsspec
@@ -22,6 +24,8 @@ from dflash_core.model.target import TargetModel
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint: its weight_map names each tensor's shard
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -111,23 +115,26 @@ def load_dflash(
     gamma: float | None = None,
 ) -> DFlashDrafter:
     """Read a drafter folder onto `target`'s device: safetensors only (no pickle); names, shapes checked."""
-    fs, root = fsspec.core.url_to_fs(in_dir)
+    fs, root = fsspec.core.url_to_fs(drafter_location(in_dir))
     config = _read_config(fs, posixpath.join(root, CONFIG_FILE), target)
     drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, num_anchors, gamma)
-    weights_path = posixpath.join(root, WEIGHTS_FILE)
-    try:
-        with fs.open(weights_path, "rb") as fh:
-            tensors = load_safetensors(fh.read())
-    except FileNotFoundError:
-        raise ExportError(f"{in_dir}: no {WEIGHTS_FILE}") from None
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise ExportError(f"{weights_path}: not a readable safetensors file: {exc}") from None
-    _check_tensors(weights_path, tensors, drafter.state_dict())
+    tensors = read_weights(fs, root)
+    _check_tensors(posixpath.join(root, WEIGHTS_FILE), tensors, drafter.state_dict())
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     return drafter.to(device=target.device, dtype=dtype)
 
 
-def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
+def drafter_location(uri: str) -> str:
+    """Where a drafter folder is read from: a local folder or any fsspec URI as given; `owner/name` that is no
+    local folder is a Hugging Face hub repository, read through fsspec as hf://owner/name (as from_pretrained
+    takes hub ids for the target)."""
+    if "://" in uri or os.path.exists(uri) or not _HUB_ID.fullmatch(uri):
+        return uri
+    return f"hf://{uri}"
+
+
+def read_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+    """A drafter folder's config.json as a dict; ExportError says what is wrong with it."""
     try:
         with fs.open(path, "r") as fh:
             raw = json.load(fh)
@@ -137,11 +144,44 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         ) from None
     except json.JSONDecodeError as exc:
         raise ExportError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:  # a remote store's own errors (no network, no access)
+        raise ExportError(f"{path}: cannot be read: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ExportError(f"{path}: not a JSON object")
+    return raw
+
+
+def read_weights(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a drafter folder: model.safetensors, or the shards model.safetensors.index.json maps
+    (larger published drafters are saved sharded). Safetensors only: nothing is unpickled."""
+    index_path = posixpath.join(root, INDEX_FILE)
+    files = [WEIGHTS_FILE]
+    if not fs.exists(posixpath.join(root, WEIGHTS_FILE)) and fs.exists(index_path):
+        weight_map = read_config_json(fs, index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ExportError(f"{index_path}: no weight_map naming the shards")
+        files = sorted(set(weight_map.values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = posixpath.join(root, name)
+        try:
+            with fs.open(path, "rb") as fh:
+                tensors.update(load_safetensors(fh.read()))
+        except FileNotFoundError:
+            raise ExportError(f"{path}: missing (a DFlash drafter folder holds config.json + {WEIGHTS_FILE}, "
+                              f"or {INDEX_FILE} and its shards)") from None
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise ExportError(f"{path}: not a readable safetensors file: {exc}") from None
+    return tensors
+
+
+def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
+    raw = read_config_json(fs, path)
     if ARCHITECTURE not in raw.get("architectures", []):
         raise ExportError(
             f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
         )
-    dflash = raw.get("dflash_config")
+    dflash: Any = raw.get("dflash_config")
     if isinstance(dflash, dict) and "block_size" in dflash:  # newer published drafters keep it there alone
         raw.setdefault("block_size", dflash["block_size"])
     missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]

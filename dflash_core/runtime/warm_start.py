@@ -7,17 +7,23 @@ a log line, while none is promoted) before the workers start, so the run folder'
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 
 import fsspec
-from safetensors.torch import load as load_safetensors
 
 from dflash_core.errors import InputError
 from dflash_core.model.attention import FULL, SLIDING, AttentionError
 from dflash_core.model.drafter import DFlashDrafter
-from dflash_core.model.export import CONFIG_FILE, WEIGHTS_FILE, config_layer_attention, config_layer_ids
+from dflash_core.model.export import (
+    CONFIG_FILE,
+    ExportError,
+    config_layer_attention,
+    config_layer_ids,
+    drafter_location,
+    read_config_json,
+    read_weights,
+)
 
 log = logging.getLogger(__name__)
 PROMOTED = "promoted"  # train.init_from: the drafter the promotion gate last promoted
@@ -32,15 +38,12 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
     if uri == PROMOTED:
         raise WarmStartError("train.init_from: 'promoted' must be resolved to a path before the workers start "
                              "(promotion.store.resolve_init_from)")
-    fs, root = fsspec.core.url_to_fs(uri)
+    fs, root = fsspec.core.url_to_fs(drafter_location(uri))
     try:
-        with fs.open(posixpath.join(root, WEIGHTS_FILE), "rb") as fh:
-            tensors = load_safetensors(fh.read())
-        with fs.open(posixpath.join(root, CONFIG_FILE), "r") as fh:
-            config = json.load(fh)
-    except FileNotFoundError as exc:
-        raise WarmStartError(f"train.init_from {uri}: {exc.filename or exc} is missing; give an exported drafter "
-                             "folder (config.json + model.safetensors)") from None
+        config = read_config_json(fs, posixpath.join(root, CONFIG_FILE))
+        tensors = read_weights(fs, root)
+    except ExportError as exc:
+        raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder") from None
     _check_layers(uri, config, drafter)
     expected = drafter.state_dict()
     for name, want in expected.items():
