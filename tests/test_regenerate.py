@@ -115,8 +115,11 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
         {"messages": [{"role": "narrator", "content": "hi"}, {"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "Please work out 5 minus 3."}]},
                       {"role": "assistant", "content": "2"}]},
-        {"messages": [{"role": "user", "content": "Look up 3."}, {"role": "assistant", "content": "calling"},
-                      {"role": "tool", "content": "{\"result\": 3}"}, {"role": "assistant", "content": "It is 3."}]},
+        {"messages": [{"role": "user", "content": "Look up 3."},
+                      {"role": "assistant", "content": "calling", "tool_calls": [
+                          {"id": "c1", "type": "function", "function": {"name": "look_up", "arguments": "{\"n\": 3}"}}]},
+                      {"role": "tool", "content": "{\"result\": 3}", "tool_call_id": "c1"},
+                      {"role": "assistant", "content": "It is 3."}]},
         {"messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "x"}]},
         {"messages": [{"role": "user", "content": "Repeat this list: a b c"}]},
     ])
@@ -137,6 +140,9 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
     assert kept[(b, 3)][0]["content"] == "Please work out 5 minus 3."
     assert [m["role"] for m in kept[(b, 4)]] == ["user", "assistant", "tool", "assistant"]
     assert kept[(b, 4)][2]["content"] == "{\"result\": 3}"
+    # the turn that called the tool is kept (the result answers its call); the answer after it is the target's
+    assert kept[(b, 4)][1]["tool_calls"][0]["function"] == {"name": "look_up", "arguments": "{\"n\": 3}"}
+    assert kept[(b, 4)][3]["content"] != "It is 3."
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["drop_examples"]["unknown_role"][0] == {
         "file": b, "record": 2, "line": 3, "detail": manifest["drop_examples"]["unknown_role"][0]["detail"]}

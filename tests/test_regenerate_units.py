@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from dflash_app.config import load_config
 from dflash_core.config import ConfigError
-from dflash_core.data.formats import Drop, Schema, role_table
+from dflash_core.data.formats import Drop, Schema, role_table, to_conversation
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.records import record_messages, regenerate, rejection, reply_text
@@ -158,6 +158,29 @@ def test_kept_reasoning_is_written_but_not_sent_back_as_reply_text():
     assert seen[1][1] == {"role": "assistant", "content": "2"}
     assert [m["content"] for m in result.messages if m["role"] == "assistant"] == [
         "<think>\none and one\n</think>\n\n2", "<think>\ntwo and two\n</think>\n\n4"]
+
+
+def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_the_results_regenerated():
+    """The tool results answer the record's calls, which cannot be re-run: the calling turn stays as written (sent
+    in the OpenAI wire format), the reply after the results is the target's."""
+    record = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_0"},
+        {"role": "assistant", "content": "old answer"}]}
+    messages = record_messages(record, Schema(), role_table({}))
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    seen: list = []
+    result = asyncio.run(regenerate(messages, _scripted([Reply("It is 21 degrees.", "stop", 6)], seen),
+                                    keep_truncated=False, keep_thinking=False))
+    assert len(seen) == 1 and seen[0] == messages[:3]
+    assert result.messages == [*messages[:3], {"role": "assistant", "content": "It is 21 degrees."}]
+    # what tokenize reads back: the call with its arguments
+    conv = to_conversation({"messages": result.messages}, Schema(), role_table({}))
+    assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 
 def test_the_config_refuses_bad_values():

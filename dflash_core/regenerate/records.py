@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -10,7 +11,7 @@ from typing import Any
 from dflash_core.data.formats import Drop, Schema, alternate, fold_system, leading_replies, to_conversation
 from dflash_core.regenerate.client import Rejected, Reply
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 Send = Callable[[Messages], Awaitable[Reply]]
 
 
@@ -33,11 +34,17 @@ def record_messages(record: Any, schema: Schema, roles: Mapping[str, str], fold:
     return [_plain(m) for m in conv.messages]
 
 
-def _plain(message: dict[str, Any]) -> dict[str, str]:
-    """Role and text; a tool result keeps the id and name that tie it to its call."""
-    out = {"role": message["role"], "content": message.get("content") or ""}
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    """Role and text; a tool result keeps the id and name that tie it to its call, a tool-calling turn its calls
+    in the OpenAI wire format (arguments as a JSON string; an id where the record has none)."""
+    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
     if message["role"] == "tool":
         out.update({k: str(message[k]) for k in ("tool_call_id", "name") if message.get(k)})
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": call.get("id") or f"call_{k}", "type": "function",
+             "function": {"name": call["function"]["name"], "arguments": json.dumps(call["function"]["arguments"])}}
+            for k, call in enumerate(message["tool_calls"])]
     return out
 
 
@@ -76,7 +83,8 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     """Replace every assistant turn by the target's reply to the conversation so far, whose earlier assistant
     turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
     System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
-    prompt text (a greeting answers nothing)."""
+    prompt text (a greeting answers nothing); so are turns that call tools: the tool results after them answer
+    those calls, which cannot be re-run, and the replies after the results are regenerated."""
     out: Messages = []  # the record written
     history: Messages = []  # what the server is sent: earlier replies without their reasoning, as chat templates
     result = Regenerated()  # render history (gpt-oss's would render an inline <think> block as reply text)
@@ -84,7 +92,7 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for turn in turns:
         seen_user = seen_user or turn["role"] == "user"
-        if turn["role"] != "assistant" or not seen_user:
+        if turn["role"] != "assistant" or not seen_user or turn.get("tool_calls"):
             out.append(turn)
             history.append(turn)
             continue
