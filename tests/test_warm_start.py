@@ -1,5 +1,7 @@
 """Warm start (train.init_from): weights from an exported drafter, shape-checked; `promoted` resolved to a path."""
 
+import json
+
 import pytest
 import torch
 from common.models import tiny_drafter, tiny_target
@@ -44,6 +46,13 @@ def test_a_drafter_of_another_shape_is_a_one_line_error_naming_the_tensor(tmp_pa
 
 def test_another_block_size_or_target_layers_is_refused(tmp_path, target):
     save_dflash(tiny_drafter(target, block_size=4), str(tmp_path / "b4"))
+    with pytest.raises(WarmStartError, match="block_size 4, the configured drafter 8"):
+        load_warm_start(tiny_drafter(target, block_size=8), str(tmp_path / "b4"))
+    # newer published drafters give the block size in dflash_config alone
+    config = json.loads((tmp_path / "b4" / "config.json").read_text())
+    config["dflash_config"]["block_size"] = config.pop("block_size")
+    (tmp_path / "b4" / "config.json").write_text(json.dumps(config))
+    load_warm_start(tiny_drafter(target, block_size=4), str(tmp_path / "b4"))
     with pytest.raises(WarmStartError, match="block_size 4, the configured drafter 8"):
         load_warm_start(tiny_drafter(target, block_size=8), str(tmp_path / "b4"))
 

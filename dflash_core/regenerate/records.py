@@ -85,9 +85,11 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
     prompt text (a greeting answers nothing); so are turns that call tools: the tool results after them answer
     those calls, which cannot be re-run, and the replies after the results are regenerated."""
-    out: Messages = []  # the record written
-    history: Messages = []  # what the server is sent: earlier replies without their reasoning, as chat templates
-    result = Regenerated()  # render history (gpt-oss's would render an inline <think> block as reply text)
+    # the record written, and what the server is sent: the earlier replies without their reasoning, as chat
+    # templates render history (gpt-oss's would render an inline <think> block as reply text)
+    out: Messages = []
+    history: Messages = []
+    result = Regenerated()
     seen_user = False
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for turn in turns:

@@ -64,7 +64,8 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     """Same shapes are not enough: the block size, the target layers fed in and what each layer attends to must
     match too."""
-    for key, got, want in (("block_size", config.get("block_size"), drafter.block_size),
+    block_size = config.get("block_size", (config.get("dflash_config") or {}).get("block_size"))  # newer: in there
+    for key, got, want in (("block_size", block_size, drafter.block_size),
                            ("target_layer_ids", config_layer_ids(config, drafter.num_target_layers),
                             drafter.target_layer_ids)):
         if got != want:
