@@ -238,3 +238,22 @@ def test_evaluate_end_to_end(tmp_path, target):
     assert sum(s["tokens_generated"] for s in per_suite.values()) == summary["tokens_generated"]
     assert MASK_ID == 99  # the drafter's mask id comes from its config, not the tokenizer
     json.dumps(summary)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss"])
+def test_kv_cached_verification_on_targets_whose_cache_cannot_simply_be_cropped(kind):
+    """gpt-oss's sliding-window layers drop keys past their window, and Qwen3.5/3.6's linear-attention layers
+    fold every token into a recurrent state no crop can undo: rejected drafts must still leave no trace. With
+    rejections at every slot and whole blocks accepted, the cached path equals the uncached one and greedy."""
+    from common.models import tiny_hybrid
+
+    target = TargetModel(tiny_hybrid(kind))
+    for prompt in PROMPTS:
+        reference = greedy_generate(target, prompt, 40 + B)[0]
+        assert torch.equal(greedy_generate(target, prompt, 40 + B, kv_cache=True)[0], reference)
+        for make in (lambda: NoisyOracleDrafter(reference), lambda: OracleDrafter(reference)):  # noqa: B023
+            cached, cached_lengths = speculative_generate(target, make(), prompt, 40, kv_cache=True)
+            full, full_lengths = speculative_generate(target, make(), prompt, 40, kv_cache=False)
+            assert torch.equal(cached[0], reference[: len(prompt) + 40])
+            assert torch.equal(full, cached) and cached_lengths == full_lengths
+    assert set(speculative_generate(target, NoisyOracleDrafter(reference), prompt, 40)[1]) == {1, 2, 3}

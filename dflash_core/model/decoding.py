@@ -5,6 +5,11 @@ and the cache is cropped back to the committed tokens on rejection (DynamicCache
 yields the block's hidden states; those of the committed positions are appended to the drafter's context,
 so no position goes through the target twice. `kv_cache=False` re-runs the whole sequence at every step:
 the simple reference the cached path is tested against.
+
+Targets whose cache forgets: sliding-window layers (gpt-oss) keep their whole past until the crop (the cache's
+past recording), and linear-attention layers (Qwen3.5/3.6's Gated DeltaNet) fold every token into a recurrent
+state no crop can undo: their states are saved before a verify pass and, when drafts are rejected, restored and
+advanced over the committed tokens alone (one more forward of at most B tokens).
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, cache_utils
 
 from dflash_core.model.target import TargetModel
+
+# the cache layers of linear attention (recurrent states), where this transformers has them
+_RECURRENT: tuple[type, ...] = tuple(
+    kind for kind in (getattr(cache_utils, "LinearAttentionCacheLayerMixin", None),) if kind is not None)
 
 
 class Drafter(Protocol):
@@ -76,24 +85,42 @@ class _CachedVerifier:
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache = DynamicCache(config=model.config)
+        if hasattr(self.cache, "activate_past_recording"):  # sliding windows: keep the past until the crop
+            self.cache.activate_past_recording()
+        self._recurrent: list[Any] = [layer for layer in self.cache.layers if isinstance(layer, _RECURRENT)]
         self._kwargs = _cache_kwargs(model, self.cache)
         self._feats: torch.Tensor | None = None
-        self._new, self._start = torch.empty(0), 0
+        self._new, self._start, self._fed = torch.empty(0), 0, torch.empty(0)
+        self._saved: list[dict[int, torch.Tensor]] = []
 
     def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are in the cache."""
-        out = self.model(
-            input_ids=ids[:, start:], output_hidden_states=True, logits_to_keep=keep, **self._kwargs
-        )
+        self._saved = [{i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}
+                       for layer in self._recurrent]
+        self._fed = ids[:, start:]
+        out = self.model(input_ids=self._fed, output_hidden_states=True, logits_to_keep=keep, **self._kwargs)
         self._new, self._start = _features(out.hidden_states, self.layer_ids), start
         return out.logits[0].argmax(-1)
 
     def commit(self, length: int) -> torch.Tensor:
         """Drop the rejected positions from the cache; the features of positions 0..length-1."""
-        _crop(self.cache, length)
+        if self._recurrent and length < self._start + self._fed.shape[1]:
+            self._rewind(length)
+        else:
+            _crop(self.cache, length)
         kept = self._new[: length - self._start]
         self._feats = kept if self._feats is None else torch.cat([self._feats, kept])
         return self._feats
+
+    def _rewind(self, length: int) -> None:
+        """Recurrent states saw the rejected tokens: back to before the verify pass, the attention and conv
+        states cropped to match, then forward over the committed tokens only."""
+        for layer, saved in zip(self._recurrent, self._saved, strict=True):
+            for i, state in saved.items():
+                layer.recurrent_states[i] = state  # the saved copy itself: the layer drops the one that saw them
+        _crop(self.cache, self._start)
+        if length > self._start:
+            self.model(input_ids=self._fed[:, : length - self._start], logits_to_keep=1, **self._kwargs)
 
 
 @torch.inference_mode()

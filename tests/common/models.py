@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DFlashDrafter, build_drafter
@@ -66,3 +66,22 @@ def random_batch(n: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
         "loss_mask": torch.ones(n, s, dtype=torch.uint8),
         "attention_mask": torch.ones(n, s, dtype=torch.long),
     }
+
+
+def tiny_hybrid(kind: str, vocab: int = VOCAB) -> PreTrainedModel:
+    """A tiny random target whose KV cache cannot simply be cropped: "qwen3_5" (Qwen3.5/3.6: three
+    linear-attention layers with recurrent states, then a full-attention one) or "gpt_oss" (sliding-window
+    layers of 8 tokens between full ones, mixture of experts)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.2}
+    if kind == "qwen3_5":
+        config: Any = Qwen3_5TextConfig(**shape, linear_num_key_heads=2, linear_num_value_heads=4,
+                                        linear_key_head_dim=16, linear_value_head_dim=16,
+                                        layer_types=["linear_attention"] * 3 + ["full_attention"])
+    else:
+        config = GptOssConfig(**{**shape, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=8)
+    return AutoModelForCausalLM.from_config(config).eval()
