@@ -119,17 +119,20 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
                       {"role": "assistant", "content": "calling", "tool_calls": [
                           {"id": "c1", "type": "function", "function": {"name": "look_up", "arguments": "{\"n\": 3}"}}]},
                       {"role": "tool", "content": "{\"result\": 3}", "tool_call_id": "c1"},
-                      {"role": "assistant", "content": "It is 3."}]},
+                      {"role": "assistant", "content": "It is 3."}],
+         "tools": [{"type": "function", "function": {"name": "look_up", "description": "Look a number up.",
+                                                     "parameters": {"type": "object"}}}]},
         {"messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "x"}]},
         {"messages": [{"role": "user", "content": "Repeat this list: a b c"}]},
     ])
     summary = regenerate_dataset(str(folder), str(tmp_path / "out"),
-                                 data_config(str(folder), endpoints=[target_server.url]))
+                                 data_config(str(folder), endpoints=[target_server.url], send_tools=True))
     assert summary["read"] == 9 and summary["kept"] + sum(summary["dropped"].values()) == 9
     dropped = summary["dropped"]
     assert dropped.get("unparsable") == 1 and dropped.get("empty_conversation") == 1
     assert dropped.get("no_user_turn") == 1 and dropped.get("unknown_role") == 1
-    kept = {(r["source"]["file"], r["source"]["record"]): r["messages"] for r in output_records(tmp_path / "out")}
+    records = {(r["source"]["file"], r["source"]["record"]): r for r in output_records(tmp_path / "out")}
+    kept = {key: r["messages"] for key, r in records.items()}
     # transformers serve does not enforce the context length: past the target's 1024 positions it answers
     # (often with nothing); vLLM / SGLang answer 400 (rejected_by_server). Either way it is accounted for.
     overlong = set(dropped) - {"unparsable", "empty_conversation", "no_user_turn", "unknown_role"}
@@ -143,6 +146,8 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
     # the turn that called the tool is kept (the result answers its call); the answer after it is the target's
     assert kept[(b, 4)][1]["tool_calls"][0]["function"] == {"name": "look_up", "arguments": "{\"n\": 3}"}
     assert kept[(b, 4)][3]["content"] != "It is 3."
+    # its tool definitions were sent (transformers serve renders them) and are written for tokenize to render
+    assert records[(b, 4)]["tools"][0]["function"]["name"] == "look_up" and "tools" not in records[(b, 3)]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["drop_examples"]["unknown_role"][0] == {
         "file": b, "record": 2, "line": 3, "detail": manifest["drop_examples"]["unknown_role"][0]["detail"]}

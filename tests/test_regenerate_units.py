@@ -14,7 +14,7 @@ from dflash_core.config import ConfigError
 from dflash_core.data.formats import Drop, Schema, role_table, to_conversation
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
-from dflash_core.regenerate.records import record_messages, regenerate, rejection, reply_text
+from dflash_core.regenerate.records import Chat, record_messages, regenerate, rejection, reply_text
 from dflash_core.regenerate.stage import settings, thinking_enabled
 
 
@@ -75,10 +75,10 @@ def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
     assert sent_turns(data(chatml, same_role_turns="merge")) == (False, True)
     assert sent_turns(data(str(tmp_path / "missing"))) == (False, False)
     [item] = read_items(list_files(str(source)), data(gemma2))
-    assert item.messages == [{"role": "user", "content": "Be brief.\n\nHi.\n\nCount."},
+    assert item.chat.messages == [{"role": "user", "content": "Be brief.\n\nHi.\n\nCount."},
                              {"role": "assistant", "content": "old"}]
     [item] = read_items(list_files(str(source)), data(chatml))
-    assert [m["role"] for m in item.messages] == ["system", "assistant", "user", "user", "assistant"]
+    assert [m["role"] for m in item.chat.messages] == ["system", "assistant", "user", "user", "assistant"]
     explicit = settings(data(chatml, system_turn="merge", same_role_turns="merge"), "t")
     assert settings(data(gemma2), "t") == explicit != settings(data(chatml), "t")
     assert settings(data(chatml), "t")["reader"] == {"format": "auto", "messages_key": None, "role_map": {}}
@@ -95,35 +95,41 @@ def test_replicas_are_for_transformers_serve_only():
     assert RegenerateConfig(serve="vllm", replicas=1).serve == "vllm"
 
 
+def messages_of(*args, **kwargs):
+    """record_messages' messages, or its Drop."""
+    chat = record_messages(*args, **kwargs)
+    return chat.messages if isinstance(chat, Chat) else chat
+
+
 def test_record_shapes_become_openai_messages():
     roles = role_table({})
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}], "system": "be brief"}
-    assert record_messages(sharegpt, Schema("sharegpt", "conversations"), roles) == [
+    assert messages_of(sharegpt, Schema("sharegpt", "conversations"), roles) == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     no_user = {"messages": [{"role": "assistant", "content": "hello"}]}
-    assert record_messages(no_user, Schema(), roles).reason == "no_user_turn"
+    assert messages_of(no_user, Schema(), roles).reason == "no_user_turn"
     # prompt-only and instruction records: the prompts a target answers (the old reply is regenerated)
-    assert record_messages({"prompt": "Say hi."}, Schema(), roles) == [{"role": "user", "content": "Say hi."}]
+    assert messages_of({"prompt": "Say hi."}, Schema(), roles) == [{"role": "user", "content": "Say hi."}]
     alpaca = {"instruction": "Summarise.", "input": "Cats nap.", "output": "old reply"}
-    assert record_messages(alpaca, Schema(), roles) == [{"role": "user", "content": "Summarise.\n\nCats nap."},
+    assert messages_of(alpaca, Schema(), roles) == [{"role": "user", "content": "Summarise.\n\nCats nap."},
                                                         {"role": "assistant", "content": "old reply"}]
     # data.system_turn merge: for a server whose template refuses system turns, as the drop of such a refusal says
-    assert record_messages(sharegpt, Schema("sharegpt", "conversations"), roles, fold=True) == [
+    assert messages_of(sharegpt, Schema("sharegpt", "conversations"), roles, fold=True) == [
         {"role": "user", "content": "be brief\n\nhi"}]
     refused = Rejected(400, '{"error": "System role not supported"}')
-    assert rejection(refused, record_messages(sharegpt, Schema(), roles)).endswith("set data.system_turn: merge")
+    assert rejection(refused, messages_of(sharegpt, Schema(), roles)).endswith("set data.system_turn: merge")
     assert rejection(refused, [{"role": "user", "content": "hi"}]) == str(refused)
     # data.same_role_turns merge: two user turns in a row become one, for a server whose template refuses them
     twice = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"},
                           {"role": "assistant", "content": "old"}]}
-    assert record_messages(twice, Schema(), roles, merge=True) == [{"role": "user", "content": "hi\n\nthere"},
+    assert messages_of(twice, Schema(), roles, merge=True) == [{"role": "user", "content": "hi\n\nthere"},
                                                                    {"role": "assistant", "content": "old"}]
     alternate = Rejected(400, '{"error": "Conversation roles must alternate user/assistant/user/assistant/..."}')
-    assert rejection(alternate, record_messages(twice, Schema(), roles)).endswith("set data.same_role_turns: merge")
-    assert rejection(alternate, record_messages(twice, Schema(), roles, merge=True)) == str(alternate)
+    assert rejection(alternate, messages_of(twice, Schema(), roles)).endswith("set data.same_role_turns: merge")
+    assert rejection(alternate, messages_of(twice, Schema(), roles, merge=True)) == str(alternate)
     greeting = {"messages": [{"role": "assistant", "content": "Ask me."}, *twice["messages"][1:]]}
-    assert rejection(alternate, record_messages(greeting, Schema(), roles)).endswith("set data.same_role_turns: merge")
-    assert record_messages(greeting, Schema(), roles, merge=True) == twice["messages"][1:]
+    assert rejection(alternate, messages_of(greeting, Schema(), roles)).endswith("set data.same_role_turns: merge")
+    assert messages_of(greeting, Schema(), roles, merge=True) == twice["messages"][1:]
 
 
 def _scripted(replies: list[Reply], seen: list[list[dict]]):
@@ -169,7 +175,9 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_the_results_regene
             {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_0"},
         {"role": "assistant", "content": "old answer"}]}
-    messages = record_messages(record, Schema(), role_table({}))
+    record["tools"] = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert record_messages(record, Schema(), role_table({})).tools == record["tools"]
+    messages = messages_of(record, Schema(), role_table({}))
     call = {"id": "call_0", "type": "function",
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
     assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}

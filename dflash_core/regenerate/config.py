@@ -28,6 +28,11 @@ class RegenerateConfig(StrictModel):
                                 "server's default)")
     max_tokens: PositiveInt = Field(1024, description="per reply; longer replies end with finish_reason=length")
     keep_truncated: bool = Field(False, description="keep replies cut by max_tokens (counted either way)")
+    send_tools: bool = Field(
+        False, description="send a record's tool definitions with its requests (as `tools`, the server's default "
+        "tool choice), so the server renders them as training will: transformers serve takes them; vLLM needs "
+        "--enable-auto-tool-choice --tool-call-parser ..., or refuses the request. Off: the definitions are only "
+        "written to the output")
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
     timeout_s: PositiveFloat = Field(600.0, description="per request")
     retries: NonNegativeInt = Field(

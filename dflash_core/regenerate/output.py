@@ -115,7 +115,8 @@ class ShardJournal:
             for i in sorted(self.lines):
                 if "messages" in self.lines[i]:
                     kept = self.lines[i]
-                    fh.write(_line({"messages": kept["messages"], "source": kept["source"]}))
+                    tools = {"tools": kept["tools"]} if kept.get("tools") else {}
+                    fh.write(_line({"messages": kept["messages"], **tools, "source": kept["source"]}))
         self.out.fs.mv(tmp, final)
 
     def close(self) -> None:

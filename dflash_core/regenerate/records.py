@@ -15,13 +15,21 @@ Messages = list[dict[str, Any]]
 Send = Callable[[Messages], Awaitable[Reply]]
 
 
+@dataclass(frozen=True)
+class Chat:
+    """A record to regenerate: its messages and the tool definitions it offers (OpenAI format), if any."""
+
+    messages: Messages
+    tools: list[dict[str, Any]] | None = None
+
+
 def record_messages(record: Any, schema: Schema, roles: Mapping[str, str], fold: bool = False,
-                    merge: bool = False) -> Messages | Drop:
+                    merge: bool = False) -> Chat | Drop:
     """A parsed chat record -> OpenAI-style [{role, content}] through the tokenize stage's normaliser (every
-    shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts); tool results pass through verbatim. For a
-    server whose template refuses them: `merge` (data.same_role_turns merge) makes the turns alternate (replies
-    before the first user turn left out, consecutive user or assistant turns one), `fold` (data.system_turn merge)
-    puts a leading system turn into the first user turn."""
+    shape it reads: ShareGPT, OpenAI, LLaMA-Factory, typed parts) and its tools; tool results pass through
+    verbatim. For a server whose template refuses them: `merge` (data.same_role_turns merge) makes the turns
+    alternate (replies before the first user turn left out, consecutive user or assistant turns one), `fold`
+    (data.system_turn merge) puts a leading system turn into the first user turn."""
     conv = to_conversation(record, schema, roles, require_assistant=False)
     if isinstance(conv, Drop):
         return conv
@@ -31,7 +39,7 @@ def record_messages(record: Any, schema: Schema, roles: Mapping[str, str], fold:
         conv = fold_system(conv)
     if not any(m["role"] == "user" for m in conv.messages):
         return Drop("no_user_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
-    return [_plain(m) for m in conv.messages]
+    return Chat([_plain(m) for m in conv.messages], conv.tools)
 
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:

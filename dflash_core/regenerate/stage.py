@@ -31,7 +31,7 @@ from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampl
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
-from dflash_core.regenerate.records import Messages, Regenerated, record_messages, regenerate, rejection
+from dflash_core.regenerate.records import Chat, Messages, Regenerated, record_messages, regenerate, rejection
 from dflash_core.regenerate.server import local_servers, servable_model
 
 log = logging.getLogger(__name__)
@@ -42,13 +42,13 @@ _PROGRESS_EVERY_S = 2.0
 
 @dataclass(frozen=True)
 class Item:
-    """One input record: its shard, position in the shard, provenance and its messages (or why not)."""
+    """One input record: its shard, position in the shard, provenance and its chat (or why not)."""
 
     shard: int
     index: int
     source: dict[str, Any]
     extra: dict[str, Any]
-    messages: Messages | Drop
+    chat: Chat | Drop
 
 
 def thinking_enabled(data: DataConfig) -> bool:
@@ -86,7 +86,9 @@ def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
               **{k: merged[k] for k, sent in zip(merged, sent_turns(data), strict=True) if sent}}
     return {"format": FORMAT, "target": target, "model": cfg.model,
             "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
-            "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader}
+            "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader,
+            # only when on: caches made before the setting existed stay valid
+            **({"send_tools": True} if cfg.send_tools else {})}
 
 
 def regenerate_fingerprint(source: str, data: DataConfig, target: str | None) -> str:
@@ -113,9 +115,9 @@ def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
             if data.regenerate.limit is not None and g >= data.regenerate.limit:
                 return
             parsed = parse_payload(raw.payload)
-            messages = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold, merge)
+            chat = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold, merge)
             extra = {k: v for k, v in (("line", raw.line), ("id", record_id(parsed))) if v is not None}
-            yield Item(g // per_shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, messages)
+            yield Item(g // per_shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, chat)
             g += 1
 
 
@@ -218,8 +220,8 @@ class _Run:
                 self._new_record(item)
                 if (only is not None and item.shard not in only) or self._known(item):
                     continue
-                if isinstance(item.messages, Drop):
-                    self._record(item, Regenerated(drop=item.messages))
+                if isinstance(item.chat, Drop):
+                    self._record(item, Regenerated(drop=item.chat))
                     continue
                 await self.room.acquire()
                 self._raise_failure()
@@ -268,8 +270,9 @@ class _Run:
                     self.queue.put_nowait(item)
                     return
                 try:
-                    messages = cast(Messages, item.messages)  # dropped records are journaled, never queued
-                    result = await regenerate(messages, lambda m: self._send(endpoint, m),
+                    chat = cast(Chat, item.chat)  # dropped records are journaled, never queued
+                    messages = chat.messages
+                    result = await regenerate(messages, functools.partial(self._send, endpoint, tools=chat.tools),
                                               self.cfg.keep_truncated, self.keep_thinking)
                 except Rejected as exc:
                     result = Regenerated(drop=Drop("rejected_by_server", rejection(exc, messages)))
@@ -291,8 +294,11 @@ class _Run:
             self._fail(exc)
             raise
 
-    async def _send(self, endpoint: Endpoint, messages: Messages):
-        return await endpoint.chat({"model": self.model, "messages": messages, **self.body})
+    async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None):
+        body = {"model": self.model, "messages": messages, **self.body}
+        if tools and self.cfg.send_tools:
+            body["tools"] = tools
+        return await endpoint.chat(body)
 
     def _endpoint_down(self, endpoint: Endpoint, exc: Exception) -> None:
         endpoint.alive = False
@@ -318,6 +324,8 @@ class _Run:
                                 "finish": result.finish, "tokens": result.tokens}
         if result.drop is None:
             line["messages"] = result.messages
+            if isinstance(item.chat, Chat) and item.chat.tools:
+                line["tools"] = item.chat.tools  # tokenize renders them, as the serving prompts will have them
         else:
             line.update(drop=result.drop.reason, detail=result.drop.detail)
         self.journals[item.shard].add(line)
