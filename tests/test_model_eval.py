@@ -237,7 +237,15 @@ def test_evaluate_end_to_end(tmp_path, target):
     assert [s["responses"] for s in per_suite.values()] == [3, 2]
     assert sum(s["tokens_generated"] for s in per_suite.values()) == summary["tokens_generated"]
     assert MASK_ID == 99  # the drafter's mask id comes from its config, not the tokenizer
+    assert "layer_attention" not in summary  # DFlash's original layers: nothing to say
     json.dumps(summary)
+    # a drafter with a causal sliding-window layer (Qwen3.6's kind) says so, to read its tau by
+    windowed = tiny_drafter(target, block_size=B, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    save_dflash(windowed, str(tmp_path / "windowed"))
+    summary = evaluate(target=str(tmp_path / "target"), drafter_dir=str(tmp_path / "windowed"),
+                       tokenizer=str(tmp_path / "tok"), instances=[{"turns": ["hello there"]}], max_new_tokens=10,
+                       device="cpu")
+    assert summary["layer_attention"] == ["causal, window 8", "full"]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss"])

@@ -228,6 +228,9 @@ def evaluate(
         "thinking": thinking,
         "kv_cache": kv_cache,
     }
+    layers = getattr(drafter_dir, "layer_attention", None)
+    if layers and not all(layer.plain for layer in layers):  # a drafter that does not attend as DFlash's original
+        summary["layer_attention"] = [str(layer) for layer in layers]
     if per_response:
         summary["per_response"] = [tau(r.lengths) if r.lengths else None for r in responses]
     if len(suites) > 1:
