@@ -55,10 +55,10 @@ def _cache_kwargs(model: PreTrainedModel, cache: DynamicCache) -> dict[str, Any]
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions; a negative count is "remove that many" in every transformers 5."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Keep the first `length` positions; a negative count is "remove that many" in every transformers 5. Called
+    after every verify pass, nothing to remove included: a cache that records its past (sliding windows, linear
+    attention) trims itself back to its working size there."""
+    cache.crop(-max(cache.get_seq_length() - length, 0))
 
 
 class _FullVerifier:
