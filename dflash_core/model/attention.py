@@ -15,9 +15,9 @@ block (slot j sees slots 0..j). The published Qwen3.6 and Gemma 4 drafters have 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,26 @@ class LayerAttention:
 ORIGINAL = LayerAttention()
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+T = TypeVar("T")
+
+
+def per_layer(layers: Sequence[LayerAttention], build: Callable[[LayerAttention], T]) -> list[T]:
+    """`build(layer)` for every layer, computed once per distinct layer attention (a mask, a pair count)."""
+    built = {layer: build(layer) for layer in set(layers)}
+    return [built[layer] for layer in layers]
+
+
+def layer_spelling(layers: Sequence[LayerAttention]) -> tuple[list[str], int | None, bool | None] | None:
+    """How config.json says these layers attend, as `layer_attention` reads it back: (layer_types, the one
+    sliding_window or None, dflash_config.causal or None where the default holds: causal exactly on the
+    sliding layers). None when no config.json can say it (two windows; causality on neither rule)."""
+    windows = {layer.window for layer in layers if layer.window is not None}
+    causal = {layer.causal for layer in layers}
+    default = all(layer.causal == (layer.window is not None) for layer in layers)
+    if len(windows) > 1 or (not default and len(causal) > 1):
+        return None
+    types = [SLIDING if layer.window is not None else FULL for layer in layers]
+    return types, next(iter(windows), None), None if default else causal.pop()
 
 
 def layer_attention(config: Any) -> list[LayerAttention]:
@@ -259,8 +279,7 @@ def mean_visible_pairs(
     anchors: torch.Tensor, valid: torch.Tensor, block_size: int, layers: Sequence[LayerAttention]
 ) -> torch.Tensor:
     """`visible_pairs` averaged over the drafter's layers: layers x this = the attention work of all of them."""
-    counts = {layer: visible_pairs(anchors, valid, block_size, layer) for layer in set(layers)}
-    return torch.stack([counts[layer] for layer in layers]).mean()
+    return torch.stack(per_layer(layers, lambda layer: visible_pairs(anchors, valid, block_size, layer))).mean()
 
 
 def visible_fraction(seq_len: int, num_anchors: int, block_size: int) -> float:

@@ -29,6 +29,7 @@ from dflash_core.model.attention import (
     flex_mask,
     layer_attention,
     mean_visible_pairs,
+    per_layer,
     resolve_attention,
 )
 from dflash_core.model.config import ModelConfig
@@ -320,9 +321,9 @@ class DFlashDrafter(nn.Module):
         pos = (position + torch.arange(self.block_size, device=device))[None]
         # the original layer sees everything it is given: no mask; a windowed or causal one gets its own
         anchor, valid = torch.tensor([[position]], device=device), torch.ones(1, 1, dtype=torch.bool, device=device)
-        masks = {layer: None if layer.plain else dense_mask(anchor, valid, None, feats.shape[1], self.block_size, layer)
-                 for layer in set(self.layer_attention)}
-        hidden = self._run_layers(self._context(feats), block, pos, [masks[layer] for layer in self.layer_attention])
+        masks = per_layer(self.layer_attention, lambda layer: None if layer.plain else dense_mask(
+            anchor, valid, None, feats.shape[1], self.block_size, layer))
+        hidden = self._run_layers(self._context(feats), block, pos, masks)
         return self.logits(hidden)[0]
 
     # ---- training ----------------------------------------------------------------------------------------
@@ -385,9 +386,8 @@ class DFlashDrafter(nn.Module):
         anchors, valid = anchors.to(device), valid.to(device)
         attention_mask = None if attention_mask is None else attention_mask.to(device)
         build = flex_mask if resolve_attention(self.attention, device) == "flex" else dense_mask
-        masks = {layer: build(anchors, valid, attention_mask, seq_len, self.block_size, layer)
-                 for layer in set(self.layer_attention)}
-        return [masks[layer] for layer in self.layer_attention]
+        return per_layer(self.layer_attention,
+                         lambda layer: build(anchors, valid, attention_mask, seq_len, self.block_size, layer))
 
     def block_hidden(
         self,

@@ -17,7 +17,13 @@ from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
 from dflash_core.errors import InputError
-from dflash_core.model.attention import FULL, SLIDING, AttentionError, LayerAttention, layer_attention
+from dflash_core.model.attention import (
+    SLIDING,
+    AttentionError,
+    LayerAttention,
+    layer_attention,
+    layer_spelling,
+)
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from dflash_core.model.target import TargetModel
 
@@ -37,15 +43,15 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
     """The config.json mapping (DFLASH_SPEC.md "Checkpoint that serving engines load")."""
     c = drafter.config
     rope = dict(c.rope_parameters or {})
-    layers = drafter.layer_attention
-    windows = {layer.window for layer in layers if layer.window is not None}
-    causal = {layer.causal for layer in layers}
-    if len(windows) > 1 or (len(causal) > 1 and any(layer.causal != (layer.window is not None) for layer in layers)):
-        raise ExportError(f"save_dflash: layer attention [{'; '.join(map(str, layers))}] has no config.json spelling (one sliding_window; "
-                          "causal either on the sliding layers only or the same on every layer)")
+    spelled = layer_spelling(drafter.layer_attention)
+    if spelled is None:
+        raise ExportError(f"save_dflash: layer attention [{'; '.join(map(str, drafter.layer_attention))}] has no "
+                          "config.json spelling (one sliding_window; causal either on the sliding layers only or the "
+                          "same on every layer)")
+    layer_types, window, causal = spelled
     dflash = drafter.dflash_config
-    if any(layer.causal != (layer.window is not None) for layer in layers):
-        dflash["causal"] = causal.pop()  # vLLM's default is causal sliding layers, non-causal full ones
+    if causal is not None:
+        dflash["causal"] = causal  # vLLM's default is causal sliding layers, non-causal full ones
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -71,10 +77,10 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         # the layers' attention as vLLM resolves it (attention.layer_attention reads it back)
-        "use_sliding_window": bool(windows),
-        "sliding_window": next(iter(windows), None),
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
         "max_window_layers": c.num_hidden_layers,
-        "layer_types": [SLIDING if layer.window is not None else FULL for layer in layers],
+        "layer_types": layer_types,
         "use_cache": True,
         "dtype": _DTYPE_NAMES[dtype],
         "transformers_version": transformers.__version__,
@@ -182,8 +188,8 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
             f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
         )
     dflash: Any = raw.get("dflash_config")
-    if isinstance(dflash, dict) and "block_size" in dflash:  # newer published drafters keep it there alone
-        raw.setdefault("block_size", dflash["block_size"])
+    if (block_size := config_block_size(raw)) is not None:
+        raw["block_size"] = block_size
     missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
     if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
         missing.append("dflash_config.mask_token_id")
@@ -238,20 +244,25 @@ def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:
 # than mis-run (or refused later by a tensor-name mismatch that does not say why)
 _UNSUPPORTED = {
     "conv_kernel_size": "DFlash 2 block convolutions", "selector_rank": "a DFlash 2 candidate selector",
-    "attention_sink_bias": "attention sink biases",
+    "attention_sink_bias": "attention sink biases", "add_swa_attention_sink_bias": "attention sink biases",
 }
 
 
 def _check_supported(path: str, raw: dict[str, Any]) -> None:
     dflash = raw.get("dflash_config") or {}
     extras = [what for key, what in _UNSUPPORTED.items() if dflash.get(key) or raw.get(key)]
-    if raw.get("add_swa_attention_sink_bias"):
-        extras.append("attention sink biases")
     if raw.get("is_neox_style") is False:
         extras.append("interleaved (non-NeoX) RoPE")
     if extras:
         raise ExportError(f"{path}: this drafter has {', '.join(sorted(set(extras)))}, which this implementation "
                           "does not run; evaluate it with the serving engine instead")
+
+
+def config_block_size(config: dict[str, Any]) -> Any:
+    """A drafter config's block size: top-level `block_size`, else `dflash_config.block_size` (newer published
+    drafters keep it there alone); None when it says neither."""
+    dflash = config.get("dflash_config")
+    return config.get("block_size", dflash.get("block_size") if isinstance(dflash, dict) else None)
 
 
 def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int] | None:

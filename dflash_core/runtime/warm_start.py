@@ -13,11 +13,12 @@ import posixpath
 import fsspec
 
 from dflash_core.errors import InputError
-from dflash_core.model.attention import FULL, SLIDING, AttentionError
+from dflash_core.model.attention import AttentionError, layer_spelling
 from dflash_core.model.drafter import DFlashDrafter
 from dflash_core.model.export import (
     CONFIG_FILE,
     ExportError,
+    config_block_size,
     config_layer_attention,
     config_layer_ids,
     drafter_location,
@@ -64,8 +65,7 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     """Same shapes are not enough: the block size, the target layers fed in and what each layer attends to must
     match too."""
-    block_size = config.get("block_size", (config.get("dflash_config") or {}).get("block_size"))  # newer: in there
-    for key, got, want in (("block_size", block_size, drafter.block_size),
+    for key, got, want in (("block_size", config_block_size(config), drafter.block_size),
                            ("target_layer_ids", config_layer_ids(config, drafter.num_target_layers),
                             drafter.target_layer_ids)):
         if got != want:
@@ -78,11 +78,12 @@ def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     except AttentionError as exc:
         raise WarmStartError(f"train.init_from {uri}: config.json: {exc}") from None
     if layers != drafter.layer_attention and len(layers) == len(drafter.layer_attention):
-        windows = {layer.window for layer in layers if layer.window is not None}
-        fits = all(layer.causal == (layer.window is not None) for layer in layers) and len(windows) <= 1
-        hint = (f"set model.layer_types: {[SLIDING if x.window else FULL for x in layers]}"
-                + (f" and model.sliding_window: {windows.pop()}" if windows else "") if fits
-                else "a layer attention model.layer_types cannot express; train from scratch")
+        spelled = layer_spelling(layers)  # model.layer_types says only vLLM's default causality
+        if spelled is not None and spelled[2] is None:
+            types, window = spelled[0], spelled[1]
+            hint = f"set model.layer_types: {types}" + (f" and model.sliding_window: {window}" if window else "")
+        else:
+            hint = "a layer attention model.layer_types cannot express; train from scratch"
         raise WarmStartError(
             f"train.init_from {uri}: its layers attend as [{'; '.join(map(str, layers))}], the configured "
             f"drafter's as [{'; '.join(map(str, drafter.layer_attention))}]; {hint}")
