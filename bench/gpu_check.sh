@@ -15,7 +15,9 @@
 # 600 s limit per command (EFF_BUDGET_S, 150 s, bounds the memory search inside efficiency's 240). Each line is
 # also appended to $OUT/gpu_check.jsonl as soon as its part ends (the device tool's $OUT comes back even when
 # the command runs past its limit), or to $WORK/gpu_check.jsonl without $OUT.
-# Usage: bash bench/gpu_check.sh
+# Usage: bash bench/gpu_check.sh   (on a machine whose image lacks pydantic/polars: `bash bench/gpu_wheels.sh`
+#   first where pip works, and carry .whl; the device tool: run(command="OUT=$OUT bash bench/gpu_check.sh",
+#   carry=[".whl"], timeout_s=590))
 #   overrides: PYTHON=python3 WORK=<tmp dir> STEPS=24 EFF_BUDGET_S=150 PARTS="tests efficiency pipeline worker"
 #   DEVICE=cpu runs the same script on tiny shapes on CPU (a test of the script; the figures mean nothing).
 set -euo pipefail
@@ -28,6 +30,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
 RESULTS="${OUT:-$WORK}/gpu_check.jsonl"
+# The wheels bench/gpu_wheels.sh downloaded here and the device call carried (`carry: [".whl"]`): the
+# requirements the device's image lacks, installed into the work folder (nothing outside it is touched).
+if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import pydantic, polars" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$WORK/site"
+fi
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 emit() { echo "$1 $2" | tee -a "$RESULTS"; }  # one part's result line: stdout, and kept in $RESULTS at once
 
@@ -36,7 +45,8 @@ import importlib.util, sys
 need = ["torch", "transformers", "polars", "pyarrow", "pydantic", "fsspec", "safetensors", "yaml", "numpy"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"gpu_check: missing Python packages {missing}; install them (or carry their wheels) first")
+    sys.exit(f"gpu_check: missing Python packages {missing}: run `bash bench/gpu_wheels.sh` on the machine "
+             "that sends this script and carry .whl with it (or install them)")
 import torch
 if sys.argv[1] == "cuda":
     if not torch.cuda.is_available():
