@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import threading
 
 import httpx
 import pytest
@@ -12,8 +14,9 @@ from pydantic import ValidationError
 from dflash_app.config import load_config
 from dflash_core.config import ConfigError
 from dflash_core.data.formats import Drop, Schema, role_table, to_conversation
-from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, sampling_body
+from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.records import Chat, record_messages, regenerate, rejection, reply_text
 from dflash_core.regenerate.stage import settings, thinking_enabled
 
@@ -233,3 +236,161 @@ def test_busy_answers_are_retried_and_refusals_are_not():
     loop.run_until_complete(endpoint.chat({}))
     assert loop.time() - start >= 0.3 and seen == [429, 200]  # the server's wait, not the 0.01 s backoff
     loop.close()
+
+
+def _completing(replies: list[dict], seen: list[httpx.Request] | None = None) -> Endpoint:
+    """An Endpoint whose server answers 200 with these choices in turn (the last one again after them)."""
+    seen = [] if seen is None else seen
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        choice = replies[min(len(seen), len(replies) - 1)]
+        seen.append(request)
+        return httpx.Response(200, json={"choices": [choice], "usage": {"completion_tokens": 3}})
+
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    return endpoint
+
+
+def test_a_reply_the_server_aborted_is_retried_and_one_cut_short_otherwise_drops_the_record():
+    """vLLM and SGLang answer 200 with finish_reason abort/error when they stop or pause: that reply is no
+    training text, the request is sent again. A content filter or vLLM's repetition stop drops the record."""
+    seen: list[httpx.Request] = []
+    endpoint = _completing([{"message": {"content": "The answer is"}, "finish_reason": "abort"},
+                            {"message": {"content": "The answer is 4."}, "finish_reason": "stop"}], seen)
+    assert asyncio.run(endpoint.chat({})) == Reply("The answer is 4.", "stop", 3) and len(seen) == 2
+    endpoint = _completing([{"message": {"content": "The"}, "finish_reason": "error"}])
+    with pytest.raises(Unavailable, match="3 tries failed, last: the server ended the reply with finish_reason error"):
+        asyncio.run(endpoint.chat({}))
+    convo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "old"}]
+    for reason in ("content_filter", "repetition"):
+        result = asyncio.run(regenerate(convo, _scripted([Reply("4 4 4 4", reason, 4)], []), keep_truncated=True,
+                                        keep_thinking=False))
+        assert result.drop is not None and result.drop.reason == "unfinished_reply" and reason in result.drop.detail
+    for reason in ("stop", "eos_token", "unknown"):  # OpenAI/vLLM/SGLang, TGI, a server that gives none
+        result = asyncio.run(regenerate(convo, _scripted([Reply("4", reason, 1)], []), keep_truncated=False,
+                                        keep_thinking=False))
+        assert result.messages == [convo[0], {"role": "assistant", "content": "4"}]
+
+
+def test_a_reply_that_calls_tools_keeps_its_calls_and_ends_the_conversation():
+    """With a tool parser (vLLM/SGLang --tool-call-parser) the server returns the calls apart from the text,
+    often with no text at all: the turn keeps them, and tokenize reads them back. What the record holds after
+    it answered another reply, so the conversation ends there."""
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    endpoint = _completing([{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}])
+    reply = asyncio.run(endpoint.chat({}))
+    assert reply == Reply("", "tool_calls", 3, None, [call])
+    convo = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is sunny."},
+             {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Rain."}]
+    seen: list = []
+    result = asyncio.run(regenerate(convo, _scripted([reply], seen), keep_truncated=False, keep_thinking=False))
+    assert len(seen) == 1 and result.finish == ["tool_calls"]
+    assert result.messages == [convo[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    conv = to_conversation({"messages": result.messages}, Schema(), role_table({}))
+    assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    bad = _completing([{"message": {"content": "x", "tool_calls": ["get_weather()"]}, "finish_reason": "stop"}])
+    with pytest.raises(Rejected, match="malformed completion.*tool_calls"):
+        asyncio.run(bad.chat({}))
+
+
+def test_the_api_key_comes_from_the_named_variable_or_the_local_servers_own(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
+    assert api_key(RegenerateConfig(api_key_env="MY_KEY", endpoints=["http://h:8000/v1"])) == "s3cret"
+    assert api_key(RegenerateConfig(endpoints=["http://h:8000/v1"])) is None  # a remote server: only if named
+    assert api_key(RegenerateConfig(serve="vllm")) == "from-vllm-env"  # vllm serve takes it from its environment
+    assert api_key(RegenerateConfig(serve="sglang")) is None
+    assert api_key(RegenerateConfig(serve="sglang", serve_args=["--api-key", "k1"])) == "k1"
+    assert api_key(RegenerateConfig(serve="vllm", serve_args=["--api-key=k2"])) == "k2"
+    with pytest.raises(RegenerateError, match="api_key_env names NOT_SET, which is not set"):
+        api_key(RegenerateConfig(api_key_env="NOT_SET"))
+
+
+def test_the_key_is_sent_and_a_server_that_wants_one_says_so():
+    """vLLM/SGLang with --api-key answer 401 to a request without `Authorization: Bearer <key>`."""
+    def guarded(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer s3cret":
+            return httpx.Response(401, json={"error": "Unauthorized"})
+        return httpx.Response(200, json={"data": [{"id": "m"}]})
+
+    for key, ok in ((None, False), ("wrong", False), ("s3cret", True)):
+        endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(), key)
+        endpoint.http = httpx.AsyncClient(base_url=endpoint.url, headers=endpoint.http.headers,
+                                          transport=httpx.MockTransport(guarded))
+        if ok:
+            assert asyncio.run(endpoint.models()) == ["m"]
+        else:
+            with pytest.raises(EndpointError, match="wants an API key.*HTTP 401.*api_key_env"):
+                asyncio.run(endpoint.models())
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server on loopback: lists model "m"; refuses (HTTP 400, vLLM's error shape) every
+    request while `refuse_all` is set, else those whose last user turn says "long", else answers "ok"."""
+
+    refuse_all = False
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).refuse_all or "long" in request["messages"][-1]["content"]:
+            self._send(400, {"error": {"message": "'max_tokens' is too large: 100000. This model's maximum "
+                                                  "context length is 4096 tokens.", "type": "BadRequestError",
+                                       "param": None, "code": 400}})
+        else:
+            self._send(200, {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                             "usage": {"completion_tokens": 1}})
+
+
+@pytest.fixture
+def scripted_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    _Scripted.refuse_all = False
+
+
+def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(scripted_server, tmp_path):
+    """A setting that makes the server refuse every request (here max_tokens beyond its context) is not ten
+    thousand bad records: the run stops after 8 refusals and no reply, naming the server's answer, and the fixed
+    rerun sends every record again. Refusals of single records after a reply are drops, as before."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"question {i}"}]}
+                                                   for i in range(10)])
+    out = tmp_path / "out"
+    _Scripted.refuse_all = True
+    with pytest.raises(RegenerateError, match="refused every one of the first 8 requests.*maximum context length"):
+        regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
+    assert all(not p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
+    small = write_jsonl(tmp_path / "three.jsonl", [{"messages": [{"role": "user", "content": "q"}]}] * 3)
+    with pytest.raises(RegenerateError, match="refused every one of the first 3 requests"):  # input ran out first
+        regenerate_dataset(small, str(tmp_path / "out3"), data_config(small, endpoints=[scripted_server]))
+    _Scripted.refuse_all = False
+    summary = regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
+    assert summary["kept"] == 10 and summary["complete"]
+    assert [r["messages"][-1]["content"] for r in output_records(out)] == ["ok"] * 10
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": [{"role": "user", "content": text}]}
+                                                   for text in ["short"] + ["long"] * 9 + ["short"] * 2])
+    summary = regenerate_dataset(mixed, str(tmp_path / "out-mixed"), data_config(mixed, endpoints=[scripted_server],
+                                                                                 concurrency=1))
+    assert summary["kept"] == 3 and summary["dropped"] == {"rejected_by_server": 9}

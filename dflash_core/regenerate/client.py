@@ -1,21 +1,23 @@
 """An async client of OpenAI-compatible chat-completions servers (vLLM, SGLang, `transformers serve`).
 
 One `Endpoint` per base URL: bounded concurrency (a semaphore), a per-request timeout, retries with
-exponential backoff on 5xx, 408/429 (busy; Retry-After honoured) and connection errors. Any other 4xx is the
-server refusing this request (too long for its context, a role it does not accept): the caller drops the
-record, the endpoint stays in use."""
+exponential backoff on 5xx, 408/429 (busy; Retry-After honoured), connection errors and a reply the server
+aborted (finish_reason abort/error: vLLM and SGLang end requests so when they are stopped or paused). Any other
+4xx is the server refusing this request (too long for its context, a role it does not accept): the caller drops
+the record, the endpoint stays in use."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from dflash_core.regenerate.config import RegenerateConfig
-from dflash_core.regenerate.errors import EndpointError
+from dflash_core.regenerate.errors import EndpointError, RegenerateError
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 5.0
@@ -23,16 +25,22 @@ _PROBE_TIMEOUT_S = 5.0
 # like a 5xx, after the server's Retry-After when it gives one.
 TRANSIENT_4XX = frozenset({408, 429})
 _RETRY_AFTER_MAX_S = 60.0
+# finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
+ABORTED = frozenset({"abort", "error"})
+# the key a local vLLM server started by the stage takes from the environment it inherits (`vllm serve --api-key`)
+VLLM_KEY_ENV = "VLLM_API_KEY"
 
 
 @dataclass(frozen=True)
 class Reply:
-    """One completion: its text, why it ended (stop|length|tool_calls|...), tokens generated."""
+    """One completion: its text, why it ended (stop|length|tool_calls|...), tokens generated, its reasoning and
+    the tools it calls (OpenAI wire format, arguments a JSON string) when the server parsed any out of the text."""
 
     content: str
     finish_reason: str
     tokens: int
     reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Rejected(Exception):
@@ -56,13 +64,39 @@ def sampling_body(cfg: RegenerateConfig, enable_thinking: bool) -> dict[str, Any
     return body
 
 
+def api_key(cfg: RegenerateConfig) -> str | None:
+    """The endpoints' API key: from the variable data.regenerate.api_key_env names; for a local server, the
+    `--api-key` of serve_args, else (vLLM turns its key check on from the environment it inherits)
+    VLLM_API_KEY; None = none sent."""
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env)
+        if not key:
+            raise RegenerateError(f"data.regenerate.api_key_env names {cfg.api_key_env}, which is not set (or "
+                                  f"empty) in this environment; export the endpoints' API key there")
+        return key
+    if cfg.endpoints:
+        return None
+    args = cfg.serve_args
+    for k, arg in enumerate(args):
+        if arg == "--api-key" and k + 1 < len(args):
+            return args[k + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return (os.environ.get(VLLM_KEY_ENV) or None) if cfg.serve == "vllm" else None
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    """The request headers that carry an API key (none without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class Endpoint:
     """One server: `chat()` sends a conversation and returns the Reply, at most `concurrency` at a time."""
 
-    def __init__(self, url: str, cfg: RegenerateConfig) -> None:
+    def __init__(self, url: str, cfg: RegenerateConfig, key: str | None = None) -> None:
         self.url, self.cfg = url.rstrip("/"), cfg
         limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-        self.http = httpx.AsyncClient(base_url=self.url, limits=limits,
+        self.http = httpx.AsyncClient(base_url=self.url, limits=limits, headers=auth_headers(key),
                                       timeout=httpx.Timeout(cfg.timeout_s, connect=_PROBE_TIMEOUT_S))
         self.slots = asyncio.Semaphore(cfg.concurrency)
         self.alive = True
@@ -75,6 +109,11 @@ class Endpoint:
         """The model ids the server lists (GET /models); EndpointError, within seconds, when it cannot."""
         try:
             resp = await self.http.get("/models", timeout=_PROBE_TIMEOUT_S)
+            if resp.status_code in (401, 403):
+                raise EndpointError(f"endpoint {self.url} wants an API key (GET /models: HTTP {resp.status_code}"
+                                    f"{' with the key sent' if 'Authorization' in self.http.headers else ''}); "
+                                    f"set data.regenerate.api_key_env to the name of the environment variable "
+                                    f"that holds it")
             resp.raise_for_status()
             ids = [m["id"] for m in resp.json()["data"]]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -112,7 +151,11 @@ class Endpoint:
                 continue
             if resp.status_code >= 400:
                 raise Rejected(resp.status_code, resp.text[:300])
-            return _reply(resp.json(), self.url)
+            reply = _reply(resp.json(), self.url)
+            if reply.finish_reason in ABORTED:
+                last = f"the server ended the reply with finish_reason {reply.finish_reason}"
+                continue
+            return reply
         raise Unavailable(f"endpoint {self.url}: {self.cfg.retries + 1} tries failed, last: {last}")
 
 
@@ -129,8 +172,11 @@ def _reply(data: dict[str, Any], url: str) -> Reply:
         choice = data["choices"][0]
         message = choice["message"]
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        calls = message.get("tool_calls") or None
+        if calls is not None and not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise ValueError(f"tool_calls is not a list of function calls: {calls!r}"[:200])
         return Reply(message.get("content") or "", choice.get("finish_reason") or "unknown", tokens,
-                     message.get("reasoning_content") or message.get("reasoning"))
+                     message.get("reasoning_content") or message.get("reasoning"), calls)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {str(data)[:200]}") from None
 

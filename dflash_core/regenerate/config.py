@@ -33,6 +33,10 @@ class RegenerateConfig(StrictModel):
         "tool choice), so the server renders them as training will: transformers serve takes them; vLLM needs "
         "--enable-auto-tool-choice --tool-call-parser ..., or refuses the request. Off: the definitions are only "
         "written to the output")
+    api_key_env: str | None = Field(
+        None, description="name of the environment variable holding the endpoints' API key (vLLM/SGLang --api-key), "
+        "sent as `Authorization: Bearer`; None = no key, except for a local server: the --api-key of serve_args, or "
+        "VLLM_API_KEY from the environment a local vLLM server inherits")
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
     timeout_s: PositiveFloat = Field(600.0, description="per request")
     retries: NonNegativeInt = Field(

@@ -80,6 +80,12 @@ class Regenerated:
     tokens: int = 0
 
 
+# finish reasons of a reply that ended where the model stopped: OpenAI's, vLLM's and SGLang's "stop", TGI's
+# "eos_token" / "stop_sequence", and none given at all ("unknown")
+FINISHED = frozenset({"stop", "eos_token", "stop_sequence", "unknown"})
+TOOL_CALLS = frozenset({"tool_calls", "function_call"})
+
+
 def reply_text(reply: Reply, keep_thinking: bool) -> str:
     """The assistant turn as training text: the reasoning in <think> tags first when thinking is kept."""
     if keep_thinking and reply.reasoning:
@@ -92,7 +98,11 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
     System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
     prompt text (a greeting answers nothing); so are turns that call tools: the tool results after them answer
-    those calls, which cannot be re-run, and the replies after the results are regenerated."""
+    those calls, which cannot be re-run, and the replies after the results are regenerated. A reply that calls
+    tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
+    and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
+    A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
+    the record as `unfinished_reply`."""
     # the record written, and what the server is sent: the earlier replies without their reasoning, as chat
     # templates render history (gpt-oss's would render an inline <think> block as reply text)
     out: Messages = []
@@ -112,6 +122,14 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
         if reply.finish_reason == "length" and not keep_truncated:
             result.drop = Drop("truncated", f"reply to turn {len(out)} reached max_tokens ({reply.tokens} tokens)")
             return result
+        if reply.finish_reason not in FINISHED | TOOL_CALLS | {"length"}:
+            result.drop = Drop("unfinished_reply", f"the server ended its reply to turn {len(out)} with "
+                                                   f"finish_reason {reply.finish_reason!r}, not at a stop")
+            return result
+        if reply.tool_calls:
+            out.append({"role": "assistant", "content": reply_text(reply, keep_thinking),
+                        "tool_calls": reply.tool_calls})
+            break
         if not reply.content.strip():
             result.drop = Drop("empty_reply", f"the server's reply to turn {len(out)} is empty "
                                               f"(finish_reason {reply.finish_reason})")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from dflash_core.regenerate.client import VLLM_KEY_ENV, auth_headers
 from dflash_core.regenerate.errors import RegenerateError
 
 HOST = "127.0.0.1"
@@ -104,7 +105,7 @@ class LocalServer:
             raise RegenerateError(f"cannot start the server ({' '.join(cmd[:4])} ...): {exc}; "
                                   f"install it (e.g. pip install 'transformers[serving]')") from None
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, key: str | None = None) -> None:
         """Poll GET /v1/models until the model is listed; RegenerateError with the log tail otherwise."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -112,8 +113,13 @@ class LocalServer:
                 raise RegenerateError(f"the local server exited with code {self.proc.returncode} while starting "
                                       f"({' '.join(self.cmd)}); log {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/models", timeout=2.0).status_code == 200:
+                status = httpx.get(f"{self.url}/models", timeout=2.0, headers=auth_headers(key)).status_code
+                if status == 200:
                     return
+                if status in (401, 403):
+                    raise RegenerateError(f"the local server wants an API key (GET /models: HTTP {status}); it "
+                                          f"takes one from its environment ({VLLM_KEY_ENV}) or from serve_args "
+                                          f"--api-key: set data.regenerate.api_key_env to the variable holding it")
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
@@ -147,21 +153,22 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def warm_up(url: str) -> None:
+def warm_up(url: str, key: str | None = None) -> None:
     """One 1-token request before the real load: `transformers serve` builds its continuous-batching cache on
     the first request (110 s measured with the default cache share), which then no real request's timeout pays.
     The scheduler is also sized from that first request: once measured 1064 tokens/s at 32 in flight after a
     4-token first request vs 57 without, not reproduced with the stage's own settings (see README)."""
-    model = httpx.get(f"{url}/models", timeout=30).json()["data"][0]["id"]
-    httpx.post(f"{url}/chat/completions", timeout=600, json={
+    headers = auth_headers(key)
+    model = httpx.get(f"{url}/models", timeout=30, headers=headers).json()["data"][0]["id"]
+    httpx.post(f"{url}/chat/completions", timeout=600, headers=headers, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0.0,
     }).raise_for_status()
 
 
-def _warmed(server: LocalServer) -> None:
+def _warmed(server: LocalServer, key: str | None = None) -> None:
     """warm_up, a refusal told as the server's own error with its log."""
     try:
-        warm_up(server.url)
+        warm_up(server.url, key)
     except httpx.HTTPError as exc:
         raise RegenerateError(f"the local server failed its first request ({exc}); log {server.log_path}:\n"
                               f"{server.log_tail()}") from None
@@ -169,7 +176,7 @@ def _warmed(server: LocalServer) -> None:
 
 @contextmanager
 def local_servers(kind: str, model: str, extra: list[str], log_paths: list[Path],
-                  timeout_s: float) -> Iterator[list[str]]:
+                  timeout_s: float, key: str | None = None) -> Iterator[list[str]]:
     """Serve `model` once per log path, side by side (each its own process group and port: data parallel on one
     machine), for the duration of the block; yields their base URLs; all are stopped on exit, error or cancel.
     They start and warm up together, so a second replica costs little start-up time."""
@@ -183,10 +190,10 @@ def local_servers(kind: str, model: str, extra: list[str], log_paths: list[Path]
             servers.append(LocalServer(server_command(kind, model, port, extra), port, path, DEFAULT_ENV[kind]))
         deadline = time.monotonic() + timeout_s
         for server in servers:
-            server.wait_ready(max(deadline - time.monotonic(), 1.0))
+            server.wait_ready(max(deadline - time.monotonic(), 1.0), key)
         if kind == "transformers":  # side by side too: each takes ~30 s on the example (its cache is built)
             with ThreadPoolExecutor(len(servers)) as pool:
-                list(pool.map(_warmed, servers))
+                list(pool.map(lambda server: _warmed(server, key), servers))
         yield [server.url for server in servers]
     finally:
         for server in servers:

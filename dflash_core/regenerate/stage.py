@@ -27,7 +27,7 @@ from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import load_tokenizer, turn_shaping
 from dflash_core.io import is_local
-from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, sampling_body
+from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, api_key, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
 _DETECT_HEAD = 32
 _PROGRESS_EVERY_S = 2.0
+# refusals before any reply that stop the run: a setting refuses every request (max_tokens beyond the server's
+# context length, tools without a tool parser, a missing API key), not the records
+_SYSTEMIC_REFUSALS = 8
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,10 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     run = _Run(output, data, progress)
     model, seconds = cfg.model, 0.0
     if todo:
+        key = api_key(cfg)
         with ExitStack() as stack:
-            urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output))
-            model, seconds = asyncio.run(run.execute(read_items(files, data), urls, todo))
+            urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output, key))
+            model, seconds = asyncio.run(run.execute(read_items(files, data), urls, todo, key))
     counts = tally(output, total_shards, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
     summary = {"read": counts["read"], "kept": counts["kept"], "dropped": counts["dropped"],
@@ -161,7 +165,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     return summary
 
 
-def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, output: OutputDir):
+def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, output: OutputDir, key: str | None):
     """The local servers of the target (data.regenerate.serve, `replicas` of them), their logs under .work/
     (server.log, then server-1.log, ...)."""
     if target is None:
@@ -173,7 +177,7 @@ def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, out
     log.info("starting %s local %s server%s for %s", cfg.replicas, cfg.serve, "s" if cfg.replicas > 1 else "",
              model)
     logs = [workdir / ("server.log" if i == 0 else f"server-{i}.log") for i in range(cfg.replicas)]
-    return local_servers(cfg.serve, model, cfg.serve_args, logs, cfg.startup_timeout_s)
+    return local_servers(cfg.serve, model, cfg.serve_args, logs, cfg.startup_timeout_s, key)
 
 
 class _Run:
@@ -187,12 +191,15 @@ class _Run:
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
         self.done = self.tokens = self.total = 0
+        self.answered = False  # the server has replied at least once (refusals before that are held back)
+        self.held: list[tuple[Item, Regenerated]] = []
         self.failure: BaseException | None = None
         self.start = self.last_progress = time.monotonic()
 
-    async def execute(self, items: Iterator[Item], urls: list[str], only: Collection[int] | None) -> tuple[str, float]:
+    async def execute(self, items: Iterator[Item], urls: list[str], only: Collection[int] | None,
+                      key: str | None = None) -> tuple[str, float]:
         """Check every endpoint, then regenerate; returns the model id and the seconds spent generating."""
-        endpoints = [Endpoint(u, self.cfg) for u in urls]
+        endpoints = [Endpoint(u, self.cfg, key) for u in urls]
         try:
             listed = await asyncio.gather(*(e.models() for e in endpoints))
             self.model = self.cfg.model or listed[0][0]
@@ -232,6 +239,8 @@ class _Run:
             while self.pending and self.failure is None:
                 await self.idle.wait()
             self._raise_failure()
+            if self.held:  # the input ran out before a reply or _SYSTEMIC_REFUSALS refusals
+                raise self._refused_all()
         finally:
             for w in workers:
                 w.cancel()
@@ -283,7 +292,7 @@ class _Run:
                         self.queue.put_nowait(item)  # another endpoint regenerates it
                         self._endpoint_down(endpoint, exc)
                         return
-                self._record(item, result)
+                self._settle(item, result)
                 self.pending -= 1
                 self.room.release()
                 if not self.pending:
@@ -293,6 +302,30 @@ class _Run:
         except BaseException as exc:  # a bug must stop the run, not vanish with its task
             self._fail(exc)
             raise
+
+    def _settle(self, item: Item, result: Regenerated) -> None:
+        """Journal an outcome; refusals are held back until the server has replied once, and enough of them
+        before any reply stop the run with nothing journaled (a rerun after the fix sends them again)."""
+        if not self.answered and result.drop is not None and result.drop.reason == "rejected_by_server" \
+                and not result.finish:
+            self.held.append((item, result))
+            if len(self.held) >= _SYSTEMIC_REFUSALS:
+                self._fail(self._refused_all())
+            return
+        if not self.answered and result.finish:
+            self.answered = True
+            for held in self.held:
+                self._record(*held)
+            self.held.clear()
+        self._record(item, result)
+
+    def _refused_all(self) -> RegenerateError:
+        detail = self.held[0][1].drop.detail if self.held[0][1].drop else ""
+        return RegenerateError(
+            f"the server refused every one of the first {len(self.held)} requests, before replying to any "
+            f"(first: {detail}): a setting refuses them all, not the records (max_tokens beyond the server's "
+            f"context length, tools sent to a server without a tool parser, an API key): fix it and run again; "
+            f"none of these records was journaled, so they are sent again")
 
     async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None):
         body = {"model": self.model, "messages": messages, **self.body}
