@@ -49,7 +49,9 @@ from dflash_core.runtime.efficiency import FlopMeter, device_peak_tflops
 from dflash_core.runtime.schedule import make_scheduler
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings
 
-RECIPE = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=34,
+# the recipe's target is built up to one layer past the last captured one (33 of 0..35): the forward stops after
+# layer 33 either way, and the serving engines cannot hand over a target's last layer (check_layer_ids)
+RECIPE = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=35,
               full_target_layers=36, draft_layers=5, block_size=16, num_anchors=512, seq_len=3072)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, target_layers=6,
             full_target_layers=6, draft_layers=2, block_size=16, num_anchors=16, seq_len=160)
@@ -225,7 +227,8 @@ def analytic(shape: dict) -> dict[str, Any]:
     q, kv = a * b, s + a * b
     fs = FlopShape(hidden=shape["hidden"], heads=shape["heads"], kv_heads=shape["kv_heads"],
                    head_dim=shape["head_dim"], intermediate=shape["intermediate"], vocab=shape["vocab"],
-                   draft_layers=shape["draft_layers"], target_layers_run=shape["target_layers"],
+                   draft_layers=shape["draft_layers"],
+                   target_layers_run=default_target_layer_ids(shape["full_target_layers"], shape["draft_layers"])[-1] + 1,
                    num_features=shape["draft_layers"], block_size=b)
     frac = visible_fraction(s, a, b)
     dense_attn = attention_flops(fs, q * kv)
@@ -274,7 +277,7 @@ def _run(args: argparse.Namespace, device: torch.device, shape: dict[str, Any]) 
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__, "tiny": args.tiny, "checkpointing": args.checkpointing, "shape": shape,
         "target_note": f"{shape['target_layers']} of {shape['full_target_layers']} target layers built (the forward "
-                       "stops at the last captured layer)",
+                       "stops after the last captured layer)",
         "peak_tflops": peak, "analytic": analytic(shape), "paths": {},
     }
     for i, path in enumerate(PATHS):

@@ -11,7 +11,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from dflash_core.model.attention import LayerAttention
 from dflash_core.model.config import ModelConfig
-from dflash_core.model.drafter import build_drafter
+from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
 from dflash_core.model.export import ExportError, load_dflash, save_dflash
 from dflash_core.model.target import TargetModel
 from dflash_core.runtime.warm_start import load_warm_start
@@ -26,7 +26,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    return tiny_drafter(target, layers=2, target_layer_ids=[0, 2, 3])
+    return tiny_drafter(target, layers=2, target_layer_ids=[0, 1, 2])
 
 
 def expected_shapes(layers: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -65,8 +65,8 @@ def test_export_config_fields(tmp_path, drafter):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 4
-    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2, 3]}
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM's "input of layer i" numbering
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1, 2]}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's "input of layer i" numbering
     assert cfg["layer_types"] == ["full_attention", "full_attention"]
     assert cfg["tie_word_embeddings"] is False
     want = {
@@ -133,13 +133,13 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
 
 def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     """A drafter with a causal sliding-window layer exports layer_types + sliding_window (vLLM reads causal from
-    the sliding type); one with windowed but not causal layers (use_swa) also writes dflash_config.causal."""
+    the sliding type); one with windowed but not causal layers (use_swa) also writes is_causal and dflash_config.causal."""
     mixed = tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     save_dflash(mixed, str(tmp_path / "mixed"))
     cfg = json.loads((tmp_path / "mixed" / "config.json").read_text())
     assert (cfg["layer_types"], cfg["use_sliding_window"], cfg["sliding_window"]) == (
         ["sliding_attention", "full_attention"], True, 6)
-    assert "causal" not in cfg["dflash_config"]
+    assert "causal" not in cfg["dflash_config"] and "is_causal" not in cfg
     assert AutoConfig.from_pretrained(tmp_path / "mixed").sliding_window == 6  # what engines load
     assert load_dflash(str(tmp_path / "mixed"), target).layer_attention == mixed.layer_attention
     cfg.pop("layer_types")
@@ -151,7 +151,8 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     save_dflash(swa, str(tmp_path / "swa"))
     again = json.loads((tmp_path / "swa" / "config.json").read_text())
     assert (again["layer_types"], again["sliding_window"]) == (["sliding_attention"] * 2, 3)
-    assert again["dflash_config"]["causal"] is False
+    assert again["dflash_config"]["causal"] is False  # vLLM reads it
+    assert again["is_causal"] is False  # SGLang reads only this one (vLLM reads it first)
     assert load_dflash(str(tmp_path / "swa"), target).layer_attention == swa.layer_attention
 
 
@@ -174,7 +175,7 @@ def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter,
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):
     save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
     loaded = load_dflash(str(tmp_path / "d"), target)
-    assert loaded.target_layer_ids == [0, 2, 3] and loaded.block_size == 4 and loaded.mask_token_id == MASK_ID
+    assert loaded.target_layer_ids == [0, 1, 2] and loaded.block_size == 4 and loaded.mask_token_id == MASK_ID
     batch = random_batch(1, 20, seed=2)
     feats = target.capture(batch["input_ids"], None, drafter.target_layer_ids)
     anchors = torch.tensor([[3, 9]])
@@ -343,9 +344,25 @@ def test_a_sharded_drafter_loads_from_its_index(tmp_path, target, drafter):
     loaded = load_dflash(str(tmp_path / "d"), target)
     for name, value in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
-    fresh = tiny_drafter(target, layers=2, target_layer_ids=[0, 2, 3], seed=11)
+    fresh = tiny_drafter(target, layers=2, target_layer_ids=[0, 1, 2], seed=11)
     load_warm_start(fresh, str(tmp_path / "d"))
     assert torch.equal(fresh.fc.weight, drafter.fc.weight)
     (tmp_path / "d" / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ExportError, match="model-00002-of-00002.safetensors: missing"):
         load_dflash(str(tmp_path / "d"), target)
+
+
+def test_target_layer_ids_the_serving_engines_cannot_hand_over_are_refused(target):
+    """vLLM and SGLang capture the target's layers in layer order, once each, and never the last layer's output
+    as training sees it (after the final norm): such ids would train a drafter that is served other features.
+    A published drafter with them is still read as it is (evaluated, not built)."""
+    last = target.num_layers - 1
+    for ids, says in (([1, 0], "increasing order"), ([0, 0], "increasing order"), ([0, last], "last layer")):
+        with pytest.raises(DrafterError, match=says):
+            build_drafter(target, ModelConfig(target="tiny", target_layer_ids=ids, num_draft_layers=len(ids)), 0)
+    assert target.check_layer_ids([last], served=False) == [last]
+    for n in range(1, target.num_layers):  # the default spread always gives ids the engines can serve
+        ids = default_target_layer_ids(target.num_layers, n)
+        assert ids == sorted(set(ids)) and len(ids) == n and ids[-1] < last
+    with pytest.raises(DrafterError, match="need .* distinct target layers below the last"):
+        default_target_layer_ids(target.num_layers, target.num_layers)

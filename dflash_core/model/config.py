@@ -20,8 +20,9 @@ class ModelConfig(StrictModel):
     num_draft_layers: PositiveInt = Field(1, description="transformer layers of the drafter")
     block_size: int = Field(16, ge=2, description="B: the anchor token plus B-1 drafted slots")
     target_layer_ids: list[int] | None = Field(
-        None, description="0-based target layers whose outputs, concatenated, condition the drafter; None = one per "
-        "drafter layer, evenly spaced from 1 to L-3 of the target's L layers (L // 2 for a single one)")
+        None, description="0-based target layers whose outputs, concatenated, condition the drafter: increasing, each "
+        "once, below the last layer (what vLLM and SGLang capture); None = one per drafter layer, evenly spaced from "
+        "1 to L-3 of the target's L layers (L // 2 for a single one)")
     mask_token_id: int | None = Field(None, description="None = the tokenizer's mask token")
     num_anchors: PositiveInt = Field(
         512, description="most anchors (blocks) sampled per sequence in training, uniformly from the supervised "

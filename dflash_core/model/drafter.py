@@ -44,12 +44,21 @@ class DrafterError(InputError):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """K = n ids evenly spaced from 1 to L-3 inclusive; L // 2 for a single drafter layer."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, max(1, num_target_layers - 3)
-    span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    """K = n ids evenly spaced from 1 to L-3 inclusive; L // 2 for a single drafter layer (SpecForge's spread).
+    A target too shallow for that spread to give n distinct layers below its last gets them evenly spaced over
+    0..L-2 (the serving engines capture each layer once and not the last one: TargetModel.check_layer_ids)."""
+    n, last = num_draft_layers, num_target_layers - 1
+    if n == 1:
+        ids = [num_target_layers // 2]
+    else:
+        start, end = 1, max(1, num_target_layers - 3)
+        ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    if len(set(ids)) == n and max(ids) < last:
+        return ids
+    if n > last:
+        raise DrafterError(f"{n} drafter layers need {n} distinct target layers below the last, and the target has "
+                           f"{num_target_layers} layers: set model.target_layer_ids or fewer num_draft_layers")
+    return [last // 2] if n == 1 else [int(round(i * (last - 1) / (n - 1))) for i in range(n)]
 
 
 def drafter_config(

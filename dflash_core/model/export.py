@@ -50,8 +50,11 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
                           "same on every layer)")
     layer_types, window, causal = spelled
     dflash = drafter.dflash_config
+    # vLLM's and SGLang's default is causal sliding layers, non-causal full ones; another causality goes in both
+    # spellings: vLLM reads the top-level is_causal first, then dflash_config.causal; SGLang only is_causal
+    top_causal = {} if causal is None else {"is_causal": causal}
     if causal is not None:
-        dflash["causal"] = causal  # vLLM's default is causal sliding layers, non-causal full ones
+        dflash["causal"] = causal
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -81,6 +84,7 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "sliding_window": window,
         "max_window_layers": c.num_hidden_layers,
         "layer_types": layer_types,
+        **top_causal,
         "use_cache": True,
         "dtype": _DTYPE_NAMES[dtype],
         "transformers_version": transformers.__version__,
@@ -207,7 +211,7 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         details = ", ".join(f"{k}={got} but the target has {want}" for k, (got, want) in wrong.items())
         raise ExportError(f"{path}: this drafter was trained for another target: {details}")
     try:
-        target.check_layer_ids(dflash["target_layer_ids"])
+        target.check_layer_ids(dflash["target_layer_ids"], served=False)  # published drafters load as they are
     except ValueError as exc:
         raise ExportError(f"{path}: dflash_config.{exc}") from None
     if not 0 <= dflash["mask_token_id"] < target.vocab_size:
