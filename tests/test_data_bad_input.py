@@ -36,7 +36,7 @@ BAD_LINES: list[tuple[str, bytes]] = [
     ("bad_utf8", b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "b"}]}'),
     ("non_text_content", b'{"conversations": [{"from": "human", "value": [{"type": "image", "url": "x"}]},'
                          b' {"from": "gpt", "value": "a"}]}'),
-    ("wrong_schema", b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'),
+    ("wrong_schema", b'{"messages": [{"speaker": "user", "text": "a"}, {"speaker": "assistant", "text": "b"}]}'),
 ]
 
 

@@ -771,3 +771,59 @@ def test_parquet_rows_of_different_shapes_read_their_own_fields_and_nulls_are_ab
     summary = tokenize_dataset(str(tmp_path / "mixed.parquet"), qwen3_tok, str(tmp_path / "out2"), data_config(),
                                block_size=2)
     assert summary["kept"] == 2 and summary["dropped"] == {}
+
+
+def test_one_file_mixing_openai_sharegpt_and_glaive_records_reads_each_by_its_own_shape(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    """The format voted from a file's first records does not hold for the others: a ShareGPT record among OpenAI
+    ones is read as ShareGPT, and a Glaive record's top-level system prompt is kept (only an OpenAI message list
+    carries its own); a ShareGPT record that opens with its own system turn gets no second one."""
+    openai = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Say bye."}, {"from": "gpt", "value": "Bye now."}]}
+    glaive = {"system": "SYSTEM: You are a weather bot.", "chat": "USER: Weather? ASSISTANT: Sunny and warm. <|endoftext|>"}
+    own_system = {"system": "Top-level.", "conversations": [
+        {"from": "system", "value": "Its own."}, {"from": "human", "value": "Q?"}, {"from": "gpt", "value": "The answer."}]}
+    src = write_jsonl(tmp_path / "mixed.jsonl", [openai] * 3 + [sharegpt, glaive, own_system])
+    summary = tokenize_dataset(src, qwen3_tok, str(tmp_path / "out"), data_config(), block_size=2)
+    assert (summary["kept"], summary["dropped"]) == (6, {}), summary
+    assert _supervised(tmp_path, qwen3_tok)[3:5] == [["Bye now.<|im_end|>"], ["Sunny and warm.<|im_end|>"]]
+    conv = to_conversation(glaive)
+    assert conv.messages[0] == {"role": "system", "content": "You are a weather bot."}
+    assert [m["content"] for m in to_conversation(own_system).messages] == ["Its own.", "Q?", "The answer."]
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+def test_reasoning_sets_and_tool_call_pairs_read_as_they_are_published(tmp_path: Path, qwen3_tok: str,
+                                                                        thinking: str) -> None:
+    """OpenThoughts-114k writes its reasoning inline between <|begin_of_thought|> and <|end_of_thought|>, the
+    answer between <|begin_of_solution|> and <|end_of_solution|>; its metadata rows keep them in
+    deepseek_reasoning / deepseek_solution; Salesforce's xlam pairs a query with `answers`, the calls (JSON), and
+    `tools`. The reasoning follows data.thinking like any other; the calls are supervised, the tools rendered."""
+    thought = "<|begin_of_thought|>\n\nAdd two and two.\n\n<|end_of_thought|>\n\n"
+    records = [
+        {"system": "Your role as an assistant involves thoroughly exploring questions.",
+         "conversations": [{"from": "user", "value": "What is 2+2?"},
+                           {"from": "assistant",
+                            "value": thought + "<|begin_of_solution|>\n\nThe sum is 4.\n\n<|end_of_solution|>"}]},
+        {"problem": "What is 2+2?", "deepseek_reasoning": "Add two and two.", "deepseek_solution": "The sum is 4.",
+         "ground_truth_solution": "4", "domain": "math"},
+        {"id": 0, "query": QUESTION, "answers": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}]),
+         "tools": json.dumps([WEATHER])},
+    ]
+    summary = _run(tmp_path, records, qwen3_tok, split=True, thinking=thinking)
+    assert summary["kept"] == 3 and summary["dropped"] == {}
+    answer = "The sum is 4.<|im_end|>"
+    if thinking == "keep":
+        answer = "<think>\nAdd two and two.\n</think>\n\n" + answer
+    supervised = _supervised(tmp_path, qwen3_tok)
+    # the template writes an empty think block before the last reply when thinking is on and it has none
+    assert supervised[:2] == [[answer], [answer]]
+    assert supervised[2] == [("<think>\n\n</think>\n\n" if thinking == "keep" else "") + CALL_TEXT]
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    ids, _ = ShardReader(str(tmp_path / "out")).rows([2])[0]
+    assert "<tools>" in tok.decode(ids) and "get_weather" in tok.decode(ids)
+    missing = to_conversation({"id": 1, "query": "Weather?", "tools": "[]"})
+    assert missing.reason == "no_assistant_turn" and "answers" in missing.detail
+    both_keys = {"messages": [{"role": "user", "content": [{"type": "text", "text": None, "value": "Hi"}]},
+                              {"role": "assistant", "content": "Hello."}]}  # a parquet row of mixed part shapes
+    assert to_conversation(both_keys).messages[0] == {"role": "user", "content": "Hi"}

@@ -46,8 +46,13 @@ EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a us
 PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem")
 CONTEXT_KEYS = ("input", "context")
 # a worked solution before a bare answer (NVIDIA's OpenMath sets: generated_solution); a preference pair's `chosen`
-# reply (Orca DPO pairs, TRL's explicit prompt)
-REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen")
+# reply (Orca DPO pairs, TRL's explicit prompt); OpenThoughts' metadata rows: deepseek_solution, its reasoning in
+# deepseek_reasoning (PAIR_REASONING_KEYS)
+REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen",
+              "deepseek_solution")
+PAIR_REASONING_KEYS = ("deepseek_reasoning",)
+# a reply that is tool calls: Salesforce xlam's `answers` ([{name, arguments}], as JSON), beside its `tools`
+CALL_REPLY_KEYS = ("answers",)
 # a whole conversation in one field, read when a record has neither a message list nor a prompt: a preference
 # pair's `chosen` side as turns (TRL's implicit prompt) or as a transcript (Anthropic HH-RLHF's "\n\nHuman: ...
 # \n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items` turns (plain strings, user first, or turn objects);
@@ -87,6 +92,9 @@ EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
+OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
+OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
+INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
@@ -111,10 +119,13 @@ class Drop(NamedTuple):
 
 @dataclass(frozen=True)
 class Schema:
-    """How a file stores turns; None fields are decided per record."""
+    """How a file stores turns; None fields are decided per record. A format the config names (`forced`) holds
+    for every record; one voted from a file's first records only stands in for a record whose turns do not show
+    their own (plain strings), so a file may mix shapes."""
 
     format: str | None = None
     key: str | None = None
+    forced: bool = False
 
 
 @dataclass
@@ -270,10 +281,11 @@ def detect_schema(records: Sequence[Any], fmt: str, key: str | None) -> Schema:
         found = _record_schema(record, key)
         if found is not None:
             votes[found] += 1
+    forced = fmt != "auto"
     if not votes:
-        return Schema(None if fmt == "auto" else fmt, key)
+        return Schema(fmt if forced else None, key, forced)
     best_fmt, best_key = votes.most_common(1)[0][0]
-    return Schema(best_fmt if fmt == "auto" else fmt, key or best_key)
+    return Schema(fmt if forced else best_fmt, key or best_key, forced)
 
 
 def _record_schema(record: Any, key: str | None) -> tuple[str, str] | None:
@@ -352,14 +364,17 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     tools = _tools(record.get("tools"))
     if isinstance(tools, Drop):
         return tools
-    raw_turns = _role_turns(raw_turns, schema.format)
-    # a top-level system prompt: not beside an OpenAI message list (it carries its own), nor before a prompt list
-    # that opens with its own system turn
-    conv = _system_prefix(record, not _opens_with_system(raw_turns, roles) if key in PROMPT_LIST_KEYS
-                          else schema.format != "openai")
+    # the record's own turn format, unless the config names one: a file may mix OpenAI and ShareGPT records
+    own = next((f for t in raw_turns if isinstance(t, dict) and (f := _turn_format(t))), None)
+    fmt = schema.format if schema.forced else own or schema.format
+    raw_turns = _role_turns(raw_turns, fmt)
+    # a top-level system prompt: not beside an OpenAI message list (it carries its own), nor before turns that
+    # open with their own system turn
+    conv = _system_prefix(record, not _opens_with_system(raw_turns, roles)
+                          and not (key in MESSAGE_KEYS and fmt == "openai"))
     conv.tools = tools
     for i, raw in enumerate(raw_turns):
-        problem = _add_turn(conv, raw, i, schema.format, roles)
+        problem = _add_turn(conv, raw, i, fmt, roles)
         if problem is not None:
             return problem
     return _finished(conv, require_assistant)
@@ -492,12 +507,25 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     if transcript:
         turns = transcript
     reply_key = _reply_key(record)
+    call_key = None if reply_key else next((k for k in CALL_REPLY_KEYS if record.get(k) is not None), None)
     if reply_key is not None:
         if not isinstance(record[reply_key], str):
             return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
         reply = record[reply_key]  # after a transcript's "Assistant:", its leading space is the marker's
-        turns.append({"role": "assistant", "content": reply.lstrip() if transcript else reply})
+        turn = {"role": "assistant", "content": reply.lstrip() if transcript else reply}
+        reasoning = next((record[k] for k in PAIR_REASONING_KEYS if isinstance(record.get(k), str)), None)
+        turns.append(turn if reasoning is None else {**turn, "reasoning_content": reasoning})
+    elif call_key is not None:
+        turns.append({"role": "assistant", "content": "", "tool_calls": record[call_key]})
+        reply_key = call_key
+    elif require_assistant:
+        return Drop("no_assistant_turn", f"a '{prompt_key}' and no reply: none of "
+                    f"{'/'.join(REPLY_KEYS + CALL_REPLY_KEYS)} (keys: {', '.join(sorted(map(str, record))[:8])})")
+    tools = _tools(record.get("tools"))
+    if isinstance(tools, Drop):
+        return tools
     conv = _system_prefix(record)
+    conv.tools = tools
     for i, raw in enumerate(turns):
         problem = _add_turn(conv, raw, i, "openai", roles)
         if problem is not None:
@@ -622,9 +650,8 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
     explicit = next((v for v in map(raw.get, REASONING_KEYS) if isinstance(v, str) and v.strip()), None)
     if explicit is not None:
         reasoning.insert(0, explicit)
-    if role == "assistant" and not reasoning and "</think>" in text:
-        head, text = text.split("</think>", 1)
-        reasoning, text = [head.split("<think>", 1)[-1]], text.lstrip("\n")
+    if role == "assistant" and not reasoning:
+        reasoning, text = _inline_reasoning(text)
     message: dict[str, Any] = {"role": role, "content": text}
     if reasoning and role == "assistant":
         message["reasoning_content"] = "\n\n".join(r.strip("\n") for r in reasoning)
@@ -634,6 +661,20 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
         if role == "tool" and isinstance(raw.get(k), str):
             message[k] = raw[k]
     return message
+
+
+def _inline_reasoning(text: str) -> tuple[list[str], str]:
+    """([reasoning], answer) of a reply that writes its reasoning inline: <think>...</think> (Qwen3, DeepSeek-R1
+    and the sets they wrote), or Bespoke-Stratos / OpenThoughts' <|begin_of_thought|>...<|end_of_thought|> with
+    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without."""
+    for opens, closes in INLINE_REASONING:
+        if closes in text:
+            head, answer = text.split(closes, 1)
+            answer = answer.strip("\n") if closes == OT_THOUGHT[1] else answer.lstrip("\n")
+            if answer.startswith(OT_SOLUTION[0]):
+                answer = answer.removeprefix(OT_SOLUTION[0]).removesuffix(OT_SOLUTION[1]).strip("\n")
+            return [head.split(opens, 1)[-1]], answer
+    return [], text
 
 
 def _content(content: Any, i: int) -> tuple[str, list[str], list[dict[str, Any]]] | Drop:
@@ -653,7 +694,9 @@ def _parts(parts: list[Any], i: int) -> tuple[str, list[str], list[dict[str, Any
     calls: list[dict[str, Any]] = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
-        value = part.get("text", part.get("value")) if isinstance(part, dict) else None
+        # a parquet file mixing OpenAI and LLaMA-Factory parts gives each part both keys, one of them null
+        value = (part.get("text") if part.get("text") is not None else part.get("value")) \
+            if isinstance(part, dict) else None
         if kind == "tool_call":
             call = _tool_calls(value if value is not None else part.get("tool_call"), i)
             if isinstance(call, Drop):
