@@ -201,7 +201,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     target = _resolve(args.target)
     prompts = {"tokenizer": _resolve(args.tokenizer), "data": _resolve(args.data) if args.data else None,
                "benches": parse_benches(args.bench), "limit": args.limit, "sample": args.sample,
-               "sample_seed": args.sample_seed, "max_new_tokens": args.max_new_tokens,
+               "sample_seed": args.sample_seed, "sample_shuffle": args.sample_shuffle,
+               "max_new_tokens": args.max_new_tokens,
                "thinking": args.thinking == "on", "kv_cache": not args.no_kv_cache,
                "per_response": args.against is not None, "trust_remote_code": args.trust_remote_code}
     # loaded once for both drafters
@@ -332,13 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--data", help="benchmark ({\"turns\": [...]}) or chat records; or use --bench")
-    p.add_argument("--bench", action="append", help="gsm8k|math500|humaneval|mbpp|mt-bench (repeatable, a,b)")
+    p.add_argument("--bench", action="append",
+                   help="gsm8k|math500|humaneval|mbpp|mt-bench (the public benchmark's), aime24|aime25|alpaca|"
+                        "swe-bench|livecodebench (the paper's too); repeatable, a,b")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--limit", type=_positive_int, default=None, help="the first N instances of each suite")
     which.add_argument("--sample", type=_positive_int, default=None,
                        help="the N instances of each suite the public benchmark's --max-samples N evaluates")
     p.add_argument("--sample-seed", type=int, default=0,
                    help="the seed of --sample's shuffle (0: the public benchmark's transformers backend)")
+    p.add_argument("--sample-shuffle", choices=["random", "datasets"], default="random",
+                   help="how --sample shuffles: random (Python's, the public benchmark.py today) or datasets "
+                        "(Dataset.shuffle, the script of the DFlash paper's figures)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=2048)
     p.add_argument("--thinking", choices=["on", "off"], default="off",
                    help="enable_thinking in the template (off, as the public drafters; match data.thinking)")

@@ -261,3 +261,46 @@ def test_sample_takes_the_instances_the_public_benchmark_takes(tmp_path, capsys)
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--sample", "8", "--limit", "2"])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_sample_shuffle_datasets_takes_the_instances_of_the_papers_script():
+    """The script behind the DFlash paper's figures took `dataset.shuffle(seed=0).select(range(N))` (datasets:
+    a NumPy default_rng permutation), not Python's random: another 128 of gsm8k's 1319."""
+    datasets = pytest.importorskip("datasets")
+    from dflash_core.model.evaluate import sample_instances
+
+    items = [Instance((f"question {i}",)) for i in range(1319)]
+    rows = datasets.Dataset.from_list([{"i": i} for i in range(1319)]).shuffle(seed=0).select(range(128))
+    paper = sample_instances(items, 128, shuffle="datasets")
+    assert paper == [items[r["i"]] for r in rows]
+    assert paper != sample_instances(items, 128)
+    assert sample_instances(items[:100], 128, shuffle="datasets") == items[:100]
+    with pytest.raises(EvalDataError, match="choose from random, datasets"):
+        sample_instances(items, 8, shuffle="numpy")
+
+
+def test_the_papers_other_suites_load_in_its_prompt_format(tmp_path):
+    pytest.importorskip("datasets")
+    cache = str(tmp_path / "cache")
+    step = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    aime = hub_copy(tmp_path, "aime", None, "train", [{"problem": "Find x.", "answer": "3"}])
+    assert load_suite("aime24", source=aime, cache_dir=cache) == [Instance(("Find x." + step,))]
+    assert load_suite("aime25", source=aime, cache_dir=cache) == [Instance(("Find x." + step,))]
+    alpaca = hub_copy(tmp_path, "tatsu-lab/alpaca", None, "train", [
+        {"instruction": "Add them.", "input": "2 and 3", "output": "5"},
+        {"instruction": "Name a colour.", "input": "", "output": "Red"}])
+    assert [i.turns for i in load_suite("alpaca", source=alpaca, cache_dir=cache)] == [
+        ("Add them.\n\nInput:\n2 and 3",), ("Name a colour.",)]
+    swe = hub_copy(tmp_path, "swe", None, "test", [{"problem_statement": "It crashes.", "repo": "r"}])
+    assert load_suite("swe-bench", source=swe, cache_dir=cache)[0].turns == (
+        "Problem Statement:\nIt crashes.\nPlease fix the issue described above.",)
+    lcb = hub_copy(tmp_path, "lcb", None, "test", [
+        {"question_content": "Print 1.", "starter_code": ""},
+        {"question_content": "Sum.", "starter_code": "class Solution:\n    def f(self):"}])
+    first, second = (i.turns[0] for i in load_suite("livecodebench", source=lcb, cache_dir=cache))
+    assert first.startswith("You are an expert Python programmer.") and first.endswith(
+        "### Question:\nPrint 1.\n\n### Format: Write your code in the following format:\n```python\n# YOUR CODE "
+        "HERE\n```\n\n### Answer: (use the provided format with backticks)")
+    assert "### Format: Use the following code structure:\n```python\nclass Solution:\n    def f(self):\n```" in second
+    assert set(parse_benches(["aime24,aime25,alpaca,swe-bench,livecodebench"])) == {
+        "aime24", "aime25", "alpaca", "swe-bench", "livecodebench"}

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -143,13 +144,22 @@ def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
-def sample_instances(items: list[Instance], sample: int, seed: int = 0) -> list[Instance]:
-    """The `sample` instances the public benchmark evaluates with `--max-samples sample`: it shuffles the whole
-    list with Python's `random` seeded `seed` (0 in its transformers backend) and takes the first ones; a list
-    of at most `sample` is kept whole and in order, as there."""
+SAMPLE_SHUFFLES = ("random", "datasets")
+
+
+def sample_instances(items: list[Instance], sample: int, seed: int = 0, shuffle: str = "random") -> list[Instance]:
+    """The `sample` instances the public benchmark evaluates with `--max-samples sample`: its current script
+    (`shuffle` random) shuffles the whole list with Python's `random` seeded `seed` (0 in its transformers
+    backend) and takes the first ones; the paper's script (`shuffle` datasets) took `Dataset.shuffle(seed=0)
+    .select(range(sample))`, a NumPy default_rng permutation. A list of at most `sample` is kept whole and in
+    order, as in both."""
     check_limit(sample)
+    if shuffle not in SAMPLE_SHUFFLES:
+        raise EvalDataError(f"sample shuffle {shuffle!r}: choose from {', '.join(SAMPLE_SHUFFLES)}")
     if len(items) <= sample:
         return items
+    if shuffle == "datasets":
+        return [items[int(i)] for i in np.random.default_rng(seed).permutation(len(items))[:sample]]
     shuffled = list(items)
     random.Random(seed).shuffle(shuffled)
     return shuffled[:sample]
@@ -157,7 +167,7 @@ def sample_instances(items: list[Instance], sample: int, seed: int = 0) -> list[
 
 def _suites(
     data: str | None, instances: Sequence[Any] | None, benches: Mapping[str, str | None] | Sequence[str],
-    limit: int | None, sample: int | None = None, sample_seed: int = 0,
+    limit: int | None, sample: int | None = None, sample_seed: int = 0, sample_shuffle: str = "random",
 ) -> dict[str, list[Instance]]:
     """{suite name: its first `limit` instances, or the reference's `sample`} from a data URI, an in-memory
     list and named benchmarks."""
@@ -174,7 +184,7 @@ def _suites(
     if not suites or not any(suites.values()):
         raise EvalDataError("nothing to evaluate: give data (a file), instances, or benches (named suites)")
     if sample is not None:
-        suites = {name: sample_instances(items, sample, sample_seed) for name, items in suites.items()}
+        suites = {name: sample_instances(items, sample, sample_seed, sample_shuffle) for name, items in suites.items()}
     return suites
 
 
@@ -189,6 +199,7 @@ def evaluate(
     max_new_tokens: int = 2048,
     sample: int | None = None,
     sample_seed: int = 0,
+    sample_shuffle: str = "random",
     thinking: bool = False,
     kv_cache: bool = True,
     baseline: bool = False,
@@ -204,12 +215,13 @@ def evaluate(
     Paths or loaded objects for target, drafter and tokenizer. Instances come from `data` (a file, glob or
     folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
     `benches` (suite names, or {name: local copy or None}); `limit` takes the first N of each, `sample` the
-    N the public benchmark's `--max-samples N` takes (sample_instances). With
+    N the public benchmark's `--max-samples N` takes (sample_instances: `sample_shuffle` random for its current
+    script, datasets for the paper's). With
     `baseline`, target-only greedy decoding (KV cache) is timed on the same prompts: baseline_tokens_per_s,
     speedup, baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
     figures per suite.
     """
-    suites = _suites(data, instances, benches, limit, sample, sample_seed)
+    suites = _suites(data, instances, benches, limit, sample, sample_seed, sample_shuffle)
     if isinstance(target, str):
         target = eval_target(target, device, dtype, trust_remote_code)
     if isinstance(drafter_dir, str):

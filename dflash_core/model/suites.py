@@ -1,9 +1,12 @@
 """Named benchmark suites (`dflash eval --bench`): the datasets and prompt formats of the public DFlash benchmark.
 
-The dataset ids, configs, splits, fields and prompt wording are those of z-lab/dflash `dflash/benchmark.py`,
-so a tau measured here is comparable with the published figures. Loading goes through the optional
-`datasets` package (`pip install 'dflash-pipeline[eval]'`), which caches every download; `source` points a
-suite at a local copy laid out like the hub repository (same configs, splits and columns).
+The dataset ids, configs, splits, fields and prompt wording are those of z-lab/dflash: its current
+`dflash/benchmark.py` has gsm8k, math500, humaneval, mbpp and mt-bench; the paper's script (`model/utils.py` of
+the paper-era commit 5034c8b) also aime24, aime25, alpaca, swe-bench and livecodebench, with the same wording for
+the five they share. Which instances of a suite a published figure used is `sample_instances`'s business.
+Loading goes through the optional `datasets` package (`pip install 'dflash-pipeline[eval]'`), which caches every
+download; `source` points a suite at a local copy laid out like the hub repository (same configs, splits and
+columns), or for livecodebench a folder of its JSON-lines files.
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ class Suite:
     split: str
     fields: tuple[str, ...]
     turns: Callable[[Mapping[str, Any]], list[str]]
+    data_files: tuple[str, ...] = ()  # read as JSON lines from these URLs instead of a hub repository
+
+
+_LCB = "https://huggingface.co/datasets/livecodebench/code_generation_lite/resolve/main/"
+_LCB_SYSTEM = ("You are an expert Python programmer. You will be given a question (problem specification) and will "
+               "generate a correct Python program that matches the specification and passes all tests. You will NOT "
+               "return anything except for the program")
+
+
+def _livecodebench(row: Mapping[str, Any]) -> list[str]:
+    """The paper script's LiveCodeBench prompt: its instructions in the user turn, then the question and a code
+    block (the starter code, or a placeholder)."""
+    if row.get("starter_code"):
+        form = f"### Format: Use the following code structure:\n```python\n{row['starter_code']}\n```"
+    else:
+        form = "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+    return [f"{_LCB_SYSTEM}\n\n### Question:\n{row['question_content']}\n\n{form}\n\n"
+            "### Answer: (use the provided format with backticks)"]
 
 
 SUITES: dict[str, Suite] = {
@@ -44,6 +65,15 @@ SUITES: dict[str, Suite] = {
     "mbpp": Suite("google-research-datasets/mbpp", "sanitized", "test", ("prompt",), lambda r: [r["prompt"]]),
     # two turns per row: the second question follows the target's own first answer
     "mt-bench": Suite("HuggingFaceH4/mt_bench_prompts", None, "train", ("prompt",), lambda r: list(r["prompt"])),
+    # the paper's other five
+    "aime24": Suite("HuggingFaceH4/aime_2024", None, "train", ("problem",), lambda r: [r["problem"] + _STEP_BY_STEP]),
+    "aime25": Suite("MathArena/aime_2025", None, "train", ("problem",), lambda r: [r["problem"] + _STEP_BY_STEP]),
+    "alpaca": Suite("tatsu-lab/alpaca", None, "train", ("instruction", "input"),
+                    lambda r: [f"{r['instruction']}\n\nInput:\n{r['input']}" if r["input"] else r["instruction"]]),
+    "swe-bench": Suite("princeton-nlp/SWE-bench_Lite", None, "test", ("problem_statement",),
+                       lambda r: [f"Problem Statement:\n{r['problem_statement']}\nPlease fix the issue described above."]),
+    "livecodebench": Suite("livecodebench/code_generation_lite", None, "test", ("question_content", "starter_code"),
+                           _livecodebench, tuple(_LCB + f"test{k}.jsonl" for k in ("", 2, 3, 4, 5, 6))),
 }
 
 
@@ -77,7 +107,11 @@ def load_suite(
         ) from None
     where = source or suite.dataset
     try:
-        rows = load_dataset(where, suite.config, split=suite.split, cache_dir=cache_dir)
+        if suite.data_files and source is None:  # the paper's script reads these files, not the repository's loader
+            rows = load_dataset("json", data_files={suite.split: list(suite.data_files)}, split=suite.split,
+                                cache_dir=cache_dir)
+        else:
+            rows = load_dataset(where, suite.config, split=suite.split, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many types (hub, network, config, file errors): name the suite
         raise EvalDataError(
             f"--bench {name}: cannot load {where} (config {suite.config}, split {suite.split}): {exc}"
