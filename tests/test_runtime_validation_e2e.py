@@ -84,8 +84,8 @@ def test_warm_start_from_an_exported_drafter(inputs, baseline, tmp_path):
 def test_warm_start_shape_mismatch_fails_before_training(inputs, baseline, tmp_path):
     base_out, _, _ = baseline
     config = write_config(tmp_path / "bad.yaml", inputs, init_from=str(base_out / "drafter"))
-    raw = Path(config).read_text().replace("num_draft_layers: 1", "num_draft_layers: 2")
-    Path(config).write_text(raw)
+    raw = Path(config).read_text()  # two drafter layers on the 2-layer target's one servable feature layer
+    Path(config).write_text(raw.replace("num_draft_layers: 1", "num_draft_layers: 2\n  target_layer_ids: [0]"))
     run = torchrun(inputs, tmp_path / "out", config)
     assert run.returncode != 0
     assert "WarmStartError: train.init_from" in run.output  # the unit tests pin the exact wording
