@@ -827,3 +827,16 @@ def test_reasoning_sets_and_tool_call_pairs_read_as_they_are_published(tmp_path:
     both_keys = {"messages": [{"role": "user", "content": [{"type": "text", "text": None, "value": "Hi"}]},
                               {"role": "assistant", "content": "Hello."}]}  # a parquet row of mixed part shapes
     assert to_conversation(both_keys).messages[0] == {"role": "user", "content": "Hi"}
+
+
+def test_a_reply_cut_off_while_thinking_is_reasoning_with_no_answer_and_noted() -> None:
+    """A generated reply that opens <think> and never closes it (max_tokens hit mid-reasoning) was trained as
+    answer text, tag and all; now it is all reasoning, and a turn with reasoning and no answer is noted."""
+    cut = {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nStep one, then"},
+                        {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2."}]}
+    conv = to_conversation(cut)
+    assert conv.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "Step one, then"}
+    assert [n.reason for n in conv.notes] == ["reasoning_only_turn"]
+    only = to_conversation({"messages": [{"role": "user", "content": "Q"},
+                                         {"role": "assistant", "content": "", "reasoning_content": "Hm."}]})
+    assert [n.reason for n in only.notes] == ["reasoning_only_turn"] and "thinking strip" in only.notes[0].detail

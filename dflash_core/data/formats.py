@@ -565,7 +565,13 @@ def _checked(conv: Conversation) -> Conversation | Drop:
     if not assistant:
         return Drop("no_assistant_turn", f"roles: {', '.join(sorted({m['role'] for m in conv.messages}))}")
     for i, m in enumerate(conv.messages):
-        if not _has_output(m) and not (m["role"] == "assistant" and m.get("reasoning_content")):
+        if _has_output(m):
+            continue
+        if m["role"] == "assistant" and m.get("reasoning_content"):
+            conv.notes.append(Drop("reasoning_only_turn", f"turn {i} ({conv.source(i)}) has reasoning and no answer "
+                                   "(a reply cut off while thinking?); kept: under data.thinking strip nothing of it "
+                                   "is supervised"))
+        else:
             conv.notes.append(Drop(f"empty_{m['role']}_turn", f"turn {i} ({conv.source(i)}) is empty; kept"
                                    + (", not supervised" if m["role"] == "assistant" else "")))
     if not any(_has_output(m) or m.get("reasoning_content") for m in assistant):
@@ -666,7 +672,8 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
 def _inline_reasoning(text: str) -> tuple[list[str], str]:
     """([reasoning], answer) of a reply that writes its reasoning inline: <think>...</think> (Qwen3, DeepSeek-R1
     and the sets they wrote), or Bespoke-Stratos / OpenThoughts' <|begin_of_thought|>...<|end_of_thought|> with
-    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without."""
+    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without. A reply that
+    opens its reasoning and never closes it (cut off while thinking) is all reasoning, with no answer."""
     for opens, closes in INLINE_REASONING:
         if closes in text:
             head, answer = text.split(closes, 1)
@@ -674,6 +681,8 @@ def _inline_reasoning(text: str) -> tuple[list[str], str]:
             if answer.startswith(OT_SOLUTION[0]):
                 answer = answer.removeprefix(OT_SOLUTION[0]).removesuffix(OT_SOLUTION[1]).strip("\n")
             return [head.split(opens, 1)[-1]], answer
+        if text.lstrip().startswith(opens):
+            return [text.lstrip()[len(opens):]], ""
     return [], text
 
 
