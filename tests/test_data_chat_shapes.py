@@ -840,3 +840,25 @@ def test_a_reply_cut_off_while_thinking_is_reasoning_with_no_answer_and_noted() 
     only = to_conversation({"messages": [{"role": "user", "content": "Q"},
                                          {"role": "assistant", "content": "", "reasoning_content": "Hm."}]})
     assert [n.reason for n in only.notes] == ["reasoning_only_turn"] and "thinking strip" in only.notes[0].detail
+
+
+def test_parallel_calls_on_a_template_that_takes_one_call_a_turn_are_a_policy_drop(
+        tmp_path: Path, example_assets) -> None:
+    """Llama 3.1's template raises "This model only supports single tool-calls at once!" on a turn with several
+    calls (Nemotron's and xlam's tool data have them): the model cannot have written that turn, so the record
+    is dropped like one on a template without tools, not counted as broken input that fails the run."""
+    tok = AutoTokenizer.from_pretrained(example_assets.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA31_LIKE.replace(
+        "{% for c in m.tool_calls %}",
+        "{% if m.tool_calls | length > 1 %}{{ raise_exception('This model only supports single tool-calls at "
+        "once!') }}{% endif %}{% for c in m.tool_calls %}")
+    tok.save_pretrained(tmp_path / "tok")
+    parallel = json.loads(json.dumps(OPENAI_TOOLS))
+    parallel["id"] = "two-calls"
+    parallel["messages"][2]["tool_calls"] *= 2
+    summary = _run(tmp_path, [OPENAI_TOOLS, parallel], str(tmp_path / "tok"))
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_single_tool_call": 1}
+    manifest = read_manifest(str(tmp_path / "out"))
+    assert manifest["bad"] == 0
+    assert "takes one call a turn" in manifest["drop_examples"]["template_single_tool_call"][0]["detail"]

@@ -10,8 +10,8 @@ from dflash_core.data.errors import BadInputError
 # Drops that follow from the length or tools policy, or from ordinary data quality (nothing to learn, images),
 # not from broken input: they never count toward data.max_bad_fraction. Everything else does: unparsable,
 # unreadable, truncated_file (one per file: the lost part cannot be counted), wrong_schema, unknown_role, ...
-POLICY_REASONS = frozenset({"too_long", "too_few_supervised", "template_has_no_tools", "empty_conversation",
-                            "no_assistant_turn", "no_assistant_content", "no_trained_turn",
+POLICY_REASONS = frozenset({"too_long", "too_few_supervised", "template_has_no_tools", "template_single_tool_call",
+                            "empty_conversation", "no_assistant_turn", "no_assistant_content", "no_trained_turn",
                             "non_text_content"})
 
 

@@ -273,7 +273,7 @@ class ChatEncoder:
         real = self._render(items)
         marked = [_marked(messages) for messages, _ in items]
         skeletons = self._skeletons([(m, kwargs) for (m, _), (_, kwargs) in zip(marked, items, strict=True)])
-        located = [self._located(c, msgs, slots, text, skel) for c, (msgs, _), (_, slots), text, skel
+        located = [self._located(c, msgs, kwargs, slots, text, skel) for c, (msgs, kwargs), (_, slots), text, skel
                    in zip(convs, items, marked, real, skeletons, strict=True)]
         texts = [text for text, spans in zip(real, located, strict=True)
                  if isinstance(text, str) and not isinstance(spans, Drop)]  # every failed render is a Drop
@@ -303,12 +303,16 @@ class ChatEncoder:
             self.skeletons.update(zip(new, self._render(list(new.values())), strict=True))
         return [self.skeletons[k] for k in keys]
 
-    def _located(self, conv: Conversation, messages: Messages, slots: list[Slot], text: str | Exception,
-                 skeleton: str | Exception) -> list[Span] | Drop:
+    def _located(self, conv: Conversation, messages: Messages, kwargs: dict[str, Any], slots: list[Slot],
+                 text: str | Exception, skeleton: str | Exception) -> list[Span] | Drop:
         """Character spans of the assistant turns (generated text + end-of-turn) in the rendered text."""
         if conv.uses_tools and not self.tools:
             return Drop("template_has_no_tools", f"the record has tools or tool calls and the chat template of "
                         f"'{self.name}' does not render tool calls; use a tool-calling model's tokenizer")
+        if isinstance(text, Exception) and self._single_calls_only(messages, kwargs):
+            return Drop("template_single_tool_call", f"a turn calls several tools at once and the chat template of "
+                        f"'{self.name}' takes one call a turn ({type(text).__name__}: {str(text)[:100]}); the "
+                        f"model cannot have written it")
         if isinstance(text, Exception):
             roles = ", ".join(dict.fromkeys(f"{conv.source(j)}->{m['role']}" for j, m in enumerate(messages)))
             order = len(same_role_groups(messages)) < len(messages) or leading_replies(messages)
@@ -326,6 +330,15 @@ class ChatEncoder:
             return Drop("template_mismatch", "cannot place the assistant turns in the rendered text (the template "
                         "rewrites both contents and scaffolding)")
         return self._assistant_spans(messages, slots, spans, text, conv.unsupervised)
+
+    def _single_calls_only(self, messages: Messages, kwargs: dict[str, Any]) -> bool:
+        """Whether the template refused the messages for their parallel tool calls alone (Llama 3.1's "This model
+        only supports single tool-calls at once!"): it renders them with each turn's first call only."""
+        several = [j for j, m in enumerate(messages) if len(m.get("tool_calls") or ()) > 1]
+        if not several:
+            return False
+        single = [{**m, "tool_calls": m["tool_calls"][:1]} if j in several else m for j, m in enumerate(messages)]
+        return isinstance(self._render_one(single, kwargs), str)
 
     def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
                          text: str, unsupervised: set[int]) -> list[Span] | Drop:
