@@ -261,8 +261,7 @@ def visible_pairs(
     block for the original layer; a window of W leaves slot j min(a, W - 1 - j) context keys and the block
     keys within W behind it, causality only those at or before it.
 
-    Every position before a valid anchor is a real token (right padding, and the anchor is a supervised one);
-    a block's own keys are its slots, real tokens or not.
+    Every position before a valid anchor is a real token (right padding, and the block a..a+B-1 is real).
     """
     a = anchors.double()[:, :, None]
     slot = torch.arange(block_size, dtype=torch.float64, device=anchors.device)

@@ -26,7 +26,7 @@ class ModelConfig(StrictModel):
     mask_token_id: int | None = Field(None, description="None = the tokenizer's mask token")
     num_anchors: PositiveInt = Field(
         512, description="most anchors (blocks) sampled per sequence in training, uniformly from the supervised "
-        "tokens followed by a supervised token (a block may run past the sequence's end)")
+        "positions that start a full block of real tokens")
     gamma: PositiveFloat | None = Field(None, description="loss decay; None = 7 for B=16, 5 for 10, 4 for 8")
     gradient_checkpointing: bool = Field(
         False,

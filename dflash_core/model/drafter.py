@@ -342,22 +342,19 @@ class DFlashDrafter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [N, nb] sorted, valid [N, nb]): up to num_anchors positions per row, uniform, no repeats.
 
-        A position a qualifies when it and the next one are supervised real tokens (loss_mask[a] =
-        loss_mask[a+1] = 1): the block then has its anchor and at least slot 1 to learn. The block may run past
-        the sequence's end; those slots carry no weight (SpecForge's rule since 2026-07: the end of a reply is
-        learnt at every slot, and no anchor is spent on a block with nothing to learn). Rows with fewer
+        A position a qualifies when loss_mask[a] = 1 and a..a+B-1 are all real tokens. Rows with fewer
         candidates are padded with dropped blocks (valid False, anchor 0); nb >= 1 so the graph always
         reaches every parameter.
         """
         n, s = loss_mask.shape
-        device = loss_mask.device
-        supervised = loss_mask.bool()
-        if attention_mask is not None:
-            supervised &= attention_mask.bool()
-        if s < 2:  # no room for an anchor and the token after it: one dropped block per row
+        device, size = loss_mask.device, self.block_size
+        real = (
+            torch.ones_like(loss_mask, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        if s < size:  # no room for a single block: one dropped block per row
             none = torch.zeros(n, 1, dtype=torch.long, device=device)
             return none, none.bool()
-        candidate = supervised[:, :-1] & supervised[:, 1:]
+        candidate = real.unfold(1, size, 1).all(-1) & loss_mask[:, : s - size + 1].bool()
         gen_device = generator.device if generator is not None else device
         keys = torch.rand(candidate.shape, generator=generator, device=gen_device).to(device)
         keys = keys.masked_fill(~candidate, 2.0)
@@ -435,14 +432,12 @@ class DFlashDrafter(nn.Module):
     def block_targets(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(labels [N, nb, B] = input_ids[a + j], weights [N, nb, B] = loss_mask[a + j] * decay_j * valid); a slot
-        past the sequence's end has weight 0."""
+        """(labels [N, nb, B] = input_ids[a + j], weights [N, nb, B] = loss_mask[a + j] * decay_j * valid)."""
         s = input_ids.shape[1]
-        pos = anchors[:, :, None] + torch.arange(self.block_size, device=anchors.device)
-        inside = pos < s
-        flat = pos.clamp(max=s - 1).view(pos.shape[0], -1)
+        pos = (anchors[:, :, None] + torch.arange(self.block_size, device=anchors.device)).clamp(max=s - 1)
+        flat = pos.view(pos.shape[0], -1)
         labels = input_ids.gather(1, flat).view(pos.shape).long()
-        supervised = loss_mask.gather(1, flat).view(pos.shape).float() * inside
+        supervised = loss_mask.gather(1, flat).view(pos.shape).float()
         decay = decay_weights(self.block_size, self.gamma, anchors.device)
         return labels, supervised * decay * valid[:, :, None]
 
