@@ -824,6 +824,9 @@ def test_reasoning_sets_and_tool_call_pairs_read_as_they_are_published(tmp_path:
     assert "<tools>" in tok.decode(ids) and "get_weather" in tok.decode(ids)
     missing = to_conversation({"id": 1, "query": "Weather?", "tools": "[]"})
     assert missing.reason == "no_assistant_turn" and "answers" in missing.detail
+    # a prompt written as a transcript still brings its own replies when no reply field follows it
+    hh = to_conversation({"prompt": "\n\nHuman: hi\n\nAssistant: hello there\n\nHuman: bye\n\nAssistant:"})
+    assert [m["role"] for m in hh.messages] == ["user", "assistant", "user"]
     both_keys = {"messages": [{"role": "user", "content": [{"type": "text", "text": None, "value": "Hi"}]},
                               {"role": "assistant", "content": "Hello."}]}  # a parquet row of mixed part shapes
     assert to_conversation(both_keys).messages[0] == {"role": "user", "content": "Hi"}

@@ -518,7 +518,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     elif call_key is not None:
         turns.append({"role": "assistant", "content": "", "tool_calls": record[call_key]})
         reply_key = call_key
-    elif require_assistant:
+    elif require_assistant and not transcript:  # (a transcript prompt may hold replies of its own)
         return Drop("no_assistant_turn", f"a '{prompt_key}' and no reply: none of "
                     f"{'/'.join(REPLY_KEYS + CALL_REPLY_KEYS)} (keys: {', '.join(sorted(map(str, record))[:8])})")
     tools = _tools(record.get("tools"))
