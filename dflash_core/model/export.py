@@ -52,9 +52,9 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
     dflash = drafter.dflash_config
     # vLLM's and SGLang's default is causal sliding layers, non-causal full ones; another causality goes in both
     # spellings: vLLM reads the top-level is_causal first, then dflash_config.causal; SGLang only is_causal
-    top_causal = {} if causal is None else {"is_causal": causal}
+    top_causal: dict[str, bool] = {}
     if causal is not None:
-        dflash["causal"] = causal
+        dflash["causal"] = top_causal["is_causal"] = causal
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",

@@ -27,6 +27,8 @@ TRANSIENT_4XX = frozenset({408, 429})
 _RETRY_AFTER_MAX_S = 60.0
 # finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
 ABORTED = frozenset({"abort", "error"})
+# the finish reason of a completion that gives none
+UNKNOWN_FINISH = "unknown"
 # the key a local vLLM server started by the stage takes from the environment it inherits (`vllm serve --api-key`)
 VLLM_KEY_ENV = "VLLM_API_KEY"
 
@@ -175,7 +177,7 @@ def _reply(data: dict[str, Any], url: str) -> Reply:
         calls = message.get("tool_calls") or None
         if calls is not None and not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise ValueError(f"tool_calls is not a list of function calls: {calls!r}"[:200])
-        return Reply(message.get("content") or "", choice.get("finish_reason") or "unknown", tokens,
+        return Reply(message.get("content") or "", choice.get("finish_reason") or UNKNOWN_FINISH, tokens,
                      message.get("reasoning_content") or message.get("reasoning"), calls)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {str(data)[:200]}") from None

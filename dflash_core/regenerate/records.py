@@ -9,7 +9,7 @@ from itertools import pairwise
 from typing import Any
 
 from dflash_core.data.formats import Drop, Schema, alternate, fold_system, leading_replies, to_conversation
-from dflash_core.regenerate.client import Rejected, Reply
+from dflash_core.regenerate.client import UNKNOWN_FINISH, Rejected, Reply
 
 Messages = list[dict[str, Any]]
 Send = Callable[[Messages], Awaitable[Reply]]
@@ -81,8 +81,8 @@ class Regenerated:
 
 
 # finish reasons of a reply that ended where the model stopped: OpenAI's, vLLM's and SGLang's "stop", TGI's
-# "eos_token" / "stop_sequence", and none given at all ("unknown")
-FINISHED = frozenset({"stop", "eos_token", "stop_sequence", "unknown"})
+# "eos_token" / "stop_sequence", and none given at all
+FINISHED = frozenset({"stop", "eos_token", "stop_sequence", UNKNOWN_FINISH})
 TOOL_CALLS = frozenset({"tool_calls", "function_call"})
 
 
