@@ -3,19 +3,34 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The exact versions `make test` last passed with: a release made after that cannot break the demo or CI of a
+# fresh clone (pyproject.toml keeps the ranges a `pip install` of the package accepts). `make constraints`
+# moves them to today's releases.
+CONSTRAINTS := infra/constraints.txt
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: demo test test-fast lint example-assets bench clean-example
+.PHONY: demo test test-fast lint example-assets bench clean-example constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build. Installed compiled
 	# (no --no-compile): with PYTHONDONTWRITEBYTECODE set, as on CI machines, every process would compile torch anew.
 	$(PY) -m pip install -q $(PIP_LINKS) torch==2.13.0
-	$(PY) -m pip install -q $(PIP_LINKS) -e '.[dev,serving]'
+	$(PY) -m pip install -q $(PIP_LINKS) -c $(CONSTRAINTS) -e '.[dev,serving]'
 	touch $(STAMP)
+
+# Resolve pyproject.toml's ranges afresh in a scratch venv and pin what they give today; then run `make test`
+# (it reinstalls .venv from the new pins) and commit infra/constraints.txt only when it passes.
+constraints:
+	rm -rf .venv-resolve && $(PYTHON) -m venv .venv-resolve
+	.venv-resolve/bin/python -m pip install -q --upgrade pip
+	.venv-resolve/bin/python -m pip install -q $(PIP_LINKS) torch==2.13.0
+	.venv-resolve/bin/python -m pip install -q $(PIP_LINKS) -e '.[dev,serving]'
+	{ echo "# Exact versions for make (see the Makefile): written by 'make constraints' on $$(date -u +%F)."; \
+	  .venv-resolve/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
+	rm -rf .venv-resolve
 
 demo: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false WANDB_MODE=offline $(VENV)/bin/dflash demo
