@@ -8,8 +8,9 @@ the simple reference the cached path is tested against.
 
 Targets whose cache forgets: sliding-window layers (gpt-oss) keep their whole past until the crop (the cache's
 past recording), and linear-attention layers (Qwen3.5/3.6's Gated DeltaNet) fold every token into a recurrent
-state no crop can undo: their states are saved before a verify pass and, when drafts are rejected, restored and
-advanced over the committed tokens alone (one more forward of at most B tokens).
+state no crop can undo. From transformers 5.25 their cache records the recurrent states of the last B tokens
+and crops back to them itself; before that, the states are saved here before a verify pass and, when drafts are
+rejected, restored and advanced over the committed tokens alone (one more forward of at most B tokens).
 """
 
 from __future__ import annotations
@@ -79,15 +80,26 @@ class _FullVerifier:
         return self._feats[:length]
 
 
+def _records_recurrent_states(layer: Any) -> bool:
+    """Whether a linear-attention cache layer keeps the recurrent states of its last tokens for `crop`
+    (transformers >= 5.25: activate_past_recording(recurrent_states_to_keep=n))."""
+    return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
+
+
 class _CachedVerifier:
     """Only the new positions through the target; its KV cache holds the committed ones."""
 
-    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int], block_size: int):
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache = DynamicCache(config=model.config)
-        if hasattr(self.cache, "activate_past_recording"):  # sliding windows: keep the past until the crop
+        recurrent = [layer for layer in self.cache.layers if isinstance(layer, _RECURRENT)]
+        if recurrent and all(_records_recurrent_states(layer) for layer in recurrent):
+            # a verify pass feeds B tokens and its crop removes at most B - 1 of them
+            self.cache.activate_past_recording(recurrent_states_to_keep=block_size)  # type: ignore[call-arg,unused-ignore]
+            recurrent = []  # the cache's own crop rewinds them
+        elif hasattr(self.cache, "activate_past_recording"):  # sliding windows: keep the past until the crop
             self.cache.activate_past_recording()
-        self._recurrent: list[Any] = [layer for layer in self.cache.layers if isinstance(layer, _RECURRENT)]
+        self._recurrent: list[Any] = recurrent
         self._kwargs = _cache_kwargs(model, self.cache)
         self._feats: torch.Tensor | None = None
         self._new, self._start, self._fed = torch.empty(0), 0, torch.empty(0)
@@ -136,7 +148,8 @@ def speculative_generate(
     model, stops = _hf(target), set(stop_token_ids)
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt_len, block = ids.shape[1], drafter.block_size
-    verify = (_CachedVerifier if kv_cache else _FullVerifier)(model, drafter.target_layer_ids)
+    verify = (_CachedVerifier(model, drafter.target_layer_ids, block) if kv_cache
+              else _FullVerifier(model, drafter.target_layer_ids))
     first = verify(ids, 0, 1)
     feats = verify.commit(prompt_len)
     ids = torch.cat([ids, first.view(1, 1)], dim=1)

@@ -147,8 +147,10 @@ def load_target(
     """Load a causal LM (local path or hub id) frozen, in eval mode, on `device`."""
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     try:
+        # use_kernels: transformers 5.25 turned Hub kernels on by default (a download on load, and an error where
+        # the `kernels` package is missing); the target runs transformers' own layers, as it did before
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_kernels=False
         )
     except (OSError, ValueError) as exc:
         raise TargetError(f"cannot load the target model from '{path}': {exc}") from exc
