@@ -342,12 +342,15 @@ def test_the_flow_regenerates_first_shard_by_shard_then_from_the_cache(target_se
     assert states["regenerate"] == "Cached" and states["tokenize"] == "Cached"
 
 
-def test_transformers_serve_gets_one_thread_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+def test_transformers_serve_gets_one_thread_and_no_hub_kernels_unless_the_environment_says_otherwise(
+        tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    show = ["bash", "-c", "echo threads=$OMP_NUM_THREADS"]
-    for name, expected in (("default", "threads=1"), ("user", "threads=4")):
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    show = ["bash", "-c", "echo threads=$OMP_NUM_THREADS kernels=$USE_HUB_KERNELS"]
+    for name, expected in (("default", "threads=1 kernels=NO"), ("user", "threads=4 kernels=YES")):
         if name == "user":
             monkeypatch.setenv("OMP_NUM_THREADS", "4")
+            monkeypatch.setenv("USE_HUB_KERNELS", "YES")
         server = LocalServer(show, free_port(), tmp_path / f"{name}.log", DEFAULT_ENV["transformers"])
         server.proc.wait(30)
         server.stop()

@@ -33,7 +33,9 @@ DEFAULT_ARGS = {"transformers": ["--continuous-batching", "--cb-max-memory-perce
 # `transformers serve` runs torch on one intra-op thread unless OMP_NUM_THREADS is set: sharing 2 CPU cores with
 # one busy process, 200 records of the example took 843 s at the default thread count (24.9 tokens/s) and 45 s
 # with one thread (704 tokens/s); its decoding steps are too small to gain from threads that spin-wait.
-DEFAULT_ENV = {"transformers": {"OMP_NUM_THREADS": "1"}, "vllm": {}, "sglang": {}}
+# USE_HUB_KERNELS=NO: transformers 5.25 loads Hub kernels by default (a download, on a machine that may have no
+# network); the served model runs transformers' own layers, as the target does in training (load_target).
+DEFAULT_ENV = {"transformers": {"OMP_NUM_THREADS": "1", "USE_HUB_KERNELS": "NO"}, "vllm": {}, "sglang": {}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
