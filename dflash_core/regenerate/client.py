@@ -24,6 +24,8 @@ _PROBE_TIMEOUT_S = 5.0
 # Busy, not refused: a rate limit or a request timeout (a gateway or proxy in front of vLLM/SGLang) is retried
 # like a 5xx, after the server's Retry-After when it gives one.
 TRANSIENT_4XX = frozenset({408, 429})
+# the server wants an API key (none sent, or the wrong one)
+AUTH_REFUSED = frozenset({401, 403})
 _RETRY_AFTER_MAX_S = 60.0
 # finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
 ABORTED = frozenset({"abort", "error"})
@@ -111,7 +113,7 @@ class Endpoint:
         """The model ids the server lists (GET /models); EndpointError, within seconds, when it cannot."""
         try:
             resp = await self.http.get("/models", timeout=_PROBE_TIMEOUT_S)
-            if resp.status_code in (401, 403):
+            if resp.status_code in AUTH_REFUSED:
                 raise EndpointError(f"endpoint {self.url} wants an API key (GET /models: HTTP {resp.status_code}"
                                     f"{' with the key sent' if 'Authorization' in self.http.headers else ''}); "
                                     f"set data.regenerate.api_key_env to the name of the environment variable "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from dflash_core.regenerate.client import VLLM_KEY_ENV, auth_headers
+from dflash_core.regenerate.client import AUTH_REFUSED, VLLM_KEY_ENV, auth_headers
 from dflash_core.regenerate.errors import RegenerateError
 
 HOST = "127.0.0.1"
@@ -118,7 +118,7 @@ class LocalServer:
                 status = httpx.get(f"{self.url}/models", timeout=2.0, headers=auth_headers(key)).status_code
                 if status == 200:
                     return
-                if status in (401, 403):
+                if status in AUTH_REFUSED:
                     raise RegenerateError(f"the local server wants an API key (GET /models: HTTP {status}); it "
                                           f"takes one from its environment ({VLLM_KEY_ENV}) or from serve_args "
                                           f"--api-key: set data.regenerate.api_key_env to the variable holding it")
