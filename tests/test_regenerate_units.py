@@ -328,9 +328,12 @@ def test_the_key_is_sent_and_a_server_that_wants_one_says_so():
 
 class _Scripted(http.server.BaseHTTPRequestHandler):
     """An OpenAI-compatible server on loopback: lists model "m"; refuses (HTTP 400, vLLM's error shape) every
-    request while `refuse_all` is set, else those whose last user turn says "long", else answers "ok"."""
+    request while `refuse_all` is set, else those whose last user turn says "long", else answers "ok"; while
+    `flaky` is set, answers HTTP 500 to those whose last user turn says "flaky" (a request it fails on while it
+    answers the others)."""
 
     refuse_all = False
+    flaky = False
 
     def log_message(self, *args) -> None:
         pass
@@ -348,7 +351,9 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).refuse_all or "long" in request["messages"][-1]["content"]:
+        if type(self).flaky and "flaky" in request["messages"][-1]["content"]:
+            self._send(500, {"error": {"message": "internal error", "type": "InternalServerError", "code": 500}})
+        elif type(self).refuse_all or "long" in request["messages"][-1]["content"]:
             self._send(400, {"error": {"message": "'max_tokens' is too large: 100000. This model's maximum "
                                                   "context length is 4096 tokens.", "type": "BadRequestError",
                                        "param": None, "code": 400}})
@@ -364,7 +369,7 @@ def scripted_server():
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
-    _Scripted.refuse_all = False
+    _Scripted.refuse_all = _Scripted.flaky = False
 
 
 def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(scripted_server, tmp_path):
@@ -394,3 +399,41 @@ def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(
     summary = regenerate_dataset(mixed, str(tmp_path / "out-mixed"), data_config(mixed, endpoints=[scripted_server],
                                                                                  concurrency=1))
     assert summary["kept"] == 3 and summary["dropped"] == {"rejected_by_server": 9}
+
+
+def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(scripted_server, tmp_path):
+    """Records the server failed on while it answered others are dropped as server_error; running the same command
+    again sends those again (and only those), in finished shards and unfinished ones, and ends with the records
+    and counts of a run that never failed; a third run has nothing to do."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.output import OutputDir
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    texts = ["q0", "flaky 1", "q2", "q3", "q4", "flaky 5", "q6"]  # shards of 3: flaky records in shards 0 and 1
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": t}]} for t in texts])
+    data = data_config(source, endpoints=[scripted_server], records_per_shard=3, retries=0)
+    out = tmp_path / "out"
+    _Scripted.flaky = True
+    first = regenerate_dataset(source, str(out), data)
+    assert first["complete"] and first["kept"] == 5 and first["dropped"] == {"server_error": 2}
+    assert sorted(p.name for p in (out / ".work").glob("*.retry")) == ["shard-00000.retry", "shard-00001.retry"]
+    assert OutputDir(str(out)).settled(2) and not OutputDir(str(out)).settled(0)
+    (out / "shard-00001.jsonl").unlink()  # as if killed before the shard was written: its journal resumes it
+    _Scripted.flaky = False
+    sent = []
+    original = _Scripted.do_POST
+    _Scripted.do_POST = lambda self: (sent.append(self.path), original(self))[1]
+    try:
+        second = regenerate_dataset(source, str(out), data)
+    finally:
+        _Scripted.do_POST = original
+    assert len(sent) == 2  # the two retried records, nothing else
+    assert second["complete"] and second["read"] == 7 and second["kept"] == 7 and second["dropped"] == {}
+    assert [r["source"]["record"] for r in output_records(out)] == list(range(7))
+    assert not list((out / ".work").glob("*.retry"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["read"] == 7 and manifest["kept"] == 7 and manifest["dropped"] == {}
+    third = regenerate_dataset(source, str(out), data_config(
+        source, endpoints=["http://127.0.0.1:9/v1"], records_per_shard=3, retries=0))
+    assert third["kept"] == 7 and third["tokens_per_s"] is None  # nothing left: no endpoint contacted

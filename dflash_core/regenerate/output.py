@@ -3,8 +3,12 @@
 A record's outcome is appended to `.work/shard-NNNNN.journal.jsonl` (flushed) as soon as it is known, in
 completion order. When every record of a shard has an outcome, `shard-NNNNN.jsonl` is written in input order
 under a temporary name and renamed: a shard file exists only complete. A re-run skips finished shards and the
-journaled records of the others; a line torn by kill -9 is cut off. The hidden `.work/` folder is not read by
-`dflash tokenize --data DIR`, and manifest.json (written last) only when every shard is done."""
+journaled records of the others; a line torn by kill -9 is cut off. Records dropped as `server_error` (the
+server failed on them while it answered others: overload, a timeout) are sent again by a re-run: their new outcome
+is appended and the last one counts, and a finished shard that holds such drops is marked by
+`.work/shard-NNNNN.retry` (so a re-run finds them without reading every journal) and rewritten once they are
+retried. The hidden `.work/` folder is not read by `dflash tokenize --data DIR`, and manifest.json (written last)
+only when every shard is done."""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ from dflash_core.regenerate.errors import RegenerateError
 FORMAT = "dflash-regenerated-v1"
 WORK = ".work"
 MANIFEST = "manifest.json"
+# drops a re-run sends again: the server failed on the record while it answered others (the other reasons are the
+# record's own, or the server's answer to it, and stay)
+RETRIED = frozenset({"server_error"})
 
 
 def shard_name(shard: int) -> str:
@@ -60,22 +67,32 @@ class OutputDir:
         """Whether the shard's file was written (it is written only complete)."""
         return self.fs.exists(self.path(shard_name(shard)))
 
+    def settled(self, shard: int) -> bool:
+        """Whether the shard is written and a re-run has nothing to retry in it."""
+        return self.shard_done(shard) and not self.fs.exists(self.work_file(shard, ".retry"))
+
+    def work_file(self, shard: int, suffix: str) -> str:
+        """A shard's file under .work/: `.journal.jsonl`, `.retry`, `.jsonl.tmp`."""
+        return self.path(f"{WORK}/{shard_name(shard).removesuffix('.jsonl')}{suffix}")
+
     def journal(self, shard: int) -> ShardJournal:
         """The shard's journal, opened for appending after the outcomes already in it."""
         return ShardJournal(self, shard)
 
-    def read_journal(self, shard: int) -> list[dict[str, Any]]:
-        """The complete lines of a shard's journal (a torn last line is ignored)."""
-        path = self.path(f"{WORK}/{shard_name(shard).replace('.jsonl', '.journal.jsonl')}")
+    def outcomes(self, shard: int) -> dict[int, dict[str, Any]]:
+        """Each journaled record's outcome by its index in the shard: the last one where a re-run retried it (a
+        torn last line is ignored)."""
+        path = self.work_file(shard, ".journal.jsonl")
         if not self.fs.exists(path):
-            return []
-        lines = []
+            return {}
+        lines = {}
         with self.fs.open(path, "rb") as fh:
             for raw in fh.read().split(b"\n"):
                 try:
-                    lines.append(json.loads(raw))
+                    line = json.loads(raw)
                 except ValueError:  # the torn tail of a killed run (or the empty string after the last \n)
                     continue
+                lines[line["i"]] = line
         return lines
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
@@ -94,9 +111,10 @@ class ShardJournal:
 
     def __init__(self, out: OutputDir, shard: int) -> None:
         self.out, self.shard = out, shard
-        self.lines = {line["i"]: line for line in out.read_journal(shard)}
-        self.path = out.path(f"{WORK}/{shard_name(shard).replace('.jsonl', '.journal.jsonl')}")
-        with out.fs.open(self.path, "wb") as fh:  # rewrite the good prefix: an append after a torn line breaks
+        self.lines = out.outcomes(shard)
+        self.path = out.work_file(shard, ".journal.jsonl")
+        # rewrite the last outcomes (an append after a torn line breaks; retried records keep one line)
+        with out.fs.open(self.path, "wb") as fh:
             fh.write(b"".join(_line(v) for v in self.lines.values()))
         self.fh = out.fs.open(self.path, "ab")
 
@@ -106,18 +124,28 @@ class ShardJournal:
         self.fh.write(_line(line))
         self.fh.flush()
 
+    def retryable(self) -> set[int]:
+        """The records a re-run sends again (dropped as server_error)."""
+        return {i for i, line in self.lines.items() if line.get("drop") in RETRIED}
+
     def finish(self) -> None:
-        """Write shard-NNNNN.jsonl (kept records, input order) under a temporary name, then rename it."""
+        """Write shard-NNNNN.jsonl (kept records, input order) under a temporary name, then rename it (over the
+        file of an earlier run whose server_error drops were retried); mark it while it holds such drops."""
         self.fh.close()
-        final = self.out.path(shard_name(self.shard))
-        tmp = self.out.path(f"{WORK}/{shard_name(self.shard)}.tmp")
-        with self.out.fs.open(tmp, "wb") as fh:
+        fs, final, tmp = self.out.fs, self.out.path(shard_name(self.shard)), self.out.work_file(self.shard, ".jsonl.tmp")
+        with fs.open(tmp, "wb") as fh:
             for i in sorted(self.lines):
                 if "messages" in self.lines[i]:
                     kept = self.lines[i]
                     tools = {"tools": kept["tools"]} if kept.get("tools") else {}
                     fh.write(_line({"messages": kept["messages"], **tools, "source": kept["source"]}))
-        self.out.fs.mv(tmp, final)
+        marker, retry = self.out.work_file(self.shard, ".retry"), sorted(self.retryable())
+        if retry:  # before the shard file: a shard is never seen settled with drops left to retry
+            with fs.open(marker, "w") as fh:
+                json.dump(retry, fh)
+        fs.mv(tmp, final)
+        if not retry and fs.exists(marker):
+            fs.rm(marker)
 
     def close(self) -> None:
         """Close the journal (an unfinished shard resumes from it)."""
@@ -134,7 +162,7 @@ def tally(out: OutputDir, shards: int, max_examples: int) -> dict[str, Any]:
     read = kept = tokens = 0
     per_shard = []
     for shard in range(shards):
-        lines = out.read_journal(shard)
+        lines = list(out.outcomes(shard).values())
         shard_kept = sum("messages" in line for line in lines)
         per_shard.append({"file": shard_name(shard), "records": len(lines), "kept": shard_kept})
         for line in lines:

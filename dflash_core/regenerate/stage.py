@@ -143,7 +143,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
     output.remove_manifest()
     total_shards = count_shards(source, data)
-    todo = {s for s in range(total_shards) if (shards is None or s in shards) and not output.shard_done(s)}
+    todo = {s for s in range(total_shards) if (shards is None or s in shards) and not output.settled(s)}
     run = _Run(output, data, progress)
     model, seconds = cfg.model, 0.0
     if todo:
@@ -188,6 +188,11 @@ class _Run:
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking)
         self.journals: dict[int, ShardJournal] = {}
+        self.settled: dict[int, bool] = {}
+        # by shard: the server_error drops of an earlier run, and those of them sent again and not yet answered
+        self.retryable: dict[int, set[int]] = {}
+        self.retrying: dict[int, set[int]] = {}
+        self.finished: set[int] = set()
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
         self.done = self.tokens = self.total = 0
@@ -263,12 +268,18 @@ class _Run:
         self._maybe_finish(shard)
 
     def _known(self, item: Item) -> bool:
-        """Done in an earlier run: the shard is written, or the record's outcome is journaled."""
-        if item.shard in self.journals:
-            return item.index in self.journals[item.shard].lines
-        if self.output.shard_done(item.shard):
+        """Done in an earlier run: the shard is written with nothing to retry, or the record's outcome is journaled
+        and final (a server_error drop is sent again)."""
+        if item.shard not in self.settled:
+            self.settled[item.shard] = self.output.settled(item.shard)
+            if not self.settled[item.shard]:
+                self.journals[item.shard] = self.output.journal(item.shard)
+                self.retryable[item.shard] = self.journals[item.shard].retryable()
+        if self.settled[item.shard]:
             return True
-        self.journals[item.shard] = self.output.journal(item.shard)
+        if item.index in self.retryable[item.shard]:
+            self.retrying.setdefault(item.shard, set()).add(item.index)
+            return False
         return item.index in self.journals[item.shard].lines
 
     async def _worker(self, endpoint: Endpoint) -> None:
@@ -362,15 +373,18 @@ class _Run:
         else:
             line.update(drop=result.drop.reason, detail=result.drop.detail)
         self.journals[item.shard].add(line)
+        self.retrying.get(item.shard, set()).discard(item.index)
         self.done += 1
         self.tokens += result.tokens
         self._maybe_finish(item.shard)
         self._report()
 
     def _maybe_finish(self, shard: int) -> None:
+        """Write the shard once every record has an outcome of this run or a final one of an earlier run."""
         journal = self.journals.get(shard)
         if journal is not None and shard in self.sizes and len(journal.lines) >= self.sizes[shard] \
-                and not self.output.shard_done(shard):
+                and not self.retrying.get(shard) and shard not in self.finished:
+            self.finished.add(shard)
             journal.finish()
 
     def _report(self) -> None:
