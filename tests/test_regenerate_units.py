@@ -293,6 +293,11 @@ def test_a_reply_that_calls_tools_keeps_its_calls_and_ends_the_conversation():
     bad = _completing([{"message": {"content": "x", "tool_calls": ["get_weather()"]}, "finish_reason": "stop"}])
     with pytest.raises(Rejected, match="malformed completion.*tool_calls"):
         asyncio.run(bad.chat({}))
+    html = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig())  # a proxy's login page, answered with 200
+    html.http = httpx.AsyncClient(base_url=html.url, transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, text="<html>Sign in</html>")))
+    with pytest.raises(Rejected, match="malformed completion.*JSONDecodeError.*<html>Sign in"):
+        asyncio.run(html.chat({}))
 
 
 def test_the_api_key_comes_from_the_named_variable_or_the_local_servers_own(monkeypatch):

@@ -155,7 +155,7 @@ class Endpoint:
                 continue
             if resp.status_code >= 400:
                 raise Rejected(resp.status_code, resp.text[:300])
-            reply = _reply(resp.json(), self.url)
+            reply = _reply(resp, self.url)
             if reply.finish_reason in ABORTED:
                 last = f"the server ended the reply with finish_reason {reply.finish_reason}"
                 continue
@@ -171,8 +171,11 @@ def _retry_after(resp: httpx.Response) -> float:
         return 0.0
 
 
-def _reply(data: dict[str, Any], url: str) -> Reply:
+def _reply(resp: httpx.Response, url: str) -> Reply:
+    """The completion of a 200 answer; Rejected (the record's drop) when it is not one, e.g. a proxy's HTML page."""
+    data: Any = resp.text
     try:
+        data = resp.json()
         choice = data["choices"][0]
         message = choice["message"]
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
