@@ -77,7 +77,7 @@ def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[
 
     progress = RegenerateProgress()
     summary = regenerate_dataset(config.data.source, out, config.data, config.model.target, config.data.tokenizer,
-                                 shards=shards, progress=progress.update)
+                                 shards=shards, progress=progress.update, fingerprint=fingerprint)
     progress.finish(summary)
     publish_regenerate(summary)
     get_run_logger().info("regenerated: %s", json.dumps(summary))

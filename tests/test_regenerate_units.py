@@ -442,3 +442,45 @@ def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(sc
     third = regenerate_dataset(source, str(out), data_config(
         source, endpoints=["http://127.0.0.1:9/v1"], records_per_shard=3, retries=0))
     assert third["kept"] == 7 and third["tokens_per_s"] is None  # nothing left: no endpoint contacted
+
+
+def test_a_shards_task_run_reads_only_its_records_and_leaves_the_manifest_to_the_run_of_all(
+        scripted_server, tmp_path, monkeypatch):
+    """With task_per_shard every shard is its own task run: each parses only its shard's records (plus the head
+    that tells the file's schema), stops reading after them and counts only them; counting the shards parses
+    nothing; the run of every shard that follows writes manifest.json with the totals and parses no record."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate import stage
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                    for i in range(60)])
+    data = data_config(source, endpoints=[scripted_server], records_per_shard=10)
+    parsed, read = [], []
+    real_parse, real_records = stage.parse_payload, stage.FileRecords
+
+    class CountedRecords(real_records):
+        def __iter__(self):
+            for raw in super().__iter__():
+                read.append(raw.record)
+                yield raw
+
+    monkeypatch.setattr(stage, "parse_payload", lambda payload: parsed.append(payload) or real_parse(payload))
+    monkeypatch.setattr(stage, "FileRecords", CountedRecords)
+    monkeypatch.setattr(stage, "_DETECT_HEAD", 4)
+    assert stage.count_shards(source, data) == 6 and not parsed
+    fingerprint, out = stage.regenerate_fingerprint(source, data, None), tmp_path / "out"
+    read.clear()
+    one = stage.regenerate_dataset(source, str(out), data, shards=[1], fingerprint=fingerprint)
+    assert len(parsed) == 4 + 10 and max(read[60:]) == 20  # counted 60, then read up to the first of shard 2
+    assert one["read"] == one["kept"] == 10 and not one["complete"] and one["shards"] == 6
+    assert [r["source"]["record"] for r in output_records(out)] == list(range(10, 20))
+    for shard in (0, 2, 3, 4, 5):
+        assert not (out / "manifest.json").exists()
+        stage.regenerate_dataset(source, str(out), data, shards=[shard], fingerprint=fingerprint)
+    assert not (out / "manifest.json").exists()
+    parsed.clear()
+    whole = stage.regenerate_dataset(source, str(out), data, fingerprint=fingerprint)
+    assert whole["read"] == whole["kept"] == 60 and whole["complete"] and not parsed
+    assert json.loads((out / "manifest.json").read_text())["read"] == 60
+    assert [r["source"]["record"] for r in output_records(out)] == list(range(60))

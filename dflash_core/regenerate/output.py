@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -156,12 +157,12 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def tally(out: OutputDir, shards: int, max_examples: int) -> dict[str, Any]:
-    """Counts over every journal: read, kept, drops by reason (with examples), finish reasons, tokens."""
+def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str, Any]:
+    """Counts over these shards' journals: read, kept, drops by reason (with examples), finish reasons, tokens."""
     drops, finish = DropLog(max_examples), Counter[str]()
     read = kept = tokens = 0
     per_shard = []
-    for shard in range(shards):
+    for shard in shards:
         lines = list(out.outcomes(shard).values())
         shard_kept = sum("messages" in line for line in lines)
         per_shard.append({"file": shard_name(shard), "records": len(lines), "kept": shard_kept})

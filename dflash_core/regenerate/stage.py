@@ -104,60 +104,77 @@ def _fingerprint(files: list[SourceFile], data: DataConfig, target: str | None) 
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def read_items(files: list[SourceFile], data: DataConfig) -> Iterator[Item]:
-    """Every input record in order (up to data.regenerate.limit) with its shard and messages."""
-    roles, per_shard = role_table(data.role_map), data.regenerate.records_per_shard
+def read_items(files: list[SourceFile], data: DataConfig, only: Collection[int] | None = None) -> Iterator[Item]:
+    """Every input record in order (up to data.regenerate.limit) with its shard and messages; with `only`, those
+    of these shards alone: the others are counted, not parsed, and reading stops after the last of them."""
+    roles, per_shard, limit = role_table(data.role_map), data.regenerate.records_per_shard, data.regenerate.limit
     fold, merge = sent_turns(data)
+    if only is not None and not only:
+        return
+    last = None if only is None else max(only)
     g = 0
     for file in files:
         records = iter(FileRecords(file))
         head = list(islice(records, _DETECT_HEAD))
-        parsed_head = [p for p in (parse_payload(r.payload) for r in head) if not isinstance(p, Drop)]
-        schema = detect_schema(parsed_head, data.format, data.messages_key)
+        schema = None  # detected from the file's head once one of its records is wanted
         for raw in chain(head, records):
-            if data.regenerate.limit is not None and g >= data.regenerate.limit:
+            shard = g // per_shard
+            if (limit is not None and g >= limit) or (last is not None and shard > last):
                 return
-            parsed = parse_payload(raw.payload)
-            chat = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold, merge)
-            extra = {k: v for k, v in (("line", raw.line), ("id", record_id(parsed))) if v is not None}
-            yield Item(g // per_shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, chat)
+            if only is None or shard in only:
+                parsed = parse_payload(raw.payload)
+                if schema is None:
+                    parsed_head = [p for p in (parse_payload(r.payload) for r in head) if not isinstance(p, Drop)]
+                    schema = detect_schema(parsed_head, data.format, data.messages_key)
+                chat = parsed if isinstance(parsed, Drop) else record_messages(parsed, schema, roles, fold, merge)
+                extra = {k: v for k, v in (("line", raw.line), ("id", record_id(parsed))) if v is not None}
+                yield Item(shard, g % per_shard, {"file": file.name, "record": raw.record}, extra, chat)
             g += 1
+
+
+def count_records(files: list[SourceFile], data: DataConfig) -> int:
+    """How many input records a run reads (up to data.regenerate.limit): counted as stored, none parsed."""
+    records = chain.from_iterable(FileRecords(f) for f in files)
+    return sum(1 for _ in islice(records, data.regenerate.limit))
 
 
 def count_shards(source: str, data: DataConfig) -> int:
     """How many shards the input makes (the unit a Prefect task run regenerates)."""
-    count = sum(1 for _ in read_items(list_files(source), data))
-    return -(-count // data.regenerate.records_per_shard)
+    return -(-count_records(list_files(source), data) // data.regenerate.records_per_shard)
 
 
 def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | None = None,
                        tokenizer: str | None = None, shards: Collection[int] | None = None,
-                       progress: Progress | None = None) -> dict[str, Any]:
+                       progress: Progress | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     """Regenerate the chat data under `source` into `out` (resuming what an earlier run left); returns the
-    summary. `shards` restricts the run to those shards (one Prefect task run each); manifest.json is written
-    when every shard is done. No server is started when nothing is left to do."""
+    summary. `shards` restricts the run to those shards (one Prefect task run each): it reads and parses only
+    their records, its counts are theirs, and it leaves manifest.json to a run of every shard, which writes it
+    when every shard is done. `fingerprint`: the run's regenerate_fingerprint when the caller has it (a shard's
+    task run then does not hash the whole input again). No server is started when nothing is left to do."""
     cfg = data.regenerate
     files = list_files(source)
     output = OutputDir(out)
-    fingerprint = _fingerprint(files, data, target)
+    fingerprint = fingerprint or _fingerprint(files, data, target)
     output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
     output.remove_manifest()
-    total_shards = count_shards(source, data)
-    todo = {s for s in range(total_shards) if (shards is None or s in shards) and not output.settled(s)}
-    run = _Run(output, data, progress)
+    records = count_records(files, data)
+    total_shards = -(-records // cfg.records_per_shard)
+    covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
+    todo = {s for s in covered if not output.settled(s)}
+    run = _Run(output, data, records, progress)
     model, seconds = cfg.model, 0.0
     if todo:
         key = api_key(cfg)
         with ExitStack() as stack:
             urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output, key))
-            model, seconds = asyncio.run(run.execute(read_items(files, data), urls, todo, key))
-    counts = tally(output, total_shards, data.max_examples)
+            model, seconds = asyncio.run(run.execute(read_items(files, data, todo), urls, key))
+    counts = tally(output, covered, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
     summary = {"read": counts["read"], "kept": counts["kept"], "dropped": counts["dropped"],
                "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
                "model": model, "out": out, "complete": complete, "shards": total_shards,
                "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint}
-    if complete:
+    if complete and shards is None:
         output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
                                "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"] * cfg.replicas,
                                "sampling": settings(data, target)["sampling"], "keep_truncated": cfg.keep_truncated,
@@ -183,8 +200,9 @@ def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, out
 class _Run:
     """One execution: the work queue, the workers of every endpoint, the journals, the counts."""
 
-    def __init__(self, output: OutputDir, data: DataConfig, progress: Progress | None) -> None:
+    def __init__(self, output: OutputDir, data: DataConfig, records: int, progress: Progress | None) -> None:
         self.output, self.cfg, self.progress = output, data.regenerate, progress
+        self.records = records  # in the whole input: the last shard holds the rest
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking)
         self.journals: dict[int, ShardJournal] = {}
@@ -201,8 +219,7 @@ class _Run:
         self.failure: BaseException | None = None
         self.start = self.last_progress = time.monotonic()
 
-    async def execute(self, items: Iterator[Item], urls: list[str], only: Collection[int] | None,
-                      key: str | None = None) -> tuple[str, float]:
+    async def execute(self, items: Iterator[Item], urls: list[str], key: str | None = None) -> tuple[str, float]:
         """Check every endpoint, then regenerate; returns the model id and the seconds spent generating."""
         endpoints = [Endpoint(u, self.cfg, key) for u in urls]
         try:
@@ -213,14 +230,14 @@ class _Run:
                     raise EndpointError(f"endpoint {endpoint.url} serves {models}, not {self.model!r}; "
                                         f"fix --model (data.regenerate.model) or the endpoint")
             self.start = time.monotonic()
-            await self._pump(items, endpoints, only)
+            await self._pump(items, endpoints)
             return self.model, time.monotonic() - self.start
         finally:
             for journal in self.journals.values():
                 journal.close()
             await asyncio.gather(*(e.close() for e in endpoints))
 
-    async def _pump(self, items: Iterator[Item], endpoints: list[Endpoint], only: Collection[int] | None) -> None:
+    async def _pump(self, items: Iterator[Item], endpoints: list[Endpoint]) -> None:
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.room = asyncio.Semaphore(2 * self.cfg.concurrency * len(endpoints))  # the reader stays close
         self.idle = asyncio.Event()
@@ -230,7 +247,7 @@ class _Run:
         try:
             for item in items:
                 self._new_record(item)
-                if (only is not None and item.shard not in only) or self._known(item):
+                if self._known(item):
                     continue
                 if isinstance(item.chat, Drop):
                     self._record(item, Regenerated(drop=item.chat))
@@ -252,20 +269,17 @@ class _Run:
             await asyncio.gather(*workers, return_exceptions=True)
 
     def _new_record(self, item: Item) -> None:
-        """Track shard sizes: a shard is full once the reader has moved past it."""
+        """Track shard sizes: a shard can finish once the reader has moved past it."""
         self.total += 1
         if item.shard != self.last_shard:
-            if self.last_shard >= 0:
-                self._set_size(self.last_shard, self.cfg.records_per_shard)
+            self._close_sizes()
             self.last_shard = item.shard
 
     def _close_sizes(self) -> None:
         if self.last_shard >= 0:
-            self._set_size(self.last_shard, (self.total - 1) % self.cfg.records_per_shard + 1)
-
-    def _set_size(self, shard: int, size: int) -> None:
-        self.sizes[shard] = size
-        self._maybe_finish(shard)
+            per_shard = self.cfg.records_per_shard
+            self.sizes[self.last_shard] = min(per_shard, self.records - self.last_shard * per_shard)
+            self._maybe_finish(self.last_shard)
 
     def _known(self, item: Item) -> bool:
         """Done in an earlier run: the shard is written with nothing to retry, or the record's outcome is journaled
