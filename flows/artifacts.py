@@ -240,7 +240,7 @@ class TrainingProgress:
         return {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
                 "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
                 "tokens/s": _rate(last.get("tokens_per_s")),
-                "ETA": "finished" if self.finished else _duration(self._eta_s(done))}
+                "ETA": "finished" if self.finished else duration(self._eta_s(done))}
 
     def line(self) -> str:
         """The figures in one line, for the progress bar."""
@@ -275,7 +275,8 @@ def _rate(value: Any) -> str:
     return f"{value:,.0f}" if isinstance(value, int | float) else "-"
 
 
-def _duration(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
+    """A wall-clock span as the pages show it ("1 h 05 min", "3 min 20 s"; "-" when unknown)."""
     if seconds is None:
         return "-"
     minutes, secs = divmod(int(round(seconds)), 60)
@@ -363,7 +364,7 @@ def _plan_line(plan: dict[str, Any]) -> str:
 
 
 def _train_line(train: dict[str, Any], val: list[dict[str, Any]]) -> str:
-    line = (f"{train.get('steps')} steps in {_duration(train.get('elapsed_s'))}, final loss "
+    line = (f"{train.get('steps')} steps in {duration(train.get('elapsed_s'))}, final loss "
             f"{_fmt(train.get('final_loss'))}, {_rate(train.get('tokens_per_s'))} tokens/s")
     if val:
         line += (f"; validation at step {val[-1].get('step')}: loss {_fmt(val[-1].get('val_loss'))}, "

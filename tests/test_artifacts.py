@@ -214,3 +214,34 @@ def test_the_samples_page_shows_the_first_samples_as_training_reads_them(tmp_pat
            "«the model can sort the list ````<|im_end|>»" in page
     assert "\n`````text\n" in page  # the text holds a run of four backticks
     assert written_samples(str(tmp_path / "empty"), chatml, 3) == []
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_regenerate_bar_counts_resumed_records_and_tells_the_time_left():
+    """The regenerate-progress artifact: records with an outcome (an earlier run's journaled ones included) of
+    those the run works on, tokens/s and the time left; 100% with the counts at the end."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    from flows.regenerate_artifacts import RegenerateProgress
+
+    def shown(progress: RegenerateProgress) -> tuple[float, str | None]:
+        with get_client(sync_client=True) as client:
+            (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+                id=ArtifactFilterId(any_=[progress.artifact_id])))
+        return float(artifact.data), artifact.description
+
+    @flow
+    def regenerating() -> list[tuple[float, str | None]]:
+        progress = RegenerateProgress()
+        progress.update({"records_done": 200, "records_resumed": 600, "records_total": 2000, "records_read": 800,
+                         "tokens": 51200, "tokens_per_s": 853.3, "elapsed_s": 60.0, "eta_s": 3600})
+        middle = shown(progress)
+        progress.finish({"read": 2000, "kept": 1990, "tokens_generated": 512000})
+        return [middle, shown(progress)]
+
+    assert regenerating() == [
+        (40.0, "800 / 2000 records regenerated (600 from an earlier run); 51200 tokens, 853.3 tokens/s, about "
+               "1 h 00 min left"),
+        (100.0, "2000 records, 1990 kept, 512000 tokens")]

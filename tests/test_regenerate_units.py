@@ -429,12 +429,18 @@ def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(sc
     sent = []
     original = _Scripted.do_POST
     _Scripted.do_POST = lambda self: (sent.append(self.path), original(self))[1]
+    reports: list[dict] = []
     try:
-        second = regenerate_dataset(source, str(out), data)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("dflash_core.regenerate.stage._PROGRESS_EVERY_S", 0.0)
+            second = regenerate_dataset(source, str(out), data, progress=reports.append)
     finally:
         _Scripted.do_POST = original
-    assert len(sent) == 2  # the two retried records, nothing else
-    assert second["complete"] and second["read"] == 7 and second["kept"] == 7 and second["dropped"] == {}
+    # the bar counts the records of the two shards this run works on, those journaled before included
+    assert reports[-1]["records_total"] == 6 and reports[-1]["records_resumed"] == 4
+    assert reports[-1]["records_done"] == 2 and reports[-1]["eta_s"] == 0
+    assert len(sent) == 2 and second["retried"] == 2  # the two retried records, nothing else
+    assert first["retried"] == 0 and second["complete"] and second["read"] == 7 and second["kept"] == 7 and second["dropped"] == {}
     assert [r["source"]["record"] for r in output_records(out)] == list(range(7))
     assert not list((out / ".work").glob("*.retry"))
     manifest = json.loads((out / "manifest.json").read_text())

@@ -162,6 +162,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
     todo = {s for s in covered if not output.settled(s)}
     run = _Run(output, data, records, progress)
+    run.todo_records = sum(run.size(s) for s in todo)
     model, seconds = cfg.model, 0.0
     if todo:
         key = api_key(cfg)
@@ -173,7 +174,8 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     summary = {"read": counts["read"], "kept": counts["kept"], "dropped": counts["dropped"],
                "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
                "model": model, "out": out, "complete": complete, "shards": total_shards,
-               "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint}
+               "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint,
+               "retried": run.retried}
     if complete and shards is None:
         output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
                                "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"] * cfg.replicas,
@@ -203,6 +205,7 @@ class _Run:
     def __init__(self, output: OutputDir, data: DataConfig, records: int, progress: Progress | None) -> None:
         self.output, self.cfg, self.progress = output, data.regenerate, progress
         self.records = records  # in the whole input: the last shard holds the rest
+        self.todo_records = 0  # in the shards this run works on (the progress bar's 100%)
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking)
         self.journals: dict[int, ShardJournal] = {}
@@ -213,7 +216,7 @@ class _Run:
         self.finished: set[int] = set()
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
-        self.done = self.tokens = self.total = 0
+        self.done = self.tokens = self.total = self.retried = self.resumed = 0
         self.answered = False  # the server has replied at least once (refusals before that are held back)
         self.held: list[tuple[Item, Regenerated]] = []
         self.failure: BaseException | None = None
@@ -248,6 +251,7 @@ class _Run:
             for item in items:
                 self._new_record(item)
                 if self._known(item):
+                    self.resumed += 1
                     continue
                 if isinstance(item.chat, Drop):
                     self._record(item, Regenerated(drop=item.chat))
@@ -277,9 +281,13 @@ class _Run:
 
     def _close_sizes(self) -> None:
         if self.last_shard >= 0:
-            per_shard = self.cfg.records_per_shard
-            self.sizes[self.last_shard] = min(per_shard, self.records - self.last_shard * per_shard)
+            self.sizes[self.last_shard] = self.size(self.last_shard)
             self._maybe_finish(self.last_shard)
+
+    def size(self, shard: int) -> int:
+        """The shard's record count (records_per_shard; the last shard holds the rest)."""
+        per_shard = self.cfg.records_per_shard
+        return min(per_shard, self.records - shard * per_shard)
 
     def _known(self, item: Item) -> bool:
         """Done in an earlier run: the shard is written with nothing to retry, or the record's outcome is journaled
@@ -293,6 +301,7 @@ class _Run:
             return True
         if item.index in self.retryable[item.shard]:
             self.retrying.setdefault(item.shard, set()).add(item.index)
+            self.retried += 1
             return False
         return item.index in self.journals[item.shard].lines
 
@@ -407,5 +416,8 @@ class _Run:
             return
         self.last_progress = now
         elapsed = max(now - self.start, 1e-9)
-        self.progress({"records_done": self.done, "records_read": self.total, "tokens": self.tokens,
-                       "tokens_per_s": round(self.tokens / elapsed, 1), "elapsed_s": round(elapsed, 1)})
+        left = self.todo_records - self.resumed - self.done
+        self.progress({"records_done": self.done, "records_resumed": self.resumed, "records_total": self.todo_records,
+                       "records_read": self.total, "tokens": self.tokens,
+                       "tokens_per_s": round(self.tokens / elapsed, 1), "elapsed_s": round(elapsed, 1),
+                       "eta_s": round(left * elapsed / self.done) if self.done else None})
