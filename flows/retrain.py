@@ -27,8 +27,10 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
     fingerprint = tasks.fingerprint_regenerate(config)
     out = storage.join(root, "regenerated", fingerprint[:16])
     if config.data.regenerate.task_per_shard:
-        shards = [[s] for s in range(tasks.count_regenerate_shards(config))]
-        tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards).result()
+        records = tasks.count_regenerate_records(config)
+        shards = [[s] for s in range(-(-records // config.data.regenerate.records_per_shard))]
+        tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards,
+                             records=unmapped(records)).result()
     summary = tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
     counts = {key: summary.get(key) for key in ("read", "kept", "dropped", "tokens_generated", "out")}
     return config.model_copy(update={"data": config.data.model_copy(update={"source": out})}), counts

@@ -61,23 +61,28 @@ def fingerprint_regenerate(config: PipelineConfig) -> str:
     return regenerate_fingerprint(config.data.source, config.data, config.model.target)
 
 
-@task(name="count-regenerate-shards")
-def count_regenerate_shards(config: PipelineConfig) -> int:
-    """How many shards (task runs) the chat data makes."""
-    from dflash_core.regenerate.stage import count_shards
+@task(name="count-regenerate-records")
+def count_regenerate_records(config: PipelineConfig) -> int:
+    """How many records the chat data holds for regenerate (its shards are the task runs; each is told the
+    count instead of reading the whole input again)."""
+    from dflash_core.data.sources import list_files
+    from dflash_core.regenerate.stage import count_records
 
-    return count_shards(config.data.source, config.data)
+    return count_records(list_files(config.data.source), config.data)
 
 
 @task(name="regenerate", retries=1, retry_delay_seconds=10, cache_key_fn=_regenerate_key, persist_result=True)
-def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[int] | None = None) -> dict[str, Any]:
-    """The target re-answers the chat data into `out` (resumes a partial `out`; all shards unless given)."""
+def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[int] | None = None,
+               records: int | None = None) -> dict[str, Any]:
+    """The target re-answers the chat data into `out` (resumes a partial `out`; all shards unless given;
+    `records`: count_regenerate_records, when known)."""
     from dflash_core.regenerate.stage import regenerate_dataset
     from flows.regenerate_artifacts import RegenerateProgress, publish_regenerate
 
     progress = RegenerateProgress()
     summary = regenerate_dataset(config.data.source, out, config.data, config.model.target, config.data.tokenizer,
-                                 shards=shards, progress=progress.update, fingerprint=fingerprint)
+                                 shards=shards, progress=progress.update, fingerprint=fingerprint,
+                                 records=records)
     progress.finish(summary)
     publish_regenerate(summary)
     get_run_logger().info("regenerated: %s", json.dumps(summary))

@@ -452,11 +452,13 @@ def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(sc
 
 def test_a_shards_task_run_reads_only_its_records_and_leaves_the_manifest_to_the_run_of_all(
         scripted_server, tmp_path, monkeypatch):
-    """With task_per_shard every shard is its own task run: each parses only its shard's records (plus the head
-    that tells the file's schema), stops reading after them and counts only them; counting the shards parses
-    nothing; the run of every shard that follows writes manifest.json with the totals and parses no record."""
+    """With task_per_shard every shard is its own task run, told the flow's fingerprint and record count (counted
+    once, parsing nothing): each parses only its shard's records (plus the head that tells the file's schema),
+    reads no further and counts only them; the run of every shard that follows writes manifest.json with the
+    totals and parses no record."""
     from common.regenerate import data_config, output_records, write_jsonl
 
+    from dflash_core.data.sources import list_files
     from dflash_core.regenerate import stage
 
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
@@ -474,16 +476,17 @@ def test_a_shards_task_run_reads_only_its_records_and_leaves_the_manifest_to_the
     monkeypatch.setattr(stage, "parse_payload", lambda payload: parsed.append(payload) or real_parse(payload))
     monkeypatch.setattr(stage, "FileRecords", CountedRecords)
     monkeypatch.setattr(stage, "_DETECT_HEAD", 4)
-    assert stage.count_shards(source, data) == 6 and not parsed
+    records = stage.count_records(list_files(source), data)
+    assert records == 60 and not parsed
     fingerprint, out = stage.regenerate_fingerprint(source, data, None), tmp_path / "out"
     read.clear()
-    one = stage.regenerate_dataset(source, str(out), data, shards=[1], fingerprint=fingerprint)
-    assert len(parsed) == 4 + 10 and max(read[60:]) == 20  # counted 60, then read up to the first of shard 2
+    one = stage.regenerate_dataset(source, str(out), data, shards=[1], fingerprint=fingerprint, records=records)
+    assert len(parsed) == 4 + 10 and max(read) == 20  # read up to the first record of shard 2, no further
     assert one["read"] == one["kept"] == 10 and not one["complete"] and one["shards"] == 6
     assert [r["source"]["record"] for r in output_records(out)] == list(range(10, 20))
     for shard in (0, 2, 3, 4, 5):
         assert not (out / "manifest.json").exists()
-        stage.regenerate_dataset(source, str(out), data, shards=[shard], fingerprint=fingerprint)
+        stage.regenerate_dataset(source, str(out), data, shards=[shard], fingerprint=fingerprint, records=records)
     assert not (out / "manifest.json").exists()
     parsed.clear()
     whole = stage.regenerate_dataset(source, str(out), data, fingerprint=fingerprint)

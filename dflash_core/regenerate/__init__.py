@@ -10,7 +10,7 @@ from typing import Any
 _EXPORTS = {
     "regenerate_dataset": "dflash_core.regenerate.stage",
     "regenerate_fingerprint": "dflash_core.regenerate.stage",
-    "count_shards": "dflash_core.regenerate.stage",
+    "count_records": "dflash_core.regenerate.stage",
     "RegenerateConfig": "dflash_core.regenerate.config",
     "RegenerateError": "dflash_core.regenerate.errors",
     "EndpointError": "dflash_core.regenerate.errors",

@@ -138,26 +138,23 @@ def count_records(files: list[SourceFile], data: DataConfig) -> int:
     return sum(1 for _ in islice(records, data.regenerate.limit))
 
 
-def count_shards(source: str, data: DataConfig) -> int:
-    """How many shards the input makes (the unit a Prefect task run regenerates)."""
-    return -(-count_records(list_files(source), data) // data.regenerate.records_per_shard)
-
-
 def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | None = None,
                        tokenizer: str | None = None, shards: Collection[int] | None = None,
-                       progress: Progress | None = None, fingerprint: str | None = None) -> dict[str, Any]:
+                       progress: Progress | None = None, fingerprint: str | None = None,
+                       records: int | None = None) -> dict[str, Any]:
     """Regenerate the chat data under `source` into `out` (resuming what an earlier run left); returns the
     summary. `shards` restricts the run to those shards (one Prefect task run each): it reads and parses only
     their records, its counts are theirs, and it leaves manifest.json to a run of every shard, which writes it
-    when every shard is done. `fingerprint`: the run's regenerate_fingerprint when the caller has it (a shard's
-    task run then does not hash the whole input again). No server is started when nothing is left to do."""
+    when every shard is done. `fingerprint` and `records`: the run's regenerate_fingerprint and count_records
+    when the caller has them (a shard's task run then neither hashes nor counts the whole input again, and reads
+    no further than its shard). No server is started when nothing is left to do."""
     cfg = data.regenerate
     files = list_files(source)
     output = OutputDir(out)
     fingerprint = fingerprint or _fingerprint(files, data, target)
     output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
     output.remove_manifest()
-    records = count_records(files, data)
+    records = count_records(files, data) if records is None else records
     total_shards = -(-records // cfg.records_per_shard)
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
     todo = {s for s in covered if not output.settled(s)}
