@@ -96,8 +96,10 @@ def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> Non
 
 
 @contextlib.contextmanager
-def output_lock(out: str, stage: str) -> Iterator[None]:
-    """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host."""
+def output_lock(out: str, stage: str, stale_after_s: float | None = None) -> Iterator[None]:
+    """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host. A lock
+    is stale when its owner on this host is gone, or (with `stale_after_s`) when it is older than that,
+    whichever host took it: for short critical sections, whose crashed owner on another host cannot be seen."""
     fs, root = fsspec.core.url_to_fs(out)
     lock = root.rstrip("/") + ".lock"
     parent = lock.rsplit("/", 1)[0] if "/" in lock else "."
@@ -106,7 +108,7 @@ def output_lock(out: str, stage: str) -> Iterator[None]:
     except OSError as exc:
         raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": time.time()}
-    _acquire(fs, lock, owner, out)
+    _acquire(fs, lock, owner, out, stale_after_s)
     try:
         yield
     finally:
@@ -114,7 +116,8 @@ def output_lock(out: str, stage: str) -> Iterator[None]:
             fs.rm(lock)
 
 
-def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str) -> None:
+def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str,
+             stale_after_s: float | None = None) -> None:
     for _ in range(2):  # the second try follows the removal of a stale lock
         if is_local(fs):
             try:
@@ -132,7 +135,7 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
                 json.dump(owner, fh)
             return
         holder = _read_lock(fs, lock)
-        if not _is_stale(holder):
+        if not _is_stale(holder, stale_after_s):
             raise OutputLockedError(_locked_message(out, lock, holder))
         with contextlib.suppress(OSError):
             fs.rm(lock)
@@ -153,8 +156,12 @@ def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
         return {}  # a lock file being written this instant, or garbage: treat as held, with unknown owner
 
 
-def _is_stale(holder: dict[str, Any]) -> bool:
-    """A lock whose owner was on this host and is no longer running (a killed run never unlocks)."""
+def _is_stale(holder: dict[str, Any], stale_after_s: float | None = None) -> bool:
+    """A lock whose owner was on this host and is no longer running (a killed run never unlocks), or one older
+    than `stale_after_s`."""
+    since = holder.get("since")
+    if stale_after_s is not None and isinstance(since, int | float) and time.time() - since > stale_after_s:
+        return True
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False
     try:

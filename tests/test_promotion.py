@@ -1,6 +1,9 @@
 """The promotion gate: first drafter promoted, a worse one not, atomic swap under injected failures, W&B model."""
 
 import json
+import os
+import socket
+import time
 import uuid
 
 import fsspec
@@ -12,7 +15,7 @@ from dflash_core import atomic_dir
 from dflash_core.model.paired import paired_gain
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
-from dflash_core.promotion.store import promoted_drafter, read_promoted
+from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
 
 
 def _drafter(folder, marker: str) -> str:
@@ -30,9 +33,12 @@ def _read(uri: str) -> str:
         return fh.read()
 
 
-def _scores(tau, incumbent_tau=None) -> dict:
-    return {"tau": tau, "incumbent_tau": incumbent_tau, "incumbent_run": None,
-            "eval_set": {"data": "prompts.jsonl", "limit": 4, "max_new_tokens": 16}}
+def _scores(tau, incumbent_tau=None, root=None) -> dict:
+    """Scores as gate.measure returns them: measured against what `root` holds promoted now (None: nothing)."""
+    incumbent = read_promoted(root) if root else None
+    return {"tau": tau, "incumbent_tau": incumbent_tau, "incumbent_run": incumbent and incumbent["run"],
+            "incumbent_id": record_id(incumbent), "eval_set": {"data": "prompts.jsonl", "limit": 4,
+                                                             "max_new_tokens": 16}}
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -54,12 +60,14 @@ def test_first_drafter_is_promoted_a_worse_one_is_not(root, tmp_path):
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
     before = _read(f"{root}/promoted/promoted.json")
 
-    worse = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.42, 1.4))
+    worse = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass",
+                              _scores(1.42, 1.4, root))
     assert not worse["promoted"] and "does not beat" in worse["reason"]  # better, but by less than min_gain
     assert _read(f"{root}/promoted/promoted.json") == before
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
 
-    better = promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", _scores(1.6, 1.4))
+    better = promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass",
+                               _scores(1.6, 1.4, root))
     assert better["promoted"] and read_promoted(root)["incumbent_tau"] == 1.4
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "C"}
     fs, path = fsspec.core.url_to_fs(f"{root}/promoted")
@@ -105,10 +113,10 @@ def test_with_a_confidence_a_gain_within_noise_does_not_promote(p_value, expecte
 def test_the_gate_records_the_paired_gain_and_applies_the_configured_confidence(root):
     cfg = _cfg(root, **{"eval.confidence": 0.9})
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
-    noisy = {**_scores(1.45, 1.4), "gain": paired_gain([1.0, 2.0, 1.6], [1.5, 1.2, 1.7], 0.0, 0.9)}
+    noisy = {**_scores(1.45, 1.4, root), "gain": paired_gain([1.0, 2.0, 1.6], [1.5, 1.2, 1.7], 0.0, 0.9)}
     decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", noisy)
     assert not decision["promoted"] and decision["gain"]["pairs"] == 3 and read_promoted(root)["run"] == "runs/a"
-    clear = {**_scores(1.9, 1.4), "gain": paired_gain([1.9, 2.0, 1.8], [1.4, 1.4, 1.4], 0.0, 0.9)}
+    clear = {**_scores(1.9, 1.4, root), "gain": paired_gain([1.9, 2.0, 1.8], [1.4, 1.4, 1.4], 0.0, 0.9)}
     decision = promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", clear)
     assert decision["promoted"] and read_promoted(root)["gain"]["p_value"] < 0.1
     with pytest.raises(Exception, match="confidence"):
@@ -129,7 +137,7 @@ def test_a_crash_while_copying_leaves_the_promoted_drafter_intact(root, monkeypa
 
     monkeypatch.setattr(store, "copy_file", dies_on_the_second_file)
     with pytest.raises(OSError, match="injected"):
-        promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(2.0, 1.4))
+        promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(2.0, 1.4, root))
     monkeypatch.undo()
     assert _read(f"{root}/promoted/promoted.json") == before
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
@@ -178,3 +186,44 @@ def test_promoted_drafter_is_logged_as_a_wandb_model_with_alias_production(tmp_p
     assert decision["wandb_artifact"] == logged["name"] == "dflash-drafter:production"
     offline = [p for p in (run / "wandb").iterdir() if p.name.startswith("offline-run")]
     assert offline and any(p.suffix == ".wandb" for p in offline[0].iterdir())
+
+
+def test_overlapping_runs_never_replace_a_drafter_they_were_not_compared_with(root):
+    """Two runs measured against the same promoted drafter A: the first to promote wins; the second, better than A
+    but never compared with the first one's drafter, is not promoted (fail closed), and says why."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    slow, fast = _scores(1.55, 1.4, root), _scores(1.6, 1.4, root)  # both evaluated while A was promoted
+    assert promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", fast)["promoted"]
+    late = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", slow)
+    assert not late["promoted"] and late["promoted_drafter"] is None
+    assert "changed while this run was evaluated (now: run runs/c, tau 1.6; measured against: runs/a)" in late["reason"]
+    assert read_promoted(root)["run"] == "runs/c"
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "C"}
+    first = _scores(1.7)  # measured when nothing was promoted, but something is now
+    assert not promote_if_better(cfg, "runs/d", _drafter(f"{root}/runs/d/drafter", "D"), "pass", first)["promoted"]
+
+
+def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root):
+    """While another run holds promoted.lock (copying its drafter into promoted.staged-*), a run's promotion is
+    refused and readers leave the staged copy alone; a lock older than LOCK_STALE_S (a promoter that crashed, on
+    any host) is taken over."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    fs, path = fsspec.core.url_to_fs(f"{root}/promoted")
+    lock, staged = f"{path}.lock", _drafter(f"{root}/promoted.staged-0123abcd/drafter", "other run's copy")
+
+    def hold(since: float, host: str) -> None:
+        with fs.open(lock, "w") as fh:
+            json.dump({"pid": os.getpid(), "host": host, "stage": "promote", "since": since}, fh)
+
+    hold(time.time(), socket.gethostname())
+    assert read_promoted(root)["run"] == "runs/a" and fs.exists(fsspec.core.url_to_fs(staged)[1])
+    busy = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.9, 1.4, root))
+    assert not busy["promoted"] and "another run is promoting a drafter right now" in busy["reason"]
+    assert read_promoted(root)["run"] == "runs/a"
+    hold(time.time() - store.LOCK_STALE_S - 60, "another-host")
+    assert promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass",
+                             _scores(1.9, 1.4, root))["promoted"]
+    assert read_promoted(root)["run"] == "runs/b" and not fs.exists(lock)
+    assert not fs.glob(f"{path}.staged-*")  # the crashed promoter's copy is debris now, cleaned

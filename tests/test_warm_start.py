@@ -81,7 +81,7 @@ def test_promoted_resolves_to_the_promoted_drafter_or_to_scratch(tmp_path, targe
     cfg = load_config("tiny-cpu", {"storage.root": root, "train.init_from": "promoted"})
     assert resolve_init_from(cfg).train.init_from is None  # nothing promoted yet: from scratch
     save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
-    promote(str(tmp_path / "drafter"), root, {"run": "r1", "tau": 1.5})
+    promote(str(tmp_path / "drafter"), root, {"run": "r1", "tau": 1.5}, None)
     assert resolve_init_from(cfg).train.init_from == promoted_drafter(root)
     plain = load_config("tiny-cpu", {"train.init_from": str(tmp_path / "drafter")})
     assert resolve_init_from(plain) is plain

@@ -14,7 +14,14 @@ from dflash_core.config import PipelineConfig
 from dflash_core.model.paired import DEFAULT_CONFIDENCE, paired_gain
 from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sinks import wandb_mode
-from dflash_core.promotion.store import DRAFTER_FILES, promote, promoted_drafter, read_promoted
+from dflash_core.promotion.store import (
+    DRAFTER_FILES,
+    PromotionConflict,
+    promote,
+    promoted_drafter,
+    read_promoted,
+    record_id,
+)
 
 log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
@@ -54,7 +61,7 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
                            cfg.eval.confidence or DEFAULT_CONFIDENCE)
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
             "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None,
-            "gain": gain}
+            "incumbent_id": record_id(incumbent), "gain": gain}
 
 
 def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float,
@@ -99,7 +106,11 @@ def promote_if_better(
     if not ok:
         return decision
     record = {k: decision[k] for k in RECORD_KEYS} | {"time": datetime.now(UTC).isoformat(timespec="seconds")}
-    decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record)
+    try:
+        decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record, scores["incumbent_id"])
+    except PromotionConflict as exc:  # another run promoted meanwhile: fail closed, keep theirs
+        log.warning("promotion: no (%s)", exc)
+        return decision | {"promoted": False, "reason": str(exc)}
     if wandb_mode(cfg.wandb) != "disabled":
         decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record, run_dir)
     return decision

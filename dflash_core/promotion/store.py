@@ -3,6 +3,11 @@
 The whole `promoted/` folder is replaced at once (dflash_core.atomic_dir): a new drafter is copied into a
 temporary sibling together with its promoted.json, then swapped in, so a crash at any point leaves either the
 previous promoted drafter and its record, or the new ones.
+
+Runs may overlap (a nightly schedule and a manual run on the same storage root): a promotion holds
+`<root>/promoted.lock` while it copies and swaps, and goes ahead only while the promoted drafter is still the one
+its run was measured against (else PromotionConflict: the other run's drafter would be replaced by one never
+compared with it). Readers repair a crashed swap only when no promotion holds the lock.
 """
 
 from __future__ import annotations
@@ -16,12 +21,20 @@ import fsspec
 
 from dflash_core.atomic_dir import recover, replace_dir
 from dflash_core.config import PipelineConfig
+from dflash_core.errors import DflashError
 from dflash_core.model.export import WEIGHTS_FILE
+from dflash_core.publish import OutputLockedError, output_lock
 from dflash_core.runtime.warm_start import PROMOTED
 
 PROMOTED_DIR, DRAFTER_DIR, RECORD_FILE = "promoted", "drafter", "promoted.json"
 # the serving format's files (dflash_core.model.export), named here so reading the store needs no torch
 DRAFTER_FILES = ("config.json", "model.safetensors")
+# a promotion copies one drafter: a lock older than this is a crashed promoter's, on whatever host
+LOCK_STALE_S = 6 * 3600.0
+
+
+class PromotionConflict(DflashError):
+    """The promoted drafter changed (or is being changed) since the run measured it: this one is not promoted."""
 
 log = logging.getLogger(__name__)
 
@@ -36,30 +49,64 @@ def promoted_drafter(root: str) -> str:
 
 
 def read_promoted(root: str) -> dict[str, Any] | None:
-    """promoted.json of the promoted drafter, or None while nothing is promoted (repairs an interrupted swap)."""
+    """promoted.json of the promoted drafter, or None while nothing is promoted (repairs an interrupted swap,
+    unless a promotion is under way)."""
     fs, path = fsspec.core.url_to_fs(_join(root, PROMOTED_DIR))
-    recover(fs, path)
+    try:
+        with _promotion_lock(root):
+            recover(fs, path)
+    except OutputLockedError:
+        pass  # a live promotion is copying or swapping: its folders are not debris
+    return _record(fs, path)
+
+
+def record_id(record: dict[str, Any] | None) -> list[Any] | None:
+    """What tells one promotion from another: its run and time (None: nothing promoted)."""
+    return None if record is None else [record.get("run"), record.get("time")]
+
+
+def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[Any] | None) -> str:
+    """Copy a drafter folder to `<root>/promoted/drafter` with `record` as promoted.json, if the promoted drafter
+    is still `measured` (record_id of the one the new drafter was compared with); returns the drafter path.
+    PromotionConflict when it is not, or when another promotion holds the lock."""
+    src_fs, src = fsspec.core.url_to_fs(drafter_dir)
+    fs, path = fsspec.core.url_to_fs(_join(root, PROMOTED_DIR))
+
+    def write(staged: str) -> None:
+        sfs, spath = fsspec.core.url_to_fs(staged)
+        sfs.makedirs(posixpath.join(spath, DRAFTER_DIR), exist_ok=True)
+        for name in DRAFTER_FILES:
+            copy_file(src_fs, posixpath.join(src, name), sfs, posixpath.join(spath, DRAFTER_DIR, name))
+        with sfs.open(posixpath.join(spath, RECORD_FILE), "w") as fh:
+            json.dump(record, fh, indent=2)
+
+    try:
+        with _promotion_lock(root):
+            recover(fs, path)
+            current = _record(fs, path)
+            if record_id(current) != measured:
+                now = f"run {current.get('run')}, tau {current.get('tau')}" if current else "nothing"
+                raise PromotionConflict(
+                    f"the promoted drafter changed while this run was evaluated (now: {now}; measured against: "
+                    f"{measured[0] if measured else 'nothing'}); it was not compared with the new one, so it is "
+                    f"not replaced: compare this drafter with it again (dflash eval --against <root>/promoted/drafter)")
+            replace_dir(_join(root, PROMOTED_DIR), write)
+    except OutputLockedError as exc:
+        raise PromotionConflict(f"another run is promoting a drafter right now, so the one this run was measured "
+                                f"against is being replaced: not promoted ({exc})") from None
+    return promoted_drafter(root)
+
+
+def _promotion_lock(root: str):
+    return output_lock(_join(root, PROMOTED_DIR), "promote", stale_after_s=LOCK_STALE_S)
+
+
+def _record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
     try:
         with fs.open(posixpath.join(path, RECORD_FILE), "r") as fh:
             return json.load(fh)
     except FileNotFoundError:
         return None
-
-
-def promote(drafter_dir: str, root: str, record: dict[str, Any]) -> str:
-    """Copy a drafter folder to `<root>/promoted/drafter` with `record` as promoted.json; returns the drafter path."""
-    src_fs, src = fsspec.core.url_to_fs(drafter_dir)
-
-    def write(staged: str) -> None:
-        fs, path = fsspec.core.url_to_fs(staged)
-        fs.makedirs(posixpath.join(path, DRAFTER_DIR), exist_ok=True)
-        for name in DRAFTER_FILES:
-            copy_file(src_fs, posixpath.join(src, name), fs, posixpath.join(path, DRAFTER_DIR, name))
-        with fs.open(posixpath.join(path, RECORD_FILE), "w") as fh:
-            json.dump(record, fh, indent=2)
-
-    replace_dir(_join(root, PROMOTED_DIR), write)
-    return promoted_drafter(root)
 
 
 def copy_file(src_fs: fsspec.AbstractFileSystem, src: str, dst_fs: fsspec.AbstractFileSystem, dst: str) -> None:
