@@ -188,6 +188,21 @@ def test_promoted_drafter_is_logged_as_a_wandb_model_with_alias_production(tmp_p
     assert offline and any(p.suffix == ".wandb" for p in offline[0].iterdir())
 
 
+def test_a_wandb_failure_after_the_swap_is_reported_not_raised(tmp_path, monkeypatch):
+    """W&B mirrors the promotion; when logging the model fails the drafter is still promoted, and the decision
+    (so the flow result and the promotion page) says that the artifact is missing and why."""
+    root, run = str(tmp_path / "store"), tmp_path / "run"
+    cfg = load_config("tiny-cpu", {"storage.root": root, "wandb.mode": "offline"})
+
+    def unreachable(*args):
+        raise ConnectionError("api.wandb.ai unreachable")
+
+    monkeypatch.setattr(gate, "log_model_artifact", unreachable)
+    decision = promote_if_better(cfg, str(run), _drafter(str(run / "drafter"), "A"), "pass", _scores(1.4))
+    assert decision["promoted"] and decision["wandb_artifact"] is None and read_promoted(root)["run"] == str(run)
+    assert "W&B model artifact was not logged (ConnectionError: api.wandb.ai unreachable)" in decision["reason"]
+
+
 def test_overlapping_runs_never_replace_a_drafter_they_were_not_compared_with(root):
     """Two runs measured against the same promoted drafter A: the first to promote wins; the second, better than A
     but never compared with the first one's drafter, is not promoted (fail closed), and says why."""

@@ -112,7 +112,13 @@ def promote_if_better(
         log.warning("promotion: no (%s)", exc)
         return decision | {"promoted": False, "reason": str(exc)}
     if wandb_mode(cfg.wandb) != "disabled":
-        decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record, run_dir)
+        try:
+            decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record,
+                                                            run_dir)
+        except Exception as exc:  # noqa: BLE001 - the drafter is promoted: a failed mirror must not hide that
+            log.warning("promotion: the W&B model artifact was not logged: %r", exc)
+            decision["reason"] += (f"; the W&B model artifact was not logged ({type(exc).__name__}: {exc}): "
+                                   f"the promoted drafter on storage is the one in service")
     return decision
 
 
