@@ -493,3 +493,31 @@ def test_a_shards_task_run_reads_only_its_records_and_leaves_the_manifest_to_the
     assert whole["read"] == whole["kept"] == 60 and whole["complete"] and not parsed
     assert json.loads((out / "manifest.json").read_text())["read"] == 60
     assert [r["source"]["record"] for r in output_records(out)] == list(range(60))
+
+
+def test_a_kill_while_a_journal_is_rewritten_keeps_every_outcome_in_it(tmp_path, monkeypatch):
+    """Opening a shard's journal rewrites it (the torn line of a killed run cut off, one line per record): that
+    happens beside it and is renamed in, so a kill in the middle loses none of the outcomes already journaled."""
+    from dflash_core.regenerate import output
+
+    out = output.OutputDir(str(tmp_path / "out"))
+    journal = out.journal(0)
+    for i in range(3):
+        journal.add({"i": i, "source": {"file": "a.jsonl", "record": i}, "finish": ["stop"], "tokens": 1,
+                     "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": f"a{i}"}]})
+    journal.fh.write(b'{"i": 3, "sou')  # the torn tail of a kill -9
+    journal.close()
+    written = []
+
+    def killed(obj):
+        if written:
+            raise KeyboardInterrupt("killed while rewriting")
+        written.append(obj)
+        return b"{}\n"
+
+    monkeypatch.setattr(output, "_line", killed)
+    with pytest.raises(KeyboardInterrupt):
+        out.journal(0)
+    monkeypatch.undo()
+    assert sorted(out.outcomes(0)) == [0, 1, 2]
+    assert sorted(out.journal(0).lines) == [0, 1, 2]

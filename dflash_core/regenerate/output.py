@@ -73,7 +73,7 @@ class OutputDir:
         return self.shard_done(shard) and not self.fs.exists(self.work_file(shard, ".retry"))
 
     def work_file(self, shard: int, suffix: str) -> str:
-        """A shard's file under .work/: `.journal.jsonl`, `.retry`, `.jsonl.tmp`."""
+        """A shard's file under .work/: `.journal.jsonl`, `.retry`, `.jsonl.tmp`, `.journal.jsonl.tmp`."""
         return self.path(f"{WORK}/{shard_name(shard).removesuffix('.jsonl')}{suffix}")
 
     def journal(self, shard: int) -> ShardJournal:
@@ -97,9 +97,11 @@ class OutputDir:
         return lines
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        """manifest.json, written last: its presence says the output is complete."""
-        with self.fs.open(self.path(MANIFEST), "w") as fh:
+        """manifest.json, written last (beside it, then renamed): its presence says the output is complete."""
+        tmp = self.path(f"{WORK}/{MANIFEST}.tmp")
+        with self.fs.open(tmp, "w") as fh:
             json.dump(manifest, fh, indent=2)
+        self.fs.mv(tmp, self.path(MANIFEST))
 
     def remove_manifest(self) -> None:
         """A run that starts (or resumes) is not complete until it ends."""
@@ -114,9 +116,12 @@ class ShardJournal:
         self.out, self.shard = out, shard
         self.lines = out.outcomes(shard)
         self.path = out.work_file(shard, ".journal.jsonl")
-        # rewrite the last outcomes (an append after a torn line breaks; retried records keep one line)
-        with out.fs.open(self.path, "wb") as fh:
+        # rewrite the last outcomes (an append after a torn line breaks; retried records keep one line) beside
+        # it, then rename: a kill while rewriting leaves the old journal whole
+        tmp = out.work_file(shard, ".journal.jsonl.tmp")
+        with out.fs.open(tmp, "wb") as fh:
             fh.write(b"".join(_line(v) for v in self.lines.values()))
+        out.fs.mv(tmp, self.path)
         self.fh = out.fs.open(self.path, "ab")
 
     def add(self, line: dict[str, Any]) -> None:
