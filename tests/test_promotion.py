@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -219,26 +220,33 @@ def test_overlapping_runs_never_replace_a_drafter_they_were_not_compared_with(ro
     assert not promote_if_better(cfg, "runs/d", _drafter(f"{root}/runs/d/drafter", "D"), "pass", first)["promoted"]
 
 
-def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root):
-    """While another run holds promoted.lock (copying its drafter into promoted.staged-*), a run's promotion is
-    refused and readers leave the staged copy alone; a lock older than LOCK_STALE_S (a promoter that crashed, on
-    any host) is taken over."""
+def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root, monkeypatch):
+    """While another run holds promoted.lock (copying its drafter into promoted.staged-*) longer than a promotion
+    waits for it, that promotion is refused and readers leave the staged copy alone; a lock older than
+    LOCK_STALE_S (a promoter that crashed, on any host) is taken over."""
+    monkeypatch.setattr(store, "LOCK_WAIT_S", 1.0)
     cfg = _cfg(root)
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
     fs, path = fsspec.core.url_to_fs(f"{root}/promoted")
-    lock, staged = f"{path}.lock", _drafter(f"{root}/promoted.staged-0123abcd/drafter", "other run's copy")
+    lock = f"{path}.lock"
 
     def hold(since: float, host: str) -> None:
         with fs.open(lock, "w") as fh:
             json.dump({"pid": os.getpid(), "host": host, "stage": "promote", "since": since}, fh)
 
-    hold(time.time(), socket.gethostname())
+    hold(time.time(), socket.gethostname())  # held for an instant (a reader repairing): waited for
+    threading.Timer(0.3, fs.rm, args=(lock,)).start()
+    brief = promote_if_better(cfg, "runs/z", _drafter(f"{root}/runs/z/drafter", "Z"), "pass", _scores(1.5, 1.4, root))
+    assert brief["promoted"] and read_promoted(root)["run"] == "runs/z"
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.6, 1.5, root))
+    hold(time.time(), socket.gethostname())  # held by a run copying its drafter:
+    staged = _drafter(f"{root}/promoted.staged-0123abcd/drafter", "other run's copy")
     assert read_promoted(root)["run"] == "runs/a" and fs.exists(fsspec.core.url_to_fs(staged)[1])
-    busy = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.9, 1.4, root))
+    busy = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.9, 1.6, root))
     assert not busy["promoted"] and "another run is promoting a drafter right now" in busy["reason"]
     assert read_promoted(root)["run"] == "runs/a"
     hold(time.time() - store.LOCK_STALE_S - 60, "another-host")
     assert promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass",
-                             _scores(1.9, 1.4, root))["promoted"]
+                             _scores(1.9, 1.6, root))["promoted"]
     assert read_promoted(root)["run"] == "runs/b" and not fs.exists(lock)
     assert not fs.glob(f"{path}.staged-*")  # the crashed promoter's copy is debris now, cleaned

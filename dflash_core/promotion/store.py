@@ -12,9 +12,12 @@ compared with it). Readers repair a crashed swap only when no promotion holds th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -31,6 +34,7 @@ PROMOTED_DIR, DRAFTER_DIR, RECORD_FILE = "promoted", "drafter", "promoted.json"
 DRAFTER_FILES = ("config.json", "model.safetensors")
 # a promotion copies one drafter: a lock older than this is a crashed promoter's, on whatever host
 LOCK_STALE_S = 6 * 3600.0
+LOCK_WAIT_S = 30.0  # how long a promotion waits for the lock before it counts as another run's promotion
 
 
 class PromotionConflict(DflashError):
@@ -81,7 +85,7 @@ def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[
             json.dump(record, fh, indent=2)
 
     try:
-        with _promotion_lock(root):
+        with _promotion_lock(root, LOCK_WAIT_S):
             recover(fs, path)
             current = _record(fs, path)
             if record_id(current) != measured:
@@ -97,8 +101,21 @@ def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[
     return promoted_drafter(root)
 
 
-def _promotion_lock(root: str):
-    return output_lock(_join(root, PROMOTED_DIR), "promote", stale_after_s=LOCK_STALE_S)
+@contextlib.contextmanager
+def _promotion_lock(root: str, wait_s: float = 0.0) -> Iterator[None]:
+    """Hold `<root>/promoted.lock`, waiting up to `wait_s` for a holder to let go (a reader repairing a crashed
+    swap holds it for an instant; a promotion for as long as its copy takes)."""
+    deadline = time.monotonic() + wait_s
+    with contextlib.ExitStack() as stack:
+        while True:
+            try:
+                stack.enter_context(output_lock(_join(root, PROMOTED_DIR), "promote", stale_after_s=LOCK_STALE_S))
+                break
+            except OutputLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+        yield
 
 
 def _record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
