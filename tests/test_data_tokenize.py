@@ -286,3 +286,70 @@ def test_example_tokenizer_masks_assistant_turns(tmp_path: Path) -> None:
         ids, mask = reader.rows([sid])[0]
         got = [tok.decode(ids[a:b]) for a, b in _runs(mask)]
         assert got == [m["content"] + eot for m in conv if m["role"] == "assistant"]
+
+
+def test_on_an_object_store_the_fingerprint_uses_its_checksums_and_downloads_nothing(tmp_path: Path) -> None:
+    """A bucket's files are fingerprinted by the checksum the store keeps (S3 ETag, GCS md5Hash, ...): a nightly
+    run over a large bucket reads no byte to find out whether anything changed; new content changes it. Local
+    files, which have no such checksum, are hashed as before."""
+    import hashlib
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from dflash_core.data.sources import list_files
+
+    class ETagStore(MemoryFileSystem):
+        """An in-memory object store that reports an S3-style ETag (the MD5 of a single-part upload)."""
+
+        protocol = ("etagstore",)
+        store: dict = {}
+        pseudo_dirs = [""]
+        opened: list[str] = []
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).replace("etagstore://", "memory://", 1))
+
+        def info(self, path, **kwargs):
+            out = super().info(path, **kwargs)
+            if out["type"] == "file":
+                out["ETag"] = f'"{hashlib.md5(self.store[self._strip_protocol(path)].getvalue()).hexdigest()}"'
+            return out
+
+        def _open(self, path, mode="rb", **kwargs):
+            type(self).opened.append(path)
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("etagstore", ETagStore, clobber=True)
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(3))]
+    body = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fsspec.filesystem("etagstore").pipe("/bucket/chats/d.jsonl", body)
+    ETagStore.opened.clear()
+    tok, uri = tokenizer_dir("chatml"), "etagstore://bucket/chats/"
+    (file,) = list_files(uri)
+    assert file.checksum == f"ETag:{hashlib.md5(body).hexdigest()}"
+    fp = input_fingerprint(uri, tok, data_config(), 2)
+    assert ETagStore.opened == [] and input_fingerprint(uri, tok, data_config(), 2) == fp
+    fsspec.filesystem("etagstore").pipe("/bucket/chats/d.jsonl", body + body.splitlines(keepends=True)[0])
+    ETagStore.opened.clear()
+    assert input_fingerprint(uri, tok, data_config(), 2) != fp and ETagStore.opened == []
+    local = write_jsonl(tmp_path / "d.jsonl", records)
+    assert list_files(str(local))[0].checksum is None  # a local disk's files are hashed
+    summary = tokenize_dataset(uri, tok, str(tmp_path / "out"), data_config(), block_size=2)
+    assert summary["read"] == 4 and ETagStore.opened  # tokenizing reads the bytes, of course
+
+
+@pytest.mark.parametrize(("info", "expected"), [
+    ({"ETag": '"9b2cf535f27731c974343645a3985328"', "LastModified": "x"}, "ETag:9b2cf535f27731c974343645a3985328"),
+    ({"ETag": '"e1"', "ChecksumSHA256": "q1"}, "ChecksumSHA256:q1"),  # S3 with an additional checksum
+    ({"md5Hash": "rL0Y20zC+Fzt72VPzMSk2A==", "crc32c": "AAAAAA==", "etag": "CMf"}, "md5Hash:rL0Y20zC+Fzt72VPzMSk2A=="),
+    ({"crc32c": "AAAAAA==", "etag": "CMf"}, "crc32c:AAAAAA=="),  # a composite GCS object has no md5Hash
+    ({"content_settings": {"content_md5": bytearray(b"\x01\xff")}, "etag": '"0x8DB"'}, "content_md5:01ff"),
+    ({"content_settings": {"content_md5": None}, "etag": '"0x8DB"'}, "etag:0x8DB"),  # Azure, block upload
+    ({"size": 10, "mtime": 1.0, "type": "file"}, None),  # a local disk: hashed
+])
+def test_the_stored_checksum_of_each_object_store(info: dict, expected: str | None) -> None:
+    from dflash_core.data.sources import stored_checksum
+
+    assert stored_checksum(info) == expected

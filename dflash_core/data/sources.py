@@ -52,6 +52,7 @@ class SourceFile:
     name: str
     size: int
     compression: str | None
+    checksum: str | None = None  # the object store's own content checksum (ETag, md5Hash, ...): see stored_checksum
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,32 @@ def list_files(source: str) -> list[SourceFile]:
         raise DataError(f"{source}: no such file, folder or glob match; check the data source URI")
     if not paths:
         raise DataError(f"{source}: no data files found (looked for {', '.join(DATA_SUFFIXES)}, optionally .gz)")
-    return [SourceFile(uri=fs.unstrip_protocol(p), name=_relative(p, root), size=int(fs.size(p) or 0),
-                       compression=infer_compression(p)) for p in sorted(paths)]
+    files = []
+    for p in sorted(paths):
+        info = fs.info(p)
+        files.append(SourceFile(uri=fs.unstrip_protocol(p), name=_relative(p, root), size=int(info.get("size") or 0),
+                                compression=infer_compression(p), checksum=stored_checksum(info)))
+    return files
+
+
+# What object stores report about a file's content, strongest first: S3 (ChecksumSHA256, ETag), GCS (md5Hash,
+# crc32c), HTTP (ETag), Azure (content_settings.content_md5, else etag). An ETag changes whenever the object is written again, so a
+# fingerprint built on it never misses new content (an identical re-upload may still count as new: a cache miss).
+_CHECKSUM_KEYS = ("ChecksumSHA256", "md5Hash", "crc32c", "ETag")
+
+
+def stored_checksum(info: dict[str, Any]) -> str | None:
+    """`key:value` of the content checksum an object store keeps for a file (fsspec info), None elsewhere (a local
+    disk keeps none: its files are hashed)."""
+    settings = info.get("content_settings")
+    md5 = settings.get("content_md5") if isinstance(settings, dict) else getattr(settings, "content_md5", None)
+    if isinstance(md5, bytes | bytearray):
+        md5 = bytes(md5).hex()
+    found = [(key, info.get(key)) for key in _CHECKSUM_KEYS] + [("content_md5", md5), ("etag", info.get("etag"))]
+    for key, value in found:
+        if value:
+            return f"{key}:{str(value).strip(chr(34))}"  # chr(34): the quotes around an ETag
+    return None
 
 
 def _hidden(relative: str) -> bool:
