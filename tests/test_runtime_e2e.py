@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import fsspec
 import polars as pl
 import pytest
 import torch
@@ -211,13 +212,22 @@ def test_plan_for_another_world_size_or_other_shards_is_refused_before_work(inpu
 
 
 def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
+    """launch_train from token shards on an object store (memory:// here, which the rank processes could not even
+    see): they are copied to a temporary local folder for the run, which is gone afterwards."""
     one = build_inputs(inputs.root, world_size=1)  # same shards and target, a plan for one process
     config = _config(tmp_path, one, "c", checkpoint_every=100)
+    remote = f"memory://bucket-{tmp_path.name}/tokenized"
+    fs = fsspec.filesystem("memory")
+    fs.put(f"{one.tokenized}/", f"{remote}/", recursive=True)
     lines: list[str] = []
-    summary = launch_train(one.tokenized, one.plan, str(tmp_path / "out"), config, nproc_per_node=1,
+    summary = launch_train(remote, one.plan, str(tmp_path / "out"), config, nproc_per_node=1,
                            on_line=lines.append, timeout_s=600)
     assert summary["world_size"] == 1 and summary["steps"] == summary["num_steps"] > 0
     assert summary["final_loss"] is not None and lines[-1].startswith("{")
+    copied = next(line for line in lines if line.startswith("copying the token shards"))
+    local = copied.rsplit(" to ", 1)[1]
+    assert f"from {remote} to" in copied and Path(local).name.startswith("dflash-tokenized-")
+    assert not Path(local).exists() and copied in (tmp_path / "out" / "train.log").read_text()
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [f"step-{summary['num_steps']}"]
 
 

@@ -107,3 +107,35 @@ def test_killing_the_launcher_outright_leaves_no_process_behind():
     while _alive(rank) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(rank)
+
+
+def test_token_shards_on_an_object_store_are_copied_for_the_run_and_a_full_disk_is_named(tmp_path, monkeypatch):
+    import collections
+    import uuid
+
+    import fsspec
+
+    from dflash_core.errors import DflashError
+    from dflash_core.runtime import launch
+
+    local_dir = tmp_path / "tok"
+    local_dir.mkdir()
+    with launch.local_data(str(local_dir)) as same:  # a local folder is used where it is
+        assert same == str(local_dir)
+    remote = f"memory://bucket-{uuid.uuid4().hex}/tok"
+    fs = fsspec.filesystem("memory")
+    for name, body in (("index.parquet", b"i" * 10), ("part-00000.parquet", b"p" * 1000), ("manifest.json", b"{}")):
+        fs.pipe(f"{remote}/{name}", body)
+    lines: list[str] = []
+    with launch.local_data(remote, lines.append) as copy:
+        assert sorted(os.listdir(copy)) == ["index.parquet", "manifest.json", "part-00000.parquet"]
+        assert open(os.path.join(copy, "part-00000.parquet"), "rb").read() == b"p" * 1000
+    assert not os.path.exists(copy) and "(3 files, 0.00 GiB)" in lines[0]
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(launch.shutil, "disk_usage", lambda path: usage(2000, 1500, 500))
+    with pytest.raises(DflashError, match=r"has 0.0 GiB free; set TMPDIR to a folder on a larger local disk"):
+        with launch.local_data(remote, lines.append):
+            pass
+    with pytest.raises(DflashError, match="no token shards there"):
+        with launch.local_data(f"memory://bucket-{uuid.uuid4().hex}/empty", lines.append):
+            pass

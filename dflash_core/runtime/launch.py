@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TextIO
 
 import fsspec
@@ -102,14 +106,12 @@ def launch_train(
     cancel: threading.Event | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict:
-    """Run torchrun to completion, streaming its lines; returns rank 0's summary, or raises ProcessFailed."""
-    cmd = torchrun_command(
-        tokenized, plan, out, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id
-    )
+    """Run torchrun to completion, streaming its lines; returns rank 0's summary, or raises ProcessFailed.
+    Token shards on an object store are copied to this machine's disk first (local_data)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     check_output(out, "train", ("config.yaml",))
-    with output_lock(out, "train"), RunLog(out) as log:
+    with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
         errors: list[str] = []
 
         def collect(line: str) -> None:
@@ -119,6 +121,11 @@ def launch_train(
                 errors.append(line)
             on_line(line)
 
+        local = stack.enter_context(local_data(tokenized, collect))
+        cmd = torchrun_command(
+            local, plan, out, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id
+        )
+
         try:
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
         except ProcessFailed as exc:
@@ -127,6 +134,40 @@ def launch_train(
         return parse_summary(lines)
     except ValueError as exc:
         raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+
+
+@contextlib.contextmanager
+def local_data(tokenized: str, on_line: Callable[[str], None] = print) -> Iterator[str]:
+    """The token shards as a folder on this machine: a local folder as it is; one on an object store (s3://,
+    gs://, ...) copied, for the run, into a temporary folder under TMPDIR, deleted afterwards. The ranks read
+    samples at random, a parquet row group per sample: from an object store that is a ranged download per
+    sample, every epoch, on every node."""
+    fs, root = fsspec.core.url_to_fs(tokenized)
+    if is_local(fs):
+        yield tokenized
+        return
+    try:
+        files = [f for f in fs.ls(root, detail=True) if f.get("type") == "file"]
+    except FileNotFoundError:
+        files = []
+    if not files:
+        raise DflashError(f"{tokenized}: no token shards there; run `dflash tokenize` into it first")
+    total = sum(int(f.get("size") or 0) for f in files)
+    local = tempfile.mkdtemp(prefix="dflash-tokenized-")
+    try:
+        free = shutil.disk_usage(local).free
+        if total > free:
+            raise DflashError(f"{tokenized} holds {total / 2**30:.1f} GiB of token shards, but {local} has "
+                              f"{free / 2**30:.1f} GiB free; set TMPDIR to a folder on a larger local disk")
+        on_line(f"copying the token shards ({len(files)} files, {total / 2**30:.2f} GiB) from {tokenized} to "
+                f"{local}")
+        start = time.monotonic()
+        for f in files:
+            fs.get_file(f["name"], os.path.join(local, f["name"].rstrip("/").rsplit("/", 1)[-1]))
+        on_line(f"token shards copied in {time.monotonic() - start:.1f} s")
+        yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 class TrainingFailed(DflashError):
