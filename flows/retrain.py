@@ -15,10 +15,12 @@ from flows.artifacts import publish_summary
 
 
 def _run_name(explicit: str | None) -> str:
+    """`<scheduled start, UTC>-<flow run name>`: the same for every retry of a flow run (Prefect keeps a run's
+    expected start), so a retried run resumes its own checkpoints instead of training from scratch."""
     if explicit:
         return explicit
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{flow_run.get_name() or 'local'}"
+    start = flow_run.get_scheduled_start_time() or datetime.now(UTC)
+    return f"{start.astimezone(UTC).strftime('%Y%m%d-%H%M%S')}-{flow_run.get_name() or 'local'}"
 
 
 def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dict[str, Any]]:

@@ -125,3 +125,23 @@ def test_the_gpu_deployment_is_the_8gpu_preset_warm_started():
                                               "eval_every": preset.train.eval_every})
     assert deployed.model_copy(update={"train": train}) == preset
 
+
+
+def test_a_retried_flow_run_keeps_its_run_folder_so_training_resumes():
+    """The run folder is named by the flow run's scheduled start and name, which a retry of that flow run keeps
+    (a name from the clock at each attempt sent a retry to a new folder: training from scratch)."""
+    from prefect import flow
+
+    from flows.retrain import _run_name
+
+    names: list[str] = []
+
+    @flow(retries=1, retry_delay_seconds=1.5)
+    def attempt() -> None:
+        names.append(_run_name(None))
+        if len(names) == 1:
+            raise RuntimeError("injected: the node was lost")
+
+    attempt()
+    assert len(names) == 2 and names[0] == names[1]
+    assert names[0].split("-", 2)[2] and len(names[0].split("-")[0]) == 8  # <YYYYmmdd>-<HHMMSS>-<flow run name>
