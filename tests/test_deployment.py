@@ -111,8 +111,10 @@ def test_deploy_run_and_trigger_on_a_real_server(stack, tmp_path, example_assets
     artifacts = stack.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     assert EXPECTED_ARTIFACTS <= {a["key"] for a in artifacts if a["key"]}
     assert (tmp_path / "store" / "runs" / "deployed" / "drafter" / "model.safetensors").exists()
-    schedules = stack.post("/deployments/filter", {})[0]["schedules"]
-    assert schedules and schedules[0]["schedule"]["cron"] == "0 2 * * *"
+    deployment = stack.post("/deployments/filter", {})[0]
+    assert deployment["schedules"] and deployment["schedules"][0]["schedule"]["cron"] == "0 2 * * *"
+    limit = deployment["global_concurrency_limit"]  # one run at a time; the next one queues
+    assert limit["limit"] == 1 and deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
 
     # New data lands: the event creates a flow run of the deployment with the new URI as its data source.
     stack.stop(worker)
