@@ -111,8 +111,9 @@ def list_files(source: str) -> list[SourceFile]:
 
 
 # What object stores report about a file's content, strongest first: S3 (ChecksumSHA256, ETag), GCS (md5Hash,
-# crc32c), HTTP (ETag), Azure (content_settings.content_md5, else etag). An ETag changes whenever the object is written again, so a
-# fingerprint built on it never misses new content (an identical re-upload may still count as new: a cache miss).
+# crc32c), HTTP (ETag), Azure (content_settings.content_md5, else etag). An ETag changes whenever the object is
+# written again, so a fingerprint built on it never misses new content (an identical re-upload may still count
+# as new: a cache miss).
 _CHECKSUM_KEYS = ("ChecksumSHA256", "md5Hash", "crc32c", "ETag")
 
 

@@ -107,7 +107,7 @@ def promote_if_better(
         return decision
     record = {k: decision[k] for k in RECORD_KEYS} | {"time": datetime.now(UTC).isoformat(timespec="seconds")}
     try:
-        decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record, scores["incumbent_id"])
+        decision["promoted_drafter"] = promote(drafter_dir, cfg.storage.root, record, scores.get("incumbent_id"))
     except PromotionConflict as exc:  # another run promoted meanwhile: fail closed, keep theirs
         log.warning("promotion: no (%s)", exc)
         return decision | {"promoted": False, "reason": str(exc)}
