@@ -17,9 +17,11 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +33,10 @@ from dflash_core.errors import DflashError
 from dflash_core.io import is_local, join_uri
 
 STAGE_MARKER = ".dflash-stage.json"
+LOCK_HEARTBEAT_S = 60.0  # a held lock is rewritten this often with the time
+LOCK_STALE_S = 600.0  # a lock not rewritten for this long is a dead holder's, whatever host it was on
 _RENAME_EXCHANGE = 2
+log = logging.getLogger(__name__)
 _AT_FDCWD = -100
 
 
@@ -96,10 +101,11 @@ def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> Non
 
 
 @contextlib.contextmanager
-def output_lock(out: str, stage: str, stale_after_s: float | None = None) -> Iterator[None]:
-    """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host. A lock
-    is stale when its owner on this host is gone, or (with `stale_after_s`) when it is older than that,
-    whichever host took it: for short critical sections, whose crashed owner on another host cannot be seen."""
+def output_lock(out: str, stage: str) -> Iterator[None]:
+    """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host. The holder
+    rewrites the lock every LOCK_HEARTBEAT_S: a lock not rewritten for LOCK_STALE_S is a dead holder's, on
+    whatever host (a preempted node, a killed pod), and is taken over, as is one whose owner on this host is
+    gone."""
     fs, root = fsspec.core.url_to_fs(out)
     lock = root.rstrip("/") + ".lock"
     parent = lock.rsplit("/", 1)[0] if "/" in lock else "."
@@ -108,16 +114,56 @@ def output_lock(out: str, stage: str, stale_after_s: float | None = None) -> Ite
     except OSError as exc:
         raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": time.time()}
-    _acquire(fs, lock, owner, out, stale_after_s)
+    _acquire(fs, lock, owner, out)
+    beat = _Heartbeat(fs, lock, owner)
+    beat.start()
     try:
         yield
     finally:
+        beat.stop()
         with contextlib.suppress(OSError):
             fs.rm(lock)
 
 
-def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str,
-             stale_after_s: float | None = None) -> None:
+class _Heartbeat(threading.Thread):
+    """Rewrites a held lock with the time (`beat`) every LOCK_HEARTBEAT_S, while it still names its owner."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any]) -> None:
+        super().__init__(name=f"heartbeat {lock}", daemon=True)
+        self.fs, self.lock, self.owner = fs, lock, owner
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(LOCK_HEARTBEAT_S):
+            try:
+                holder = _read_lock(self.fs, self.lock)
+                if {k: holder.get(k) for k in ("pid", "host", "since")} != \
+                        {k: self.owner[k] for k in ("pid", "host", "since")}:
+                    log.warning("%s no longer names this process (taken over as stale, or deleted); not refreshed",
+                                self.lock)
+                    return
+                _write_lock(self.fs, self.lock, {**self.owner, "beat": time.time()})
+            except OSError as exc:  # a storage hiccup: the next beat tries again, well before the lock is stale
+                log.warning("could not refresh %s: %s", self.lock, exc)
+
+    def stop(self) -> None:
+        """End the heartbeat (before the lock is removed)."""
+        self.stopped.set()
+        self.join(timeout=10)
+
+
+def _write_lock(fs: fsspec.AbstractFileSystem, lock: str, holder: dict[str, Any]) -> None:
+    if is_local(fs):  # beside it, then renamed over it: a reader never sees half a lock
+        tmp = f"{lock}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(holder, fh)
+        os.replace(tmp, lock)
+    else:
+        with fs.open(lock, "w") as fh:
+            json.dump(holder, fh)
+
+
+def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str) -> None:
     for _ in range(2):  # the second try follows the removal of a stale lock
         if is_local(fs):
             try:
@@ -135,7 +181,7 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
                 json.dump(owner, fh)
             return
         holder = _read_lock(fs, lock)
-        if not _is_stale(holder, stale_after_s):
+        if not _is_stale(holder):
             raise OutputLockedError(_locked_message(out, lock, holder))
         with contextlib.suppress(OSError):
             fs.rm(lock)
@@ -156,11 +202,11 @@ def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
         return {}  # a lock file being written this instant, or garbage: treat as held, with unknown owner
 
 
-def _is_stale(holder: dict[str, Any], stale_after_s: float | None = None) -> bool:
-    """A lock whose owner was on this host and is no longer running (a killed run never unlocks), or one older
-    than `stale_after_s`."""
-    since = holder.get("since")
-    if stale_after_s is not None and isinstance(since, int | float) and time.time() - since > stale_after_s:
+def _is_stale(holder: dict[str, Any]) -> bool:
+    """A lock whose holder stopped rewriting it LOCK_STALE_S ago (any host), or whose owner was on this host and
+    is no longer running (a killed run never unlocks)."""
+    beat = holder.get("beat", holder.get("since"))
+    if isinstance(beat, int | float) and time.time() - beat > LOCK_STALE_S:
         return True
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from dflash_app.config import load_config
-from dflash_core import atomic_dir
+from dflash_core import atomic_dir, publish
 from dflash_core.model.paired import paired_gain
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
@@ -222,8 +222,8 @@ def test_overlapping_runs_never_replace_a_drafter_they_were_not_compared_with(ro
 
 def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root, monkeypatch):
     """While another run holds promoted.lock (copying its drafter into promoted.staged-*) longer than a promotion
-    waits for it, that promotion is refused and readers leave the staged copy alone; a lock older than
-    LOCK_STALE_S (a promoter that crashed, on any host) is taken over."""
+    waits for it, that promotion is refused and readers leave the staged copy alone; a lock its holder stopped
+    rewriting LOCK_STALE_S ago (a promoter that crashed, on any host) is taken over."""
     monkeypatch.setattr(store, "LOCK_WAIT_S", 1.0)
     cfg = _cfg(root)
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
@@ -245,7 +245,7 @@ def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root
     busy = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", _scores(1.9, 1.6, root))
     assert not busy["promoted"] and "another run is promoting a drafter right now" in busy["reason"]
     assert read_promoted(root)["run"] == "runs/a"
-    hold(time.time() - store.LOCK_STALE_S - 60, "another-host")
+    hold(time.time() - publish.LOCK_STALE_S - 60, "another-host")
     assert promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass",
                              _scores(1.9, 1.6, root))["promoted"]
     assert read_promoted(root)["run"] == "runs/b" and not fs.exists(lock)

@@ -4,6 +4,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,40 @@ def test_object_store_paths_publish_too() -> None:
             fh.write("{}")
     fs = fsspec.filesystem("memory")
     assert fs.exists("/pub/out/plan.json") and not fs.exists("/pub/out.lock")
+
+
+def test_a_held_lock_beats_and_a_silent_one_from_any_host_is_taken_over(tmp_path: Path, monkeypatch) -> None:
+    """The holder rewrites its lock with the time: a long run's lock never looks stale, wherever it is checked
+    from; a lock nobody rewrote for LOCK_STALE_S (a pod killed on another node) is taken over."""
+    import threading
+
+    from dflash_core import publish
+
+    monkeypatch.setattr(publish, "LOCK_HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(publish, "LOCK_STALE_S", 0.6)
+    out, lock = str(tmp_path / "out"), tmp_path / "out.lock"
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with output_lock(out, "train"):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        time.sleep(1.2)  # twice LOCK_STALE_S since the lock was taken
+        beat = json.loads(lock.read_text())
+        assert time.time() - beat["beat"] < 0.6 and time.time() - beat["since"] > 1.0
+        with pytest.raises(OutputLockedError, match="being written by another process"):
+            with output_lock(out, "train"):
+                pass
+    finally:
+        release.set()
+        holder.join(10)
+    assert not lock.exists()
+    lock.write_text(json.dumps({"pid": 1, "host": "gpu-node-7", "stage": "train", "since": time.time() - 5,
+                                "beat": time.time() - 1}))
+    with output_lock(out, "train"):  # silent for longer than LOCK_STALE_S: the other node's holder is gone
+        assert json.loads(lock.read_text())["host"] == socket.gethostname()

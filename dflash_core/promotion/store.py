@@ -32,8 +32,6 @@ from dflash_core.runtime.warm_start import PROMOTED
 PROMOTED_DIR, DRAFTER_DIR, RECORD_FILE = "promoted", "drafter", "promoted.json"
 # the serving format's files (dflash_core.model.export), named here so reading the store needs no torch
 DRAFTER_FILES = ("config.json", "model.safetensors")
-# a promotion copies one drafter: a lock older than this is a crashed promoter's, on whatever host
-LOCK_STALE_S = 6 * 3600.0
 LOCK_WAIT_S = 30.0  # how long a promotion waits for the lock before it counts as another run's promotion
 
 
@@ -109,7 +107,7 @@ def _promotion_lock(root: str, wait_s: float = 0.0) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         while True:
             try:
-                stack.enter_context(output_lock(_join(root, PROMOTED_DIR), "promote", stale_after_s=LOCK_STALE_S))
+                stack.enter_context(output_lock(_join(root, PROMOTED_DIR), "promote"))
                 break
             except OutputLockedError:
                 if time.monotonic() >= deadline:
