@@ -134,17 +134,21 @@ class _Heartbeat(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        mine = {k: self.owner[k] for k in ("pid", "host", "since")}
         while not self.stopped.wait(LOCK_HEARTBEAT_S):
+            # a storage hiccup (or a lock unreadable this instant) skips one beat: the next comes long before the
+            # lock would look stale; a lock deleted, or naming another holder, is not ours any more
             try:
                 holder = _read_lock(self.fs, self.lock)
-                if {k: holder.get(k) for k in ("pid", "host", "since")} != \
-                        {k: self.owner[k] for k in ("pid", "host", "since")}:
+                if not holder and self.fs.exists(self.lock):
+                    continue
+                if {k: holder.get(k) for k in mine} != mine:
                     log.warning("%s no longer names this process (taken over as stale, or deleted); not refreshed",
                                 self.lock)
                     return
                 _write_lock(self.fs, self.lock, {**self.owner, "beat": time.time()})
-            except OSError as exc:  # a storage hiccup: the next beat tries again, well before the lock is stale
-                log.warning("could not refresh %s: %s", self.lock, exc)
+            except Exception:  # noqa: BLE001 - logged; retried at the next beat
+                log.warning("could not refresh %s; trying again in %s s", self.lock, LOCK_HEARTBEAT_S, exc_info=True)
 
     def stop(self) -> None:
         """End the heartbeat (before the lock is removed)."""

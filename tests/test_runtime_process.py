@@ -127,10 +127,13 @@ def test_token_shards_on_an_object_store_are_copied_for_the_run_and_a_full_disk_
     for name, body in (("index.parquet", b"i" * 10), ("part-00000.parquet", b"p" * 1000), ("manifest.json", b"{}")):
         fs.pipe(f"{remote}/{name}", body)
     lines: list[str] = []
+    monkeypatch.setattr(launch, "_COPY_PROGRESS_S", 0.0)  # a progress line after every file but the last
     with launch.local_data(remote, lines.append) as copy:
         assert sorted(os.listdir(copy)) == ["index.parquet", "manifest.json", "part-00000.parquet"]
         assert open(os.path.join(copy, "part-00000.parquet"), "rb").read() == b"p" * 1000
     assert not os.path.exists(copy) and "(3 files, 0.00 GiB)" in lines[0]
+    assert [line.split(",")[0] for line in lines[1:3]] == ["copied 1/3 files", "copied 2/3 files"]
+    assert lines[3].startswith("token shards copied in")
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(launch.shutil, "disk_usage", lambda path: usage(2000, 1500, 500))
     with pytest.raises(DflashError, match=r"has 0.0 GiB free; set TMPDIR to a folder on a larger local disk"):

@@ -67,6 +67,8 @@ def parse_summary(lines: Iterable[str]) -> dict:
     raise ValueError("training finished but printed no JSON summary line; see the log above")
 
 
+_COPY_PROGRESS_S = 10.0  # a line about the local copy of the token shards at most this often
+
 # OMP_NUM_THREADS as the user set it ("" when unset): the worker's intra-op threads follow it, not the 1 the
 # launcher sets for torchrun (see runtime/efficiency.py intra_op_threads)
 ASKED_THREADS_ENV = "DFLASH_OMP_NUM_THREADS"
@@ -161,9 +163,14 @@ def local_data(tokenized: str, on_line: Callable[[str], None] = print) -> Iterat
                               f"{free / 2**30:.1f} GiB free; set TMPDIR to a folder on a larger local disk")
         on_line(f"copying the token shards ({len(files)} files, {total / 2**30:.2f} GiB) from {tokenized} to "
                 f"{local}")
-        start = time.monotonic()
-        for f in files:
+        start = last = time.monotonic()
+        done = 0
+        for k, f in enumerate(files, 1):
             fs.get_file(f["name"], os.path.join(local, f["name"].rstrip("/").rsplit("/", 1)[-1]))
+            done += int(f.get("size") or 0)
+            if time.monotonic() - last >= _COPY_PROGRESS_S and k < len(files):
+                last = time.monotonic()
+                on_line(f"copied {k}/{len(files)} files, {done / 2**30:.2f} of {total / 2**30:.2f} GiB")
         on_line(f"token shards copied in {time.monotonic() - start:.1f} s")
         yield local
     finally:
