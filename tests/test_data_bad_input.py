@@ -9,7 +9,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from common.chat import conversations, data_config, to_sharegpt, tokenizer_dir, write_jsonl
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_core.data.errors import BadInputError, DataError
@@ -226,6 +226,8 @@ _lines = st.one_of(
 @pytest.mark.slow  # 25 hypothesis examples, each a whole tokenize run: ~15 s
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(_lines, max_size=12))
+@example(lines=[b"\xef", b"["])  # a lone 0xEF is not a byte order mark: two bad lines, not a JSON array
+@example(lines=[b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode(), b"["])  # a real mark: a JSON lines file
 def test_garbage_never_crashes_and_every_record_is_accounted_for(tmp_path: Path, lines: list[bytes]) -> None:
     data = tmp_path / "garbage.jsonl"
     data.write_bytes(b"\n".join(lines))
@@ -266,3 +268,14 @@ def test_json_array_stream_never_raises_on_garbage(blob: bytes) -> None:
 
     for line, element in JsonArrayElements(io.BytesIO(blob)):
         assert line >= 1 and isinstance(element, bytes)
+
+
+@pytest.mark.parametrize("shape", ["jsonl", "array"])
+def test_a_byte_order_mark_in_front_of_a_file_is_skipped(tmp_path: Path, shape: str) -> None:
+    """Editors on Windows write a UTF-8 byte order mark first: JSON lines and a JSON array read as without it."""
+    body = (b"\n".join(json.dumps(r).encode() for r in GOOD) if shape == "jsonl"
+            else json.dumps(GOOD, indent=1).encode())
+    data = tmp_path / f"bom.{'jsonl' if shape == 'jsonl' else 'json'}"
+    data.write_bytes(b"\xef\xbb\xbf" + body)
+    summary = _run(data, tmp_path / "out")
+    assert summary["read"] == summary["kept"] == len(GOOD)

@@ -35,6 +35,7 @@ CSV_SUFFIXES = (".csv", ".tsv")
 DATA_SUFFIXES = (*JSON_SUFFIXES, ".parquet", ".arrow", *CSV_SUFFIXES)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _READ_CHUNK = 1 << 20
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors put in front of a file
 _PARQUET_BATCH = 1024
 _DOCUMENT_MAX = 256 << 20  # a file whose first line is not JSON is tried whole as JSON object(s) up to this size
 # pyarrow's messages for an IPC stream that ends inside a message (it has no typed end-of-stream error)
@@ -367,13 +368,18 @@ class _Prepend:
         return b"".join(parts)
 
     def peek_nonspace(self) -> bytes:
-        """The first non-whitespace byte (b'' at EOF), kept in the stream."""
-        while not self.buf.lstrip(b" \t\r\n\xef\xbb\xbf"):
+        """The first byte after leading whitespace and a UTF-8 byte order mark (b'' at EOF), kept in the stream.
+        Only the whole mark is skipped: a lone 0xEF is content."""
+        while True:
+            rest = self.buf.lstrip(b" \t\r\n")
+            if rest.startswith(_BOM):
+                rest = rest[len(_BOM):].lstrip(b" \t\r\n")
+            if rest and not (len(rest) < len(_BOM) and _BOM.startswith(rest)):  # not a mark read in part
+                return rest[:1]
             more = self._read(4096)
             if not more:
-                return b""
+                return rest[:1]
             self.buf += more
-        return self.buf.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
 
     def lines(self) -> Iterator[bytes]:
         """The stream split on b"\\n" (without it); memory ~ the longest line."""
@@ -429,8 +435,8 @@ class JsonArrayElements:
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         self._fill()
         pos = self._skip_space(0)
-        if self.buf[pos:pos + 3] == b"\xef\xbb\xbf":
-            pos = self._skip_space(pos + 3)
+        if self.buf[pos:pos + len(_BOM)] == _BOM:
+            pos = self._skip_space(pos + len(_BOM))
         pos += 1  # the caller checked that this is '['
         while True:
             pos = self._drop_before(self._skip_space(pos))
