@@ -36,8 +36,8 @@ STAGE_MARKER = ".dflash-stage.json"
 LOCK_HEARTBEAT_S = 60.0  # a held lock is rewritten this often with the time
 LOCK_STALE_S = 600.0  # a lock not rewritten for this long is a dead holder's, whatever host it was on
 _RENAME_EXCHANGE = 2
-log = logging.getLogger(__name__)
 _AT_FDCWD = -100
+log = logging.getLogger(__name__)
 
 
 class OutputError(DflashError):
@@ -181,8 +181,7 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
                     json.dump(owner, fh)
                 return
         elif not fs.exists(lock):  # object stores: best effort (no exclusive create)
-            with fs.open(lock, "w") as fh:
-                json.dump(owner, fh)
+            _write_lock(fs, lock, owner)
             return
         holder = _read_lock(fs, lock)
         if not _is_stale(holder):

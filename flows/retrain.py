@@ -30,7 +30,7 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
     out = storage.join(root, "regenerated", fingerprint[:16])
     if config.data.regenerate.task_per_shard:
         records = tasks.count_regenerate_records(config)
-        shards = [[s] for s in range(-(-records // config.data.regenerate.records_per_shard))]
+        shards = [[s] for s in range(config.data.regenerate.shard_count(records))]
         tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards,
                              records=unmapped(records)).result()
     summary = tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)

@@ -50,6 +50,10 @@ class RegenerateConfig(StrictModel):
                            "spread over machines (give endpoints: each task run would start its own server)")
     limit: PositiveInt | None = Field(None, description="regenerate only the first N input records")
 
+    def shard_count(self, records: int) -> int:
+        """How many shards `records` input records make (the last may hold fewer)."""
+        return -(-records // self.records_per_shard)
+
     @model_validator(mode="after")
     def _replicas_on_cpu(self) -> "RegenerateConfig":
         if self.replicas > 1 and self.serve != "transformers":

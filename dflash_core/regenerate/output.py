@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -59,9 +59,16 @@ class OutputDir:
                     f"{self.out} holds the output of another regenerate run (other input, target or sampling "
                     f"settings); use a new --out folder or delete this one")
             return
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # parallel shard task runs may claim at once: never half a file
-        with self.fs.open(tmp, "w") as fh:
-            json.dump(state, fh, indent=2)
+        self.replace(path, [json.dumps(state, indent=2).encode()])  # parallel shard task runs may claim at once
+
+    def replace(self, path: str, chunks: Iterable[bytes]) -> None:
+        """Write `path` under a unique temporary name in .work/, then rename it over `path`: a reader (or a kill)
+        meets the old file or the new one, never half of one."""
+        name = path.rsplit("/", 1)[-1]
+        tmp = self.path(f"{WORK}/{name}.{uuid.uuid4().hex}.tmp")
+        with self.fs.open(tmp, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
         self.fs.mv(tmp, path)
 
     def shard_done(self, shard: int) -> bool:
@@ -73,7 +80,7 @@ class OutputDir:
         return self.shard_done(shard) and not self.fs.exists(self.work_file(shard, ".retry"))
 
     def work_file(self, shard: int, suffix: str) -> str:
-        """A shard's file under .work/: `.journal.jsonl`, `.retry`, `.jsonl.tmp`, `.journal.jsonl.tmp`."""
+        """A shard's file under .work/: `.journal.jsonl`, `.retry`."""
         return self.path(f"{WORK}/{shard_name(shard).removesuffix('.jsonl')}{suffix}")
 
     def journal(self, shard: int) -> ShardJournal:
@@ -97,11 +104,8 @@ class OutputDir:
         return lines
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        """manifest.json, written last (beside it, then renamed): its presence says the output is complete."""
-        tmp = self.path(f"{WORK}/{MANIFEST}.tmp")
-        with self.fs.open(tmp, "w") as fh:
-            json.dump(manifest, fh, indent=2)
-        self.fs.mv(tmp, self.path(MANIFEST))
+        """manifest.json, written last (whole: replace): its presence says the output is complete."""
+        self.replace(self.path(MANIFEST), [json.dumps(manifest, indent=2).encode()])
 
     def remove_manifest(self) -> None:
         """A run that starts (or resumes) is not complete until it ends."""
@@ -116,12 +120,9 @@ class ShardJournal:
         self.out, self.shard = out, shard
         self.lines = out.outcomes(shard)
         self.path = out.work_file(shard, ".journal.jsonl")
-        # rewrite the last outcomes (an append after a torn line breaks; retried records keep one line) beside
-        # it, then rename: a kill while rewriting leaves the old journal whole
-        tmp = out.work_file(shard, ".journal.jsonl.tmp")
-        with out.fs.open(tmp, "wb") as fh:
-            fh.write(b"".join(_line(v) for v in self.lines.values()))
-        out.fs.mv(tmp, self.path)
+        # rewrite the last outcomes (an append after a torn line breaks; retried records keep one line), whole: a
+        # kill while rewriting leaves the old journal
+        out.replace(self.path, [b"".join(_line(v) for v in self.lines.values())])
         self.fh = out.fs.open(self.path, "ab")
 
     def add(self, line: dict[str, Any]) -> None:
@@ -138,20 +139,21 @@ class ShardJournal:
         """Write shard-NNNNN.jsonl (kept records, input order) under a temporary name, then rename it (over the
         file of an earlier run whose server_error drops were retried); mark it while it holds such drops."""
         self.fh.close()
-        fs, final, tmp = self.out.fs, self.out.path(shard_name(self.shard)), self.out.work_file(self.shard, ".jsonl.tmp")
-        with fs.open(tmp, "wb") as fh:
-            for i in sorted(self.lines):
-                if "messages" in self.lines[i]:
-                    kept = self.lines[i]
-                    tools = {"tools": kept["tools"]} if kept.get("tools") else {}
-                    fh.write(_line({"messages": kept["messages"], **tools, "source": kept["source"]}))
-        marker, retry = self.out.work_file(self.shard, ".retry"), sorted(self.retryable())
+        fs, marker, retry = self.out.fs, self.out.work_file(self.shard, ".retry"), sorted(self.retryable())
         if retry:  # before the shard file: a shard is never seen settled with drops left to retry
             with fs.open(marker, "w") as fh:
                 json.dump(retry, fh)
-        fs.mv(tmp, final)
+        self.out.replace(self.out.path(shard_name(self.shard)), self._kept_lines())
         if not retry and fs.exists(marker):
             fs.rm(marker)
+
+    def _kept_lines(self) -> Iterator[bytes]:
+        """The shard file's lines: the kept records in input order."""
+        for i in sorted(self.lines):
+            kept = self.lines[i]
+            if "messages" in kept:
+                tools = {"tools": kept["tools"]} if kept.get("tools") else {}
+                yield _line({"messages": kept["messages"], **tools, "source": kept["source"]})
 
     def close(self) -> None:
         """Close the journal (an unfinished shard resumes from it)."""

@@ -155,11 +155,10 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
     output.remove_manifest()
     records = count_records(files, data) if records is None else records
-    total_shards = -(-records // cfg.records_per_shard)
+    total_shards = cfg.shard_count(records)
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
     todo = {s for s in covered if not output.settled(s)}
-    run = _Run(output, data, records, progress)
-    run.todo_records = sum(run.size(s) for s in todo)
+    run = _Run(output, data, records, todo, progress)
     model, seconds = cfg.model, 0.0
     if todo:
         key = api_key(cfg)
@@ -199,14 +198,14 @@ def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, out
 class _Run:
     """One execution: the work queue, the workers of every endpoint, the journals, the counts."""
 
-    def __init__(self, output: OutputDir, data: DataConfig, records: int, progress: Progress | None) -> None:
+    def __init__(self, output: OutputDir, data: DataConfig, records: int, todo: Collection[int],
+                 progress: Progress | None) -> None:
         self.output, self.cfg, self.progress = output, data.regenerate, progress
         self.records = records  # in the whole input: the last shard holds the rest
-        self.todo_records = 0  # in the shards this run works on (the progress bar's 100%)
+        self.todo_records = sum(self.size(s) for s in todo)  # in the shards this run works on (the bar's 100%)
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking)
         self.journals: dict[int, ShardJournal] = {}
-        self.settled: dict[int, bool] = {}
         # by shard: the server_error drops of an earlier run, and those of them sent again and not yet answered
         self.retryable: dict[int, set[int]] = {}
         self.retrying: dict[int, set[int]] = {}
@@ -287,15 +286,11 @@ class _Run:
         return min(per_shard, self.records - shard * per_shard)
 
     def _known(self, item: Item) -> bool:
-        """Done in an earlier run: the shard is written with nothing to retry, or the record's outcome is journaled
-        and final (a server_error drop is sent again)."""
-        if item.shard not in self.settled:
-            self.settled[item.shard] = self.output.settled(item.shard)
-            if not self.settled[item.shard]:
-                self.journals[item.shard] = self.output.journal(item.shard)
-                self.retryable[item.shard] = self.journals[item.shard].retryable()
-        if self.settled[item.shard]:
-            return True
+        """Done in an earlier run: the record's outcome is journaled and final (a server_error drop is sent again).
+        Settled shards never get here: read_items leaves them out."""
+        if item.shard not in self.journals:
+            self.journals[item.shard] = self.output.journal(item.shard)
+            self.retryable[item.shard] = self.journals[item.shard].retryable()
         if item.index in self.retryable[item.shard]:
             self.retrying.setdefault(item.shard, set()).add(item.index)
             self.retried += 1
