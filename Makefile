@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # fresh clone (pyproject.toml keeps the ranges a `pip install` of the package accepts). `make constraints`
 # moves them to today's releases.
 CONSTRAINTS := infra/constraints.txt
+TORCH := torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build. Installed compiled
 	# (no --no-compile): with PYTHONDONTWRITEBYTECODE set, as on CI machines, every process would compile torch anew.
-	$(PY) -m pip install -q $(PIP_LINKS) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_LINKS) $(TORCH)
 	$(PY) -m pip install -q $(PIP_LINKS) -c $(CONSTRAINTS) -e '.[dev,serving]'
 	touch $(STAMP)
 
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 constraints:
 	rm -rf .venv-resolve && $(PYTHON) -m venv .venv-resolve
 	.venv-resolve/bin/python -m pip install -q --upgrade pip
-	.venv-resolve/bin/python -m pip install -q $(PIP_LINKS) torch==2.13.0
+	.venv-resolve/bin/python -m pip install -q $(PIP_LINKS) $(TORCH)
 	.venv-resolve/bin/python -m pip install -q $(PIP_LINKS) -e '.[dev,serving]'
 	{ echo "# Exact versions for make (see the Makefile): written by 'make constraints' on $$(date -u +%F)."; \
 	  .venv-resolve/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
