@@ -521,3 +521,26 @@ def test_a_kill_while_a_journal_is_rewritten_keeps_every_outcome_in_it(tmp_path,
     monkeypatch.undo()
     assert sorted(out.outcomes(0)) == [0, 1, 2]
     assert sorted(out.journal(0).lines) == [0, 1, 2]
+
+
+def test_temporary_files_of_killed_writers_are_swept_but_fresh_ones_are_kept(tmp_path):
+    """Each whole-file write goes through a uniquely named temporary file in .work/; one that a kill -9 left behind
+    is removed when a later run opens the folder, once it is old enough that no live writer (a parallel shard task
+    run) can still be renaming it."""
+    import os
+    import time
+
+    from dflash_core.regenerate import output
+
+    out = output.OutputDir(str(tmp_path / "out"))
+    work = tmp_path / "out" / output.WORK
+    old, fresh, journal = (work / "shard-00000.jsonl.aa.tmp", work / "shard-00001.jsonl.bb.tmp",
+                           work / "shard-00000.journal.jsonl")
+    for path in (old, fresh, journal):
+        path.write_bytes(b"{}\n")
+    long_ago = time.time() - output.STALE_TMP_S - 60
+    os.utime(old, (long_ago, long_ago))
+    os.utime(journal, (long_ago, long_ago))
+    output.OutputDir(str(tmp_path / "out"))
+    assert not old.exists() and fresh.exists() and journal.exists()
+    assert out.shard_done(0) is False  # the stale temporary was never the shard file

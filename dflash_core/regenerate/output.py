@@ -13,6 +13,8 @@ only when every shard is done."""
 from __future__ import annotations
 
 import json
+import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -29,6 +31,10 @@ MANIFEST = "manifest.json"
 # drops a re-run sends again: the server failed on the record while it answered others (the other reasons are the
 # record's own, or the server's answer to it, and stay)
 RETRIED = frozenset({"server_error"})
+# a temporary file of `OutputDir.replace` this much older than now was left by a killed writer (a live one renames
+# its file within seconds of writing it; parallel shard task runs may be writing theirs right now)
+STALE_TMP_S = 3600.0
+log = logging.getLogger(__name__)
 
 
 def shard_name(shard: int) -> str:
@@ -43,6 +49,22 @@ class OutputDir:
         self.out = out.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.out)
         self.fs.makedirs(f"{self.root}/{WORK}", exist_ok=True)
+        self._sweep_stale_tmp()
+
+    def _sweep_stale_tmp(self) -> None:
+        """Delete the temporary files that killed runs left in .work/ (each has a unique name, so repeated kills
+        would pile them up); a file whose age the filesystem cannot tell is left alone."""
+        now, swept = time.time(), 0
+        for path in self.fs.glob(self.path(f"{WORK}/*.tmp")):
+            try:
+                stale = now - self.fs.modified(path).timestamp() > STALE_TMP_S
+                if stale:
+                    self.fs.rm(path)
+                    swept += 1
+            except (NotImplementedError, OSError):  # no modification time here, or another run swept it first
+                continue
+        if swept:
+            log.info("removed %d temporary file(s) left in %s/%s by killed runs", swept, self.out, WORK)
 
     def path(self, name: str) -> str:
         """A path inside the folder."""
