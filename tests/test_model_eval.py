@@ -1,6 +1,7 @@
 """Speculative decoding: lossless, oracle and random drafters, KV-cached vs uncached verification, stop tokens,
 the tau figures, the eval entry point."""
 
+import functools
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from dflash_core.model.evaluate import (
+    Response,
     evaluate,
     greedy_generate,
     histogram,
@@ -19,6 +21,7 @@ from dflash_core.model.evaluate import (
     prompt_turns,
     read_instances,
     speculative_generate,
+    summarize,
     tau,
 )
 from dflash_core.model.export import save_dflash
@@ -124,6 +127,47 @@ def test_tau_is_the_mean_of_per_response_means():
     assert tau([n for r in responses for n in r]) == pytest.approx(2.5)
     assert mean_of_means([[]]) is None
     assert histogram([4, 4, 2, 1, 1, 3], 4) == {"1": 2, "2": 1, "3": 1, "4": 2}
+
+
+def test_speedup_is_the_ratio_of_mean_per_token_decoding_times_as_the_benchmark_reports_it():
+    """z-lab/dflash benchmark.py: each response's decoding seconds (after the prefill and the first draft pass)
+    per new token, averaged over responses; throughput is 1 / that mean, speedup the ratio of the two means (not
+    pooled seconds over pooled tokens, which would let long responses dominate)."""
+    responses = [Response("s", 0, [2, 2], 4, seconds=2.0, baseline_tokens=4, baseline_seconds=4.0),
+                 Response("s", 1, [3], 100, seconds=10.0, baseline_tokens=100, baseline_seconds=12.0)]
+    out = summarize(responses, B)
+    spec, base = (0.5 + 0.1) / 2, (1.0 + 0.12) / 2  # mean seconds per token
+    assert out["tokens_per_s"] == pytest.approx(1 / spec) and out["baseline_tokens_per_s"] == pytest.approx(1 / base)
+    assert out["speedup"] == pytest.approx(base / spec)  # 1.867; pooled it would be 16/104 / (12/104) = 1.333
+    assert summarize([Response("s", 0, [], 0, seconds=0.0)], B)["tokens_per_s"] is None
+
+
+def test_decoding_time_starts_after_the_prefill_and_the_first_draft_pass(target):
+    """Where both decoders call `decoding_starts`: the greedy baseline after its one prefill forward, speculative
+    decoding after the prefill and the first draft_block (before that block's verify pass), once each."""
+    model, calls, prompt = target.model, [], PROMPTS[0]
+    forward = model.forward
+
+    @functools.wraps(forward)  # the same signature: decoding picks its cache keyword from it
+    def counted(*args, **kwargs):
+        calls.append("target")
+        return forward(*args, **kwargs)
+
+    class Counting(OracleDrafter):
+        def draft_block(self, *args):
+            calls.append("draft")
+            return super().draft_block(*args)
+
+    reference = greedy_generate(target, prompt, 12 + B)[0]
+    model.forward = counted
+    try:
+        greedy_generate(target, prompt, 6, kv_cache=True, decoding_starts=lambda: calls.append("start"))
+        assert calls == ["target", "start"] + ["target"] * 5
+        calls.clear()
+        speculative_generate(target, Counting(reference), prompt, 12, decoding_starts=lambda: calls.append("start"))
+        assert calls[:4] == ["target", "draft", "start", "target"] and calls.count("start") == 1
+    finally:
+        del model.forward
 
 
 def test_stop_token_ends_generation_like_greedy(target):
