@@ -9,6 +9,7 @@ import gzip
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from transformers import AutoTokenizer
 from dflash_core.data.errors import TemplateError
 from dflash_core.data.formats import (
     Conversation,
+    Drop,
     alternate,
     merge_same_roles,
     same_role_groups,
@@ -771,6 +773,67 @@ def test_parquet_rows_of_different_shapes_read_their_own_fields_and_nulls_are_ab
     summary = tokenize_dataset(str(tmp_path / "mixed.parquet"), qwen3_tok, str(tmp_path / "out2"), data_config(),
                                block_size=2)
     assert summary["kept"] == 2 and summary["dropped"] == {}
+
+
+def test_one_parquet_column_holding_sharegpt_and_openai_turns_reads_each_row_by_the_fields_it_fills(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    """Two sources concatenated into one parquet file (datasets' from_list, a polars/pyarrow concat): the turn
+    struct has from/value and role/content in every row, the unused pair null; a row is read by the pair it
+    fills, not the first pair it has."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
+            {"conversations": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "merged.parquet")
+    summary = tokenize_dataset(str(tmp_path / "merged.parquet"), qwen3_tok, str(tmp_path / "out"), data_config(),
+                               block_size=1)
+    assert (summary["kept"], summary["dropped"]) == (2, {}), summary
+    assert _supervised(tmp_path, qwen3_tok) == [["A1<|im_end|>"], ["A2<|im_end|>"]]
+
+
+def test_preference_sets_whose_chosen_side_is_the_whole_conversation_read_it() -> None:
+    """UltraFeedback-style records (a `prompt` string, `chosen`/`rejected` the whole conversation as turns) and
+    Magpie DPO-style ones (`chosen` the reply turns only) read the chosen conversation; a `chosen` conversation
+    wins over a message list beside it (distilabel-capybara-dpo: `conversation` holds the original replies)."""
+    def read(record: dict[str, Any]) -> list[tuple[str, str]]:
+        conv = to_conversation(record)
+        assert not isinstance(conv, Drop), conv
+        return [(m["role"], m["content"]) for m in conv.messages]
+
+    wrong = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "WRONG"}]
+    ultrafeedback = {"source": "evol_instruct", "prompt": "Q", "chosen-rating": 5.0, "rejected": wrong,
+                     "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    assert read(ultrafeedback) == [("user", "Q"), ("assistant", "A")]
+    as_json = {**ultrafeedback, "chosen": json.dumps(ultrafeedback["chosen"])}  # a CSV export keeps lists as JSON
+    assert read(as_json) == [("user", "Q"), ("assistant", "A")]
+    magpie = {"instruction": "Q", "chosen": [{"from": "gpt", "value": "A"}], "rejected": [{"from": "gpt", "value": "B"}]}
+    assert read(magpie) == [("user", "Q"), ("assistant", "A")]
+    capybara = {"conversation": [{"input": "Q", "output": "ORIGINAL"}], "prompt": "Q", "rejected": wrong,
+                "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "CHOSEN"}]}
+    assert read(capybara) == [("user", "Q"), ("assistant", "CHOSEN")]
+    bad = to_conversation({"prompt": "Q", "chosen": [1, 2], "rejected": []})
+    assert isinstance(bad, Drop) and bad.reason == "wrong_schema" and "not of turns" in bad.detail
+
+
+def test_a_prompt_rendered_by_a_template_gets_its_reply_without_the_end_of_turn_mark_and_one_system_turn() -> None:
+    """Llama-Nemotron v1 stores `input` as a rendered Llama 3 prompt (its system block included) and `output`
+    ending in <|eot_id|>, beside a `system_prompt`: the reply loses the mark (the template writes its own end of
+    turn) and the transcript's own system turn is the only one."""
+    nemotron = {"input": "<|start_header_id|>system<|end_header_id|>\n\ndetailed thinking off<|eot_id|>"
+                         "<|start_header_id|>user<|end_header_id|>\n\nSolve x+1=2<|eot_id|>"
+                         "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                "output": "x = 1<|eot_id|>", "system_prompt": "detailed thinking off"}
+    conv = to_conversation(nemotron)
+    assert not isinstance(conv, Drop)
+    assert [(m["role"], m["content"]) for m in conv.messages] == [
+        ("system", "detailed thinking off"), ("user", "Solve x+1=2"), ("assistant", "x = 1")]
+    chatml = to_conversation({"prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                              "response": "Hello!<|im_end|>"})
+    assert not isinstance(chatml, Drop) and chatml.messages[-1] == {"role": "assistant", "content": "Hello!"}
+    # a plain prompt's reply is text as written, marks and all (it is not a rendered transcript)
+    plain = to_conversation({"prompt": "Strike it", "response": "<s>old</s>"})
+    assert not isinstance(plain, Drop) and plain.messages[-1]["content"] == "<s>old</s>"
 
 
 def test_one_file_mixing_openai_sharegpt_and_glaive_records_reads_each_by_its_own_shape(

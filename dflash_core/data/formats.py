@@ -301,7 +301,9 @@ def _record_schema(record: Any, key: str | None) -> tuple[str, str] | None:
 
 
 def _turn_format(turn: dict[str, Any]) -> str | None:
-    return next((fmt for fmt, (role, _) in FIELDS.items() if role in turn), None)
+    """The format whose role field the turn holds a value under (a null one is absent: a parquet column written
+    from ShareGPT and OpenAI rows gives every turn both from/value and role/content)."""
+    return next((fmt for fmt, (role, _) in FIELDS.items() if turn.get(role) is not None), None)
 
 
 def _as_list(value: Any) -> list[Any] | None:
@@ -336,7 +338,9 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     # key is read by the fields it has
     key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
     raw_turns: list[Any] | None
-    if key is None and (prompt := _prompt_list(record)) is not None:
+    if key is not None and (chosen := _chosen_conversation(record, roles)) is not None:
+        key, raw_turns = "chosen", chosen  # a preference pair is read by its chosen side, not a list beside it
+    elif key is None and (prompt := _prompt_list(record)) is not None:
         if isinstance(prompt, Drop):
             return prompt
         key, raw_turns = prompt
@@ -403,6 +407,22 @@ def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
         return Drop("wrong_schema", f"'{reply_key}' is a {type(reply).__name__}, expected the reply as a string "
                     f"or a list of turns (the '{key}' is a list of turns)")
     return None
+
+
+def _chosen_conversation(record: dict[str, Any], roles: Mapping[str, str]) -> list[Any] | None:
+    """The turns of a preference pair's `chosen` side (a `rejected` one beside it) when they are a whole
+    conversation (a turn that is not the assistant's among them); None otherwise."""
+    turns = _as_list(record.get("chosen")) if "rejected" in record else None
+    if turns is None or not _turn_list(turns):
+        return None
+    return turns if any(_role(turn, roles) not in ("assistant", None) for turn in turns) else None
+
+
+def _role(turn: dict[str, Any], roles: Mapping[str, str]) -> str | None:
+    """A turn's canonical role (None when its format or role is not known)."""
+    fmt = _turn_format(turn)
+    source = turn.get(FIELDS[fmt][0]) if fmt else None
+    return roles.get(source.lower()) if isinstance(source, str) else None
 
 
 def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
@@ -508,15 +528,30 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
         turns = transcript
     reply_key = _reply_key(record)
     call_key = None if reply_key else next((k for k in CALL_REPLY_KEYS if record.get(k) is not None), None)
-    if reply_key is not None:
+    fmts: list[str | None] = ["openai"] * len(turns)
+    reply_turns = None if reply_key is None else _as_list(record[reply_key])
+    if reply_key is not None and reply_turns is not None and \
+            (not isinstance(record[reply_key], str) or _turn_list(reply_turns)):
+        if not _turn_list(reply_turns):
+            return Drop("wrong_schema", f"'{reply_key}' is a list but not of turns (role/content or from/value); "
+                        "expected the reply as a string or a list of turns")
+        if any(_role(turn, roles) not in ("assistant", None) for turn in reply_turns):
+            turns, fmts = [], []  # the whole conversation, its prompt included (UltraFeedback's chosen turns)
+        turns, fmts = turns + reply_turns, fmts + [None] * len(reply_turns)  # each turn read in its own format
+    elif reply_key is not None:
         if not isinstance(record[reply_key], str):
-            return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string")
-        reply = record[reply_key]  # after a transcript's "Assistant:", its leading space is the marker's
-        turn = {"role": "assistant", "content": reply.lstrip() if transcript else reply}
+            return Drop("wrong_schema", f"'{reply_key}' is a {type(record[reply_key]).__name__}, expected a string "
+                        "or a list of turns")
+        reply = record[reply_key]
+        # after a transcript's "Assistant:", its leading space is the marker's; a rendered transcript's reply
+        # carries its end-of-turn mark too (Llama-Nemotron v1's "...<|eot_id|>"): the template writes its own
+        turn = {"role": "assistant", "content": _without_suffix(reply.lstrip(), EOT_MARKS) if transcript else reply}
+        fmts.append("openai")
         reasoning = next((record[k] for k in PAIR_REASONING_KEYS if isinstance(record.get(k), str)), None)
         turns.append(turn if reasoning is None else {**turn, "reasoning_content": reasoning})
     elif call_key is not None:
         turns.append({"role": "assistant", "content": "", "tool_calls": record[call_key]})
+        fmts.append("openai")
         reply_key = call_key
     elif require_assistant and not transcript:  # (a transcript prompt may hold replies of its own)
         return Drop("no_assistant_turn", f"a '{prompt_key}' and no reply: none of "
@@ -524,14 +559,16 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     tools = _tools(record.get("tools"))
     if isinstance(tools, Drop):
         return tools
-    conv = _system_prefix(record)
+    conv = _system_prefix(record, not _opens_with_system(turns, roles))  # a transcript may open with its own
     conv.tools = tools
-    for i, raw in enumerate(turns):
-        problem = _add_turn(conv, raw, i, "openai", roles)
+    for i, (raw, fmt) in enumerate(zip(turns, fmts, strict=True)):
+        problem = _add_turn(conv, raw, i, fmt, roles)
         if problem is not None:
             return problem
-    # the fields as written, for messages that name a turn's source (a transcript's turns: the roles as written)
-    written = ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
+    # the fields as written, for messages that name a turn's source (a transcript's turns: the roles as written;
+    # turns from a list: theirs)
+    written = [] if reply_turns is not None and _turn_list(reply_turns) else \
+        ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
     if written:
         conv.sources[-len(written):] = written
     return _finished(conv, require_assistant)
