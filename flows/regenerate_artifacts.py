@@ -36,6 +36,8 @@ class RegenerateProgress:
 def publish_regenerate(summary: dict[str, Any]) -> None:
     """One table: read, kept, every drop reason and finish reason, tokens generated, the model."""
     rows = [{"what": "records read", "count": summary["read"]}, {"what": "kept", "count": summary["kept"]}]
+    if summary.get("cut"):
+        rows.append({"what": "kept, ending after the last turn the server answered", "count": summary["cut"]})
     rows += [{"what": f"dropped: {reason}", "count": n} for reason, n in summary["dropped"].items()]
     rows += [{"what": f"finish reason: {reason}", "count": n} for reason, n in summary["finish_reasons"].items()]
     rows.append({"what": "tokens generated", "count": summary["tokens_generated"]})

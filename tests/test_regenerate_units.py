@@ -339,6 +339,8 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
     refuse_all = False
     flaky = False
+    reasoning_only = False  # the whole answer under `reasoning`, content null (a mismatched reasoning parser)
+    failing = False  # every POST answered 500 while GET /models still works (a gateway whose backend is gone)
 
     def log_message(self, *args) -> None:
         pass
@@ -356,7 +358,12 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).flaky and "flaky" in request["messages"][-1]["content"]:
+        if type(self).failing:
+            self._send(500, {"error": {"message": "backend gone", "type": "InternalServerError", "code": 500}})
+        elif type(self).reasoning_only:
+            self._send(200, {"choices": [{"message": {"role": "assistant", "content": None, "reasoning": "ok"},
+                                          "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
+        elif type(self).flaky and "flaky" in request["messages"][-1]["content"]:
             self._send(500, {"error": {"message": "internal error", "type": "InternalServerError", "code": 500}})
         elif type(self).refuse_all or "long" in request["messages"][-1]["content"]:
             self._send(400, {"error": {"message": "'max_tokens' is too large: 100000. This model's maximum "
@@ -374,7 +381,98 @@ def scripted_server():
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
-    _Scripted.refuse_all = _Scripted.flaky = False
+    _Scripted.refuse_all = _Scripted.flaky = _Scripted.reasoning_only = _Scripted.failing = False
+
+
+def test_prompts_too_long_for_the_context_at_the_head_of_the_input_are_drops_not_a_failed_run(
+        scripted_server, tmp_path):
+    """vLLM and SGLang refuse a prompt longer than their context with HTTP 400, request by request. When the
+    first records are all such (or a fast refusal beats every slow reply), the run asks the server a one-line
+    question with the same settings: answered, the refusals are the records' own and journaled as drops; the
+    run goes on (a rerun would otherwise fail the same way forever). Also when the input holds nothing else."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    texts = ["long"] * 10 + ["short"] * 5
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": t}]} for t in texts])
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[scripted_server],
+                                                                            concurrency=1))
+    assert summary["complete"] and summary["kept"] == 5 and summary["dropped"] == {"rejected_by_server": 10}
+    assert [r["source"]["record"] for r in output_records(tmp_path / "out")] == list(range(10, 15))
+    only_long = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "long"}]}] * 3)
+    summary = regenerate_dataset(only_long, str(tmp_path / "out-long"), data_config(only_long,
+                                                                                    endpoints=[scripted_server]))
+    assert summary["complete"] and summary["kept"] == 0 and summary["dropped"] == {"rejected_by_server": 3}
+
+
+def test_a_reasoning_parser_that_takes_every_answer_for_reasoning_stops_the_run(scripted_server, tmp_path):
+    """With thinking off, vLLM's deepseek_r1 parser on Qwen3 puts the whole answer under `reasoning` and leaves
+    content null: every reply is empty. That is a setting, not ten thousand bad records: the run stops, naming
+    the parser, with nothing journaled (instead of a 'complete' output of empty_reply drops)."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                   for i in range(12)])
+    _Scripted.reasoning_only = True
+    with pytest.raises(RegenerateError, match="answered them empty.*answered empty too.*reasoning parser"):
+        regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[scripted_server]))
+    assert all(not p.read_text() for p in (tmp_path / "out" / ".work").glob("*.journal.jsonl"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_endpoint_that_fails_every_request_while_listing_its_models_is_taken_out(scripted_server, tmp_path):
+    """A gateway whose backend is gone answers GET /models but 500 to every request: after 8 such failures in a
+    row it is taken out and the others take its records; when it is the only one, the run stops (no 'complete'
+    output of server_error drops) and a rerun resumes."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Failing(_Scripted):
+        failing = True
+
+    zombie = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=zombie.serve_forever, daemon=True).start()
+    zombie_url = f"http://127.0.0.1:{zombie.server_address[1]}/v1"
+    try:
+        source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                       for i in range(40)])
+        both = data_config(source, endpoints=[zombie_url, scripted_server], concurrency=1, retries=0)
+        summary = regenerate_dataset(source, str(tmp_path / "out"), both)
+        assert summary["complete"] and summary["read"] == 40
+        assert summary["dropped"].get("server_error", 0) <= 7 and summary["kept"] == 40 - summary["dropped"].get(
+            "server_error", 0)
+        alone = data_config(source, endpoints=[zombie_url], concurrency=1, retries=0)
+        with pytest.raises(EndpointError, match="failed 8 requests in a row while it still lists its models"):
+            regenerate_dataset(source, str(tmp_path / "out-alone"), alone)
+        assert not (tmp_path / "out-alone" / "manifest.json").exists()
+    finally:
+        zombie.shutdown()
+
+
+def test_a_later_turn_the_server_refuses_ends_the_conversation_after_its_last_reply(scripted_server, tmp_path):
+    """A multi-turn chat whose third question outgrows the server's context: the replies already regenerated are
+    kept (the conversation ends after the last one, `cut` in the summary and the journal says why), their tokens
+    and finish reasons counted, instead of the whole record dropped."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    chat = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+            {"role": "user", "content": "a long q3"}, {"role": "assistant", "content": "a3"}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": chat}])
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[scripted_server]))
+    assert summary["kept"] == 1 and summary["cut"] == 1 and summary["dropped"] == {}
+    assert summary["finish_reasons"] == {"stop": 2} and summary["tokens_generated"] == 2
+    [record] = output_records(tmp_path / "out")
+    assert [(m["role"], m["content"]) for m in record["messages"]] == [
+        ("user", "q1"), ("assistant", "ok"), ("user", "q2"), ("assistant", "ok")]
+    journal = (tmp_path / "out" / ".work" / "shard-00000.journal.jsonl").read_text()
+    assert "ends after turn 3: the server refused the request for turn 5" in journal and "maximum context length" in journal
 
 
 def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(scripted_server, tmp_path):
@@ -389,7 +487,7 @@ def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(
                                                    for i in range(10)])
     out = tmp_path / "out"
     _Scripted.refuse_all = True
-    with pytest.raises(RegenerateError, match="refused every one of the first 8 requests.*maximum context length"):
+    with pytest.raises(RegenerateError, match=r"refused every one of the first (8|9|1\d) requests.*maximum context length.*refused too"):
         regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
     assert all(not p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
     small = write_jsonl(tmp_path / "three.jsonl", [{"messages": [{"role": "user", "content": "q"}]}] * 3)

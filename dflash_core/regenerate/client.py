@@ -104,6 +104,7 @@ class Endpoint:
                                       timeout=httpx.Timeout(cfg.timeout_s, connect=_PROBE_TIMEOUT_S))
         self.slots = asyncio.Semaphore(cfg.concurrency)
         self.alive = True
+        self.failed_in_a_row = 0  # requests that failed every try since the last answer (the run takes it out)
 
     async def close(self) -> None:
         """Close the connection pool."""

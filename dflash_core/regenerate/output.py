@@ -187,9 +187,10 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str, Any]:
-    """Counts over these shards' journals: read, kept, drops by reason (with examples), finish reasons, tokens."""
+    """Counts over these shards' journals: read, kept (and of those, cut: ending after the last turn the server
+    answered), drops by reason (with examples), finish reasons, tokens."""
     drops, finish = DropLog(max_examples), Counter[str]()
-    read = kept = tokens = 0
+    read = kept = cut = tokens = 0
     per_shard = []
     for shard in shards:
         lines = list(out.outcomes(shard).values())
@@ -198,11 +199,12 @@ def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str,
         for line in lines:
             read += 1
             kept += "messages" in line
+            cut += "cut" in line
             tokens += line.get("tokens", 0)
             finish.update(line.get("finish", []))
             if "drop" in line:
                 src = line["source"]
                 drops.add(line["drop"], src["file"], src["record"], line.get("line"), line.get("id"), line["detail"])
-    return {"read": read, "kept": kept, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
+    return {"read": read, "kept": kept, "cut": cut, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
             "tokens_generated": tokens, "shards": per_shard,
             "drop_examples": {r: drops.examples[r] for r in sorted(drops.examples)}}

@@ -78,12 +78,24 @@ class Regenerated:
     drop: Drop | None = None
     finish: list[str] = field(default_factory=list)
     tokens: int = 0
+    cut: str | None = None  # kept, but only up to its last reply: why the server did not answer the turn after it
 
 
 # finish reasons of a reply that ended where the model stopped: OpenAI's, vLLM's and SGLang's "stop", TGI's
 # "eos_token" / "stop_sequence", and none given at all
 FINISHED = frozenset({"stop", "eos_token", "stop_sequence", UNKNOWN_FINISH})
 TOOL_CALLS = frozenset({"tool_calls", "function_call"})
+
+
+def empty_reply(reply: Reply, turn: int, keep_thinking: bool) -> str:
+    """Why a reply is empty, with the fix when a reasoning parser took the whole answer for reasoning."""
+    said = f"the server's reply to turn {turn} is empty (finish_reason {reply.finish_reason})"
+    if reply.reasoning and reply.reasoning.strip() and not keep_thinking:
+        return (f"{said} and its reasoning holds {len(reply.reasoning)} characters: with thinking off, a reasoning "
+                "parser that does not know the template's non-thinking mode (vLLM's deepseek_r1 for Qwen3) files "
+                "the whole answer as reasoning; serve with the model's own --reasoning-parser or none, or set "
+                "data.thinking: keep")
+    return said
 
 
 def reply_text(reply: Reply, keep_thinking: bool) -> str:
@@ -102,13 +114,16 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
     and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
     A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
-    the record as `unfinished_reply`."""
+    the record as `unfinished_reply`. A later turn the server refuses (a 4xx: the conversation so far outgrew
+    its context) ends the conversation after the last reply it gave (`cut` says why); a refusal before any
+    reply raises Rejected."""
     # the record written, and what the server is sent: the earlier replies without their reasoning, as chat
     # templates render history (gpt-oss's would render an inline <think> block as reply text)
     out: Messages = []
     history: Messages = []
     result = Regenerated()
     seen_user = False
+    last_reply: int | None = None  # where the last regenerated reply is in `out`
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for turn in turns:
         seen_user = seen_user or turn["role"] == "user"
@@ -116,7 +131,15 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
             out.append(turn)
             history.append(turn)
             continue
-        reply = await send(history)
+        try:
+            reply = await send(history)
+        except Rejected as exc:
+            if last_reply is None:
+                raise
+            result.messages = out[: last_reply + 1]
+            result.cut = (f"ends after turn {last_reply}: the server refused the request for turn {len(out)} "
+                          f"({rejection(exc, history)})")
+            return result
         result.finish.append(reply.finish_reason)
         result.tokens += reply.tokens
         if reply.finish_reason == "length" and not keep_truncated:
@@ -131,9 +154,9 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
                         "tool_calls": reply.tool_calls})
             break
         if not reply.content.strip():
-            result.drop = Drop("empty_reply", f"the server's reply to turn {len(out)} is empty "
-                                              f"(finish_reason {reply.finish_reason})")
+            result.drop = Drop("empty_reply", empty_reply(reply, len(out), keep_thinking))
             return result
+        last_reply = len(out)
         out.append({"role": "assistant", "content": reply_text(reply, keep_thinking)})
         history.append({"role": "assistant", "content": reply.content})
     result.messages = out

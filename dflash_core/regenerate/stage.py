@@ -31,16 +31,32 @@ from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, api_k
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
-from dflash_core.regenerate.records import Chat, Messages, Regenerated, record_messages, regenerate, rejection
+from dflash_core.regenerate.records import (
+    FINISHED,
+    Chat,
+    Messages,
+    Regenerated,
+    empty_reply,
+    record_messages,
+    regenerate,
+    rejection,
+)
 from dflash_core.regenerate.server import local_servers, servable_model
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
 _DETECT_HEAD = 32
 _PROGRESS_EVERY_S = 2.0
-# refusals before any reply that stop the run: a setting refuses every request (max_tokens beyond the server's
-# context length, tools without a tool parser, a missing API key), not the records
+# refusals and empty replies before any kept reply that make the run ask the server a one-line question with the
+# same settings: refused or answered empty too, a setting fails every request (max_tokens beyond the server's
+# context length, tools without a tool parser, a reasoning parser that files the answer as reasoning) and the run
+# stops; answered, they were the records' own (prompts too long for the context) and are journaled as drops
 _SYSTEMIC_REFUSALS = 8
+_PROBE = [{"role": "user", "content": "Say hello."}]
+# an endpoint that fails this many requests in a row (every retry of each) while it still lists its models is
+# taken out of the run, its records sent to the others (a gateway whose backend is gone, an engine that errs on
+# every request); at least 2 x concurrency, so a burst of timeouts under load does not count
+_FAILING_IN_A_ROW = 8
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
             model, seconds = asyncio.run(run.execute(read_items(files, data, todo), urls, key))
     counts = tally(output, covered, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
-    summary = {"read": counts["read"], "kept": counts["kept"], "dropped": counts["dropped"],
+    summary = {"read": counts["read"], "kept": counts["kept"], "cut": counts["cut"], "dropped": counts["dropped"],
                "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
                "model": model, "out": out, "complete": complete, "shards": total_shards,
                "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint,
@@ -213,7 +229,9 @@ class _Run:
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
         self.done = self.tokens = self.total = self.retried = self.resumed = 0
-        self.answered = False  # the server has replied at least once (refusals before that are held back)
+        # a reply was kept, or the probe was answered: refusals and empty replies before that are held back
+        self.trusted = False
+        self.probing = False
         self.held: list[tuple[Item, Regenerated]] = []
         self.failure: BaseException | None = None
         self.start = self.last_progress = time.monotonic()
@@ -261,8 +279,11 @@ class _Run:
             while self.pending and self.failure is None:
                 await self.idle.wait()
             self._raise_failure()
-            if self.held:  # the input ran out before a reply or _SYSTEMIC_REFUSALS refusals
-                raise self._refused_all()
+            if self.held:  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
+                await self._probe(next((e for e in endpoints if e.alive), endpoints[0]))
+                self._raise_failure()
+                if self.held:
+                    raise self._systemic("the one-line question could not be sent to tell")
         finally:
             for w in workers:
                 w.cancel()
@@ -309,16 +330,22 @@ class _Run:
                     messages = chat.messages
                     result = await regenerate(messages, functools.partial(self._send, endpoint, tools=chat.tools),
                                               self.cfg.keep_truncated, self.keep_thinking)
+                    endpoint.failed_in_a_row = 0
                 except Rejected as exc:
                     result = Regenerated(drop=Drop("rejected_by_server", rejection(exc, messages)))
+                    endpoint.failed_in_a_row = 0
                 except Unavailable as exc:
-                    if await endpoint.responsive():  # the server is fine: only this request fails
-                        result = Regenerated(drop=Drop("server_error", str(exc)))
+                    endpoint.failed_in_a_row += 1
+                    limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)
+                    if endpoint.alive and endpoint.failed_in_a_row < limit and await endpoint.responsive():
+                        result = Regenerated(drop=Drop("server_error", str(exc)))  # only this request fails
                     else:
                         self.queue.put_nowait(item)  # another endpoint regenerates it
-                        self._endpoint_down(endpoint, exc)
+                        failing = endpoint.failed_in_a_row >= limit
+                        self._endpoint_down(endpoint, f"failed {endpoint.failed_in_a_row} requests in a row while "
+                                                      f"it still lists its models; last: {exc}" if failing else exc)
                         return
-                self._settle(item, result)
+                await self._settle(item, result, endpoint)
                 self.pending -= 1
                 self.room.release()
                 if not self.pending:
@@ -329,29 +356,59 @@ class _Run:
             self._fail(exc)
             raise
 
-    def _settle(self, item: Item, result: Regenerated) -> None:
-        """Journal an outcome; refusals are held back until the server has replied once, and enough of them
-        before any reply stop the run with nothing journaled (a rerun after the fix sends them again)."""
-        if not self.answered and result.drop is not None and result.drop.reason == "rejected_by_server" \
-                and not result.finish:
+    async def _settle(self, item: Item, result: Regenerated, endpoint: Endpoint) -> None:
+        """Journal an outcome. Refusals and empty replies are held back until a reply is kept; when
+        _SYSTEMIC_REFUSALS of them are held, the server is asked a one-line question with the run's settings: a
+        refusal or an empty reply to that too stops the run with nothing journaled (a rerun after the fix sends
+        them again), a reply says they were the records' own (journaled as drops)."""
+        drop = result.drop
+        if not self.trusted and drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
             self.held.append((item, result))
-            if len(self.held) >= _SYSTEMIC_REFUSALS:
-                self._fail(self._refused_all())
+            if len(self.held) >= _SYSTEMIC_REFUSALS and not self.probing:
+                await self._probe(endpoint)
             return
-        if not self.answered and result.finish:
-            self.answered = True
-            for held in self.held:
-                self._record(*held)
-            self.held.clear()
+        if not self.trusted and drop is None:
+            self._trust()
         self._record(item, result)
 
-    def _refused_all(self) -> RegenerateError:
-        detail = self.held[0][1].drop.detail if self.held[0][1].drop else ""
+    async def _probe(self, endpoint: Endpoint) -> None:
+        """Ask the one-line question (with the tools of a held record when tools are sent): trust the server
+        when it answers, stop the run when it refuses or answers empty, hold on when it cannot be reached."""
+        self.probing = True
+        tools = next((it.chat.tools for it, _ in self.held if isinstance(it.chat, Chat) and it.chat.tools), None)
+        try:
+            reply = await self._send(endpoint, _PROBE, tools)
+        except Rejected as exc:
+            first = self.held[0][1].drop
+            same = first is not None and first.detail.startswith(str(exc))
+            self._fail(self._systemic("a one-line question with the same settings was refused too"
+                                      + ("" if same else f" ({exc})")))
+            return
+        except Unavailable:  # cannot tell now: the next held outcome (or the end of the input) asks again
+            return
+        finally:
+            self.probing = False
+        if not reply.content.strip() and not reply.tool_calls and reply.finish_reason in FINISHED:
+            self._fail(self._systemic("a one-line question with the same settings was answered empty too ("
+                                      f"{empty_reply(reply, 1, self.keep_thinking)})"))
+            return
+        self._trust()
+
+    def _trust(self) -> None:
+        """The server answers: the held outcomes are the records' own."""
+        self.trusted = True
+        held, self.held = self.held, []
+        for item, result in held:
+            self._record(item, result)
+
+    def _systemic(self, probe: str) -> RegenerateError:
+        first = self.held[0][1].drop
         return RegenerateError(
-            f"the server refused every one of the first {len(self.held)} requests, before replying to any "
-            f"(first: {detail}): a setting refuses them all, not the records (max_tokens beyond the server's "
-            f"context length, tools sent to a server without a tool parser, an API key): fix it and run again; "
-            f"none of these records was journaled, so they are sent again")
+            f"the server refused every one of the first {len(self.held)} requests or answered them empty, before "
+            f"a reply could be kept (first: {first.detail if first else ''}), and {probe}: a setting fails "
+            f"them all, not the records (max_tokens beyond the server's context length, tools sent to a server "
+            f"without a tool parser, a reasoning parser that files the answer as reasoning, an API key): fix it "
+            f"and run again; none of these records was journaled, so they are sent again")
 
     async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None):
         body = {"model": self.model, "messages": messages, **self.body}
@@ -359,7 +416,9 @@ class _Run:
             body["tools"] = tools
         return await endpoint.chat(body)
 
-    def _endpoint_down(self, endpoint: Endpoint, exc: Exception) -> None:
+    def _endpoint_down(self, endpoint: Endpoint, exc: Exception | str) -> None:
+        if not endpoint.alive:
+            return
         endpoint.alive = False
         log.warning("endpoint %s stopped answering (%s); the others take its records", endpoint.url, exc)
         if not any(e.alive for e in self.endpoints):
@@ -383,6 +442,8 @@ class _Run:
                                 "finish": result.finish, "tokens": result.tokens}
         if result.drop is None:
             line["messages"] = result.messages
+            if result.cut:
+                line["cut"] = result.cut
             if isinstance(item.chat, Chat) and item.chat.tools:
                 line["tools"] = item.chat.tools  # tokenize renders them, as the serving prompts will have them
         else:
