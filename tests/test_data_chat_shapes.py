@@ -839,8 +839,8 @@ def test_a_prompt_rendered_by_a_template_gets_its_reply_without_the_end_of_turn_
 def test_one_file_mixing_openai_sharegpt_and_glaive_records_reads_each_by_its_own_shape(
         tmp_path: Path, qwen3_tok: str) -> None:
     """The format voted from a file's first records does not hold for the others: a ShareGPT record among OpenAI
-    ones is read as ShareGPT, and a Glaive record's top-level system prompt is kept (only an OpenAI message list
-    carries its own); a ShareGPT record that opens with its own system turn gets no second one."""
+    ones is read as ShareGPT, and a Glaive record's top-level system prompt is kept (and one beside an OpenAI
+    message list); a record that opens with its own system turn gets no second one."""
     openai = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
     sharegpt = {"conversations": [{"from": "human", "value": "Say bye."}, {"from": "gpt", "value": "Bye now."}]}
     glaive = {"system": "SYSTEM: You are a weather bot.", "chat": "USER: Weather? ASSISTANT: Sunny and warm. <|endoftext|>"}
@@ -853,6 +853,10 @@ def test_one_file_mixing_openai_sharegpt_and_glaive_records_reads_each_by_its_ow
     conv = to_conversation(glaive)
     assert conv.messages[0] == {"role": "system", "content": "You are a weather bot."}
     assert [m["content"] for m in to_conversation(own_system).messages] == ["Its own.", "Q?", "The answer."]
+    beside = {"system": "Top-level.", "messages": openai["messages"]}
+    assert [m["content"] for m in to_conversation(beside).messages] == ["Top-level.", "Say hi.", "Hi there."]
+    own = {"system": "Top-level.", "messages": [{"role": "system", "content": "Its own."}, *openai["messages"]]}
+    assert [m["content"] for m in to_conversation(own).messages] == ["Its own.", "Say hi.", "Hi there."]
 
 
 @pytest.mark.parametrize("thinking", ["strip", "keep"])

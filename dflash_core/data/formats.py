@@ -372,10 +372,9 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     own = next((f for t in raw_turns if isinstance(t, dict) and (f := _turn_format(t))), None)
     fmt = schema.format if schema.forced else own or schema.format
     raw_turns = _role_turns(raw_turns, fmt)
-    # a top-level system prompt: not beside an OpenAI message list (it carries its own), nor before turns that
-    # open with their own system turn
-    conv = _system_prefix(record, not _opens_with_system(raw_turns, roles)
-                          and not (key in MESSAGE_KEYS and fmt == "openai"))
+    # a top-level system prompt (beside ShareGPT turns as LLaMA-Factory writes it, or an OpenAI message list
+    # without a system turn of its own), not before turns that open with their own system turn
+    conv = _system_prefix(record, not _opens_with_system(raw_turns, roles))
     conv.tools = tools
     for i, raw in enumerate(raw_turns):
         problem = _add_turn(conv, raw, i, fmt, roles)
