@@ -14,13 +14,14 @@ from flows import storage, tasks
 from flows.artifacts import publish_summary
 
 
-def _run_name(explicit: str | None) -> str:
-    """`<scheduled start, UTC>-<flow run name>`: the same for every retry of a flow run (Prefect keeps a run's
-    expected start), so a retried run resumes its own checkpoints instead of training from scratch."""
+def _run_name(explicit: str | None, plan_fp: str) -> str:
+    """`<scheduled start, UTC>-<flow run name>-<plan fingerprint[:8]>`: the same for every retry of a flow run
+    (Prefect keeps a run's expected start) on the same plan, so a retried run resumes its own checkpoints instead
+    of training from scratch; a retry whose data changed meanwhile (a new plan) trains in a folder of its own."""
     if explicit:
         return explicit
     start = flow_run.get_scheduled_start_time() or datetime.now(UTC)
-    return f"{start.astimezone(UTC).strftime('%Y%m%d-%H%M%S')}-{flow_run.get_name() or 'local'}"
+    return f"{start.astimezone(UTC).strftime('%Y%m%d-%H%M%S')}-{flow_run.get_name() or 'local'}-{plan_fp[:8]}"
 
 
 def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dict[str, Any]]:
@@ -63,7 +64,7 @@ def retrain_drafter(
     plan_dir = storage.join(root, "plans", plan_fp[:16])
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)
     tasks.publish_plan_artifacts(plan_summary, plan_dir)
-    run_dir = storage.join(root, "runs", _run_name(run_name))
+    run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
     train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])
     drafter = storage.join(run_dir, "drafter")
     report_dir = storage.join(run_dir, "report")

@@ -138,10 +138,12 @@ def test_a_retried_flow_run_keeps_its_run_folder_so_training_resumes():
 
     @flow(retries=1, retry_delay_seconds=1.5)
     def attempt() -> None:
-        names.append(_run_name(None))
+        names.append(_run_name(None, "ab12cd34" * 8))
         if len(names) == 1:
             raise RuntimeError("injected: the node was lost")
+        names.append(_run_name(None, "ffff0000" * 8))  # the data changed before the retry: another plan
 
     attempt()
-    assert len(names) == 2 and names[0] == names[1]
-    assert names[0].split("-", 2)[2] and len(names[0].split("-")[0]) == 8  # <YYYYmmdd>-<HHMMSS>-<flow run name>
+    assert len(names) == 3 and names[0] == names[1] and names[2] != names[1]
+    # <YYYYmmdd>-<HHMMSS>-<flow run name>-<plan fingerprint[:8]>
+    assert names[0].split("-", 2)[2] and len(names[0].split("-")[0]) == 8 and names[0].endswith("-ab12cd34")

@@ -189,6 +189,22 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(inputs, baselin
     assert _same_drafter(out, base_out)
 
 
+def test_checkpoints_of_another_run_are_not_resumed(inputs, baseline, tmp_path):
+    """A run folder reused by a run of another plan or target (a flow retried after its data changed, a reused
+    --run-name) must not continue those weights on its own data and export them as its drafter: it stops, naming
+    the folder, before training; the same settings (the attention kernel aside) resume as before."""
+    base_out, _, _ = baseline
+    out = tmp_path / "out"
+    shutil.copytree(base_out / "checkpoints", out / "checkpoints")
+    other = _config(tmp_path, inputs, "other", {**ALL_ANCHORS, "block_size": 3})
+    run = torchrun(inputs, out, other)
+    assert run.returncode != 0 and "holds the checkpoints of another run" in run.output, run.output[-3000:]
+    assert not (out / "drafter").exists()
+    same = _config(tmp_path, inputs, "same", {**ALL_ANCHORS, "attention": "sdpa"})
+    run = torchrun(inputs, out, same)
+    assert run.returncode == 0 and _summary(run.output)["start_step"] == 7, run.output[-3000:]
+
+
 def test_missing_shard_is_a_clear_error_naming_the_file(inputs, tmp_path):
     tok = tmp_path / "tokenized"
     shutil.copytree(inputs.tokenized, tok)

@@ -3,7 +3,9 @@
 Layout of `<out>/checkpoints/step-N/` (N = optimizer steps completed = the plan step to run next):
 - `model.safetensors`: the drafter's trainable weights (fp32 master weights, names as in its state_dict);
 - `train_state.pt`: optimizer, scheduler, loop counters and every rank's RNG states (torch.load weights_only);
-- `meta.json`: written last, {"step": N, "complete": true, ...}.
+- `meta.json`: written last, {"step": N, "complete": true, "identity": ..., ...}: the identity of the run (its
+  plan and the drafter's architecture and target, `run_identity`); a run of another plan or target refuses to
+  resume from it (it would continue those weights on other data, and export them as its own).
 A folder only ever gets its final name by an atomic rename of a fully written and fsynced temporary folder,
 so a crash in the middle of a save leaves `.tmp-*` debris (removed at the next start) and the previous
 checkpoint intact.
@@ -11,6 +13,7 @@ checkpoint intact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -37,12 +40,26 @@ class CheckpointError(InputError):
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: the step to continue at, drafter weights and the training state."""
+    """A loaded checkpoint: the step to continue at, drafter weights and the training state, and the identity of
+    the run that wrote it (None: written before checkpoints recorded one)."""
 
     step: int
     path: Path
     model: dict[str, torch.Tensor]
     state: dict[str, Any]
+    identity: str | None = None
+
+
+# the model settings a checkpoint's weights belong to (others, such as the attention kernel, may change on resume)
+IDENTITY_MODEL_KEYS = ("target", "num_draft_layers", "block_size", "target_layer_ids", "mask_token_id",
+                       "layer_types", "sliding_window")
+
+
+def run_identity(plan_meta: dict[str, Any], model: dict[str, Any]) -> str:
+    """What a run's checkpoints belong to: its plan (plan.json: the tokenized data's fingerprint, the batches'
+    settings and shape) and the drafter's architecture and target."""
+    blob = json.dumps([plan_meta, {k: model.get(k) for k in IDENTITY_MODEL_KEYS}], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -109,7 +126,8 @@ class CheckpointManager:
         found = self.complete()
         return found[-1][1] if found else None
 
-    def save(self, step: int, model: dict[str, torch.Tensor], state: dict[str, Any]) -> Path:
+    def save(self, step: int, model: dict[str, torch.Tensor], state: dict[str, Any],
+             identity: str | None = None) -> Path:
         """Write checkpoint `step-<step>` atomically and prune old ones; returns its path."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
@@ -121,7 +139,8 @@ class CheckpointManager:
         self.faults.maybe_kill("crash_in_checkpoint", step)
         torch.save(state, tmp / "train_state.pt")
         _fsync_file(tmp / "train_state.pt")
-        meta = {"step": step, "complete": True, "time": time.time(), "tensors": len(weights)}
+        meta = {"step": step, "complete": True, "time": time.time(), "tensors": len(weights),
+                **({"identity": identity} if identity else {})}
         (tmp / "meta.json").write_text(json.dumps(meta))
         _fsync_file(tmp / "meta.json")
         _fsync_dir(tmp)
@@ -157,4 +176,4 @@ class CheckpointManager:
                 f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); delete the folder to resume "
                 "from the previous checkpoint"
             ) from exc
-        return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state)
+        return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state, identity=meta.get("identity"))

@@ -24,7 +24,13 @@ from dflash_core.model.target import TargetModel, load_target
 from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink, WandbSink, wandb_mode
 from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel, fail_all
-from dflash_core.runtime.checkpoint import CheckpointManager, rng_state, set_rng_state
+from dflash_core.runtime.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    rng_state,
+    run_identity,
+    set_rng_state,
+)
 from dflash_core.runtime.config import RunConfig
 from dflash_core.runtime.distributed import (
     DistEnv,
@@ -76,6 +82,7 @@ class Trainer:
         self.mask_token_id, self.mask_token = mask_token_id, mask_token
         self.device = resolve_device(cfg.train.device, env)
         self.ckpts = CheckpointManager(self.out / "checkpoints", cfg.train.keep_checkpoints, faults)
+        self.identity = run_identity(plan.meta, cfg.model.model_dump(mode="json"))
         self.start_step = 0
         self.resumed_from: str | None = None
 
@@ -114,6 +121,12 @@ class Trainer:
         if step < 0:
             return
         ckpt = self.ckpts.load(self.ckpts.root / f"step-{step}")
+        if ckpt.identity is not None and ckpt.identity != self.identity:
+            raise CheckpointError(
+                f"{self.ckpts.root} holds the checkpoints of another run (another plan, so other data or batches, "
+                f"or another target or drafter shape): resuming would continue its weights on this run's data and "
+                f"export them as this run's drafter. Train into a new run folder (--out / --run-name), or delete "
+                f"{self.ckpts.root} to start this one from scratch")
         self.drafter.load_state_dict(ckpt.model)
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
@@ -239,7 +252,7 @@ class Trainer:
             "rng": rngs,
             "best": self.best.state_dict(),
         }
-        self.ckpts.save(step, self.drafter.state_dict(), state)
+        self.ckpts.save(step, self.drafter.state_dict(), state, self.identity)
 
     def _export(self) -> None:
         if self.env.is_main:  # swapped in whole: a crash mid-export never leaves a half drafter to serve
