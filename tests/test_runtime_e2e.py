@@ -12,6 +12,7 @@ import fsspec
 import polars as pl
 import pytest
 import torch
+import yaml
 from common.chat import tokenizer_dir
 from common.runs import MASK_ID, build_inputs, torchrun, write_config, write_shards
 from safetensors.torch import load_file
@@ -173,6 +174,26 @@ def test_kill_9_then_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
     assert [r["loss"] for r in records] == [r["loss"] for r in base]
     assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in base]
     assert _same_drafter(out, base_out)
+
+
+def test_a_rerun_with_a_lower_lr_resumes_at_that_lr(inputs, baseline, tmp_path):
+    """The non-finite abort says to lower train.lr: the rerun resumes from the newest checkpoint and trains on
+    at the new lr from the schedule's position (a checkpoint used to bring back the lr it was written with)."""
+    base_out, _, _ = baseline
+    out = tmp_path / "out"
+    config = _config(tmp_path, inputs, "lr", ALL_ANCHORS)
+    killed = torchrun(inputs, out, config, fault="kill@5:1")
+    assert killed.returncode != 0
+    lower = _config(tmp_path, inputs, "lower", ALL_ANCHORS, lr=1e-4)
+    resumed = torchrun(inputs, out, lower)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "note: resumed with train {'initial_lr': 0.0001}" in resumed.output
+    records, base = _metrics(out), _metrics(base_out)
+    base_lr, start = yaml.safe_load(Path(config).read_text())["train"]["lr"], _summary(resumed.output)["start_step"]
+    assert 0 < start < len(base) and [r["step"] for r in records] == list(range(len(base)))
+    for record, reference in zip(records[start:], base[start:], strict=True):  # the steps after the resume
+        assert record["lr"] == pytest.approx(reference["lr"] * 1e-4 / base_lr)
+    assert [r["lr"] for r in records[:start]] == [r["lr"] for r in base[:start]]
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(inputs, baseline, tmp_path):

@@ -28,20 +28,29 @@ def test_jsonl_flushes_each_step_and_writes_nan_as_null(tmp_path):
     sink.close()
 
 
-def test_jsonl_resume_appends_never_truncates_never_duplicates(tmp_path):
+def test_jsonl_resume_replaces_the_records_of_the_steps_it_runs_again(tmp_path):
+    """Resumed at step 3 (its checkpoint), a run re-executes steps 3 and 4: the interrupted run's records of them
+    are dropped and the new ones written, once each; W&B is told the steps it already has. Opened without a
+    resume step (a reader, the same run), nothing is dropped or written twice."""
     path = tmp_path / "metrics.jsonl"
     first = JsonlSink(str(path))
     for s in range(5):
         first.log(_rec(s))
     first.close()
-    before = path.read_text()
-    resumed = JsonlSink(str(path))  # resumed from a checkpoint at step 3: steps 3 and 4 run again
+    before = path.read_text().splitlines(keepends=True)
+    resumed = JsonlSink(str(path), resumed_at=3)
+    assert resumed.steps_written == {0, 1, 2} and resumed.last_steps() == {"train": 4}
+    assert path.read_text() == "".join(before[:3])  # rewritten before the first new step
     for s in range(3, 8):
         resumed.log(_rec(s, loss=99.0))
     resumed.close()
-    assert path.read_text().startswith(before)
+    assert path.read_text().startswith("".join(before[:3]))
     assert _steps(path) == list(range(8))
-    assert [json.loads(line)["loss"] for line in open(path)][3] == pytest.approx(0.25)  # the original record
+    assert [json.loads(line)["loss"] for line in open(path)][3] == 99.0  # the step the final weights went through
+    again = JsonlSink(str(path))
+    again.log(_rec(7, loss=1.0))
+    again.close()
+    assert _steps(path) == list(range(8))
 
 
 def test_jsonl_cuts_a_partial_last_line_from_a_crash(tmp_path):

@@ -89,8 +89,9 @@ def test_jsonl_sink_keeps_a_validation_record_beside_the_training_record_of_its_
         if step % 2 == 1:
             sink.log(_val(step))
     sink.close()
-    resumed = JsonlSink(str(path))  # a resume re-runs steps 2..3: nothing is written twice
-    assert resumed.steps_written == {0, 1, 2, 3} and resumed.last_steps() == {"train": 3, "val": 3}
+    resumed = JsonlSink(str(path), resumed_at=2)  # a resume re-runs steps 2..3: nothing is written twice
+    assert resumed.steps_written == {0, 1} and resumed.last_steps() == {"train": 3, "val": 3}
+    resumed.log(_train(2))
     resumed.log(_train(3, loss=5.0))
     resumed.log(_val(3))
     resumed.close()

@@ -48,43 +48,56 @@ def _json_safe(value: Any) -> Any:
 
 
 class JsonlSink(MetricSink):
-    """metrics.jsonl: one line per step, flushed every step, appended on resume, never truncated.
+    """metrics.jsonl: one line per step, flushed every step, never a step twice.
 
-    On open it reads the steps already in the file: a resumed run re-executes the steps after its checkpoint,
-    and those records are skipped instead of written twice (per kind: a validation record shares its step
-    with the training record of that step). An incomplete last line (a crash in the middle of
-    a write) holds no record; it is cut off so that the file stays valid JSONL.
+    A resumed run (`resumed_at`: the step its checkpoint continues at) re-executes the steps after its
+    checkpoint: the records of those steps that the interrupted run wrote are dropped when the file is opened
+    (rewritten whole beside it and renamed in) and the re-executed steps written instead, so the file describes
+    the steps the final weights went through (a rerun with a lower lr after non-finite steps does not carry the
+    failed attempt's spikes into the stability gate). Records of a kind are per (kind, step): a validation record
+    shares its step with the training record of that step. An incomplete last line (a crash in the middle of a
+    write) holds no record; it is cut off so that the file stays valid JSONL.
     """
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, resumed_at: int | None = None) -> None:
         self.uri = uri
         self._fs, self._path = fsspec.core.url_to_fs(uri)
         self._fs.makedirs(posixpath.dirname(self._path) or ".", exist_ok=True)
-        self._written = self._existing_keys()
+        self._found: dict[str, int] = {}  # the newest step of each kind the file held when opened
+        self._written = self._existing_keys(resumed_at)
         self._fh = self._fs.open(self._path, "ab")
 
-    def _existing_keys(self) -> set[tuple[str, int]]:
+    def _existing_keys(self, resumed_at: int | None) -> set[tuple[str, int]]:
         if not self._fs.exists(self._path):
             return set()
         with self._fs.open(self._path, "rb") as fh:
             data = fh.read()
         complete = data[: data.rfind(b"\n") + 1]
-        if len(complete) != len(data):
-            self._cut_partial_line(complete)
-        keys = set()
-        for line in complete.splitlines():
+        kept, keys = [], set()
+        for line in complete.splitlines(keepends=True):
             if line.strip():
                 record = json.loads(line)
-                keys.add((record_kind(record), int(record["step"])))
+                kind, step = record_kind(record), int(record["step"])
+                self._found[kind] = max(step, self._found.get(kind, -1))
+                if resumed_at is None or step < resumed_at:
+                    kept.append(line)
+                    keys.add((kind, step))
+        if len(kept) != len(complete.splitlines()) or len(complete) != len(data):
+            self._rewrite(b"".join(kept))
         return keys
 
-    def _cut_partial_line(self, complete: bytes) -> None:
+    def _rewrite(self, content: bytes) -> None:
+        """The file's content replaced whole: locally beside it, then renamed in (a crash keeps the old one)."""
         if is_local(self._fs):
-            with open(self._path, "r+b") as fh:
-                fh.truncate(len(complete))
+            tmp = f"{self._path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as fh:
+                fh.write(content)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self._path)
         else:
             with self._fs.open(self._path, "wb") as fh:
-                fh.write(complete)
+                fh.write(content)
 
     @property
     def steps_written(self) -> set[int]:
@@ -92,11 +105,9 @@ class JsonlSink(MetricSink):
         return {step for kind, step in self._written if kind == "train"}
 
     def last_steps(self) -> dict[str, int]:
-        """The newest step of each record kind in the file."""
-        last: dict[str, int] = {}
-        for kind, step in self._written:
-            last[kind] = max(step, last.get(kind, -1))
-        return last
+        """The newest step of each record kind the file held when opened, dropped records included (a resume
+        re-runs them; W&B, whose history only grows, has them already)."""
+        return dict(self._found)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append the record unless its (kind, step) is already in the file; flush (and fsync locally)."""

@@ -130,10 +130,28 @@ class Trainer:
         self.drafter.load_state_dict(ckpt.model)
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        self._current_hyperparameters()
         self.loop_state = ckpt.state["loop"]
         self.best.load_state_dict(ckpt.state.get("best"))
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
+
+    def _current_hyperparameters(self) -> None:
+        """The resumed optimizer and schedule with this config's lr, betas and weight decay (a checkpoint brings
+        back the ones it was written with): a rerun with a lower train.lr after non-finite steps continues from the
+        checkpoint at the lower lr, on the schedule's position."""
+        t = self.cfg.train
+        wanted = {"initial_lr": t.lr, "betas": (t.betas[0], t.betas[1]), "weight_decay": t.weight_decay}
+        group = self.optimizer.param_groups[0]
+        was = {k: tuple(group[k]) if k == "betas" else group[k] for k in wanted}
+        if was != wanted and self.env.is_main:
+            now = {k: v for k, v in wanted.items() if was[k] != v}
+            print(f"note: resumed with train {now} (the checkpoint's run had { {k: was[k] for k in now} })", flush=True)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(wanted, lr=t.lr * factor)
+        self.scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
+        self.scheduler._last_lr = [t.lr * factor] * len(self.optimizer.param_groups)  # what get_last_lr reports
 
     # ---- the run -------------------------------------------------------------------------------------------
 
@@ -172,7 +190,7 @@ class Trainer:
     def _sink(self) -> MetricSink:
         if not self.env.is_main:
             return NullSink()
-        jsonl = JsonlSink(str(self.out / "metrics.jsonl"))
+        jsonl = JsonlSink(str(self.out / "metrics.jsonl"), resumed_at=self.start_step)
         sinks: list[MetricSink] = [jsonl]
         if wandb_mode(self.cfg.wandb) != "disabled":
             logged = jsonl.last_steps()  # a resume re-runs these; W&B has them already
@@ -225,7 +243,7 @@ class Trainer:
             raise NonFiniteError(
                 f"plan step {step}: {loop.nonfinite_total} steps had a non-finite loss or gradient norm, more than "
                 f"train.max_nonfinite={self.cfg.train.max_nonfinite}; see metrics.jsonl (nonfinite) and lower "
-                "train.lr or check the data of the skipped steps"
+                "train.lr (a rerun resumes from the newest checkpoint with it) or check the data of the skipped steps"
             )
 
     def _eval_due(self, step: int) -> bool:
