@@ -35,6 +35,21 @@ def cached(task_fn, out: str, marker: str):
     return task_fn if storage.exists(storage.join(out, marker)) else task_fn.with_options(refresh_cache=True)
 
 
+_MANIFEST_COUNTS = ("read", "kept", "dropped", "notes", "truncated_files", "tokens", "supervised_tokens")
+
+
+def _finished_tokenize(out: str, fingerprint: str) -> dict[str, Any] | None:
+    """tokenize's summary from the manifest.json of a finished output of this very content, else None."""
+    from dflash_core.data.shards import read_manifest
+
+    if not storage.exists(storage.join(out, "manifest.json")):
+        return None
+    manifest = read_manifest(out)
+    if manifest.get("fingerprint") != fingerprint:
+        return None
+    return {**{k: manifest.get(k) for k in _MANIFEST_COUNTS}, "out": out, "fingerprint": fingerprint, "reused": True}
+
+
 @task(name="tokenize", retries=2, retry_delay_seconds=10, cache_key_fn=_content_key,
       persist_result=True)
 def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, Any]:
@@ -42,6 +57,10 @@ def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, An
     from dflash_core.data.tokenize import tokenize_dataset
 
     logger = get_run_logger()
+    done = _finished_tokenize(out, fingerprint)
+    if done is not None:  # a cache miss (no result storage where this runs: a fresh pod) over a finished output
+        logger.info("tokenize: %s already holds this content (fingerprint %s): reused", out, fingerprint[:16])
+        return done
     summary = tokenize_dataset(config.data.source, config.data.tokenizer, out, config.data,
                                block_size=config.model.block_size, progress=lambda p: logger.info("tokenize: %s", p))
     logger.info("tokenized: %s", json.dumps(summary))
@@ -90,16 +109,31 @@ def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[
 
 
 def plan_fingerprint(tokenized_fingerprint: str, config: PipelineConfig) -> str:
-    """The plan depends only on the tokenized content and the plan parameters."""
-    blob = json.dumps([tokenized_fingerprint, config.plan.model_dump(mode="json")], sort_keys=True)
+    """The plan depends only on the tokenized content, the plan parameters and the planner's version."""
+    from dflash_core.plan.report import PLANNER_VERSION
+
+    blob = json.dumps([tokenized_fingerprint, config.plan.model_dump(mode="json"), PLANNER_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 @task(name="plan", retries=2, retry_delay_seconds=5, cache_key_fn=_content_key, persist_result=True)
 def plan(config: PipelineConfig, tokenized: str, fingerprint: str, out: str) -> dict[str, Any]:
     """Buckets, batches and the interleaved order; publishes the plan artifacts."""
+    from dflash_core.data.shards import read_manifest
     from dflash_core.plan import read_plan, run_plan
+    from dflash_core.plan.errors import PlanError
 
+    # the folder is named by this plan's fingerprint: a finished plan there of these tokens is this plan (a
+    # cache miss where no result storage is kept, e.g. a fresh pod, must not re-plan)
+    if storage.exists(storage.join(out, "plan.json")):
+        try:
+            _, summary = read_plan(out)
+        except PlanError as exc:  # damaged: made again
+            get_run_logger().warning("plan: %s is not a usable plan (%s): planning again", out, exc)
+        else:
+            if summary.get("tokenized_fingerprint") == read_manifest(tokenized).get("fingerprint"):
+                get_run_logger().info("plan: %s already holds this plan: reused", out)
+                return summary
     run_plan(tokenized, out, config.plan)
     _, summary = read_plan(out)
     return summary

@@ -64,6 +64,30 @@ def test_tokenize_then_plan_write_their_folders(tmp_path):
     assert plan_summary == read_plan(plan_dir)[1] and plan_summary["num_steps"] >= 1
 
 
+def test_a_cache_miss_over_finished_outputs_reuses_them(tmp_path):
+    """Where Prefect keeps no task results (a fresh Kubernetes pod each night) every run misses the cache while the
+    content-addressed folders are finished: tokenize and plan return what the folders hold instead of doing the
+    work again (with the GPUs reserved); another fingerprint, or a damaged plan, is made again."""
+    cfg = _config(tmp_path)
+    fp = tasks.fingerprint_inputs.fn(cfg)
+    tokenized, plan_dir = str(tmp_path / "tok"), str(tmp_path / "plan")
+    with disable_run_logger():
+        first = tasks.tokenize.fn(cfg, fp, tokenized)
+        plan_summary = tasks.plan.fn(cfg, tokenized, "unused", plan_dir)
+        stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "tok").iterdir()}
+        plan_stamp = (tmp_path / "plan" / "plan.parquet").stat().st_mtime_ns
+        again = tasks.tokenize.fn(cfg, fp, tokenized)
+        assert again["reused"] and {k: again[k] for k in ("read", "kept", "dropped", "tokens")} == {
+            k: first[k] for k in ("read", "kept", "dropped", "tokens")}
+        assert {p: p.stat().st_mtime_ns for p in (tmp_path / "tok").iterdir()} == stamps
+        assert tasks.plan.fn(cfg, tokenized, "unused", plan_dir) == plan_summary
+        assert (tmp_path / "plan" / "plan.parquet").stat().st_mtime_ns == plan_stamp
+        assert "reused" not in tasks.tokenize.fn(cfg, "another-fingerprint", tokenized)
+        (tmp_path / "plan" / "plan.parquet").write_bytes(b"torn")
+        assert tasks.plan.fn(cfg, tokenized, "unused", plan_dir) == plan_summary  # planned again
+    assert read_plan(plan_dir)[1] == plan_summary
+
+
 def test_cached_refreshes_when_the_output_is_gone(tmp_path):
     out = tmp_path / "out"
     assert tasks.cached(tasks.plan, str(out), "plan.json") is not tasks.plan  # nothing there: refresh_cache

@@ -13,6 +13,9 @@ from dflash_core.plan.interleave import longest_runs, run_bound, window_discrepa
 from dflash_core.plan.steps import coefficient_of_variation, imbalance, rank_loads, round_robin_loads
 
 FORMAT_VERSION = 1
+# bump when the plan that given tokens and settings make changes (a cached plan of an older planner is then made
+# again: the flow's plan key holds it); 2: the validation slice (val.parquet)
+PLANNER_VERSION = 2
 
 
 @dataclass(frozen=True)
