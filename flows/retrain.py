@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
+from dflash_core.promotion.store import check_incumbent
 from flows import storage, tasks
 from flows.artifacts import publish_summary
 
@@ -53,6 +54,7 @@ def retrain_drafter(
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
+    check_incumbent(root)  # a damaged promoted/ fails the run now, not after the GPU hours
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)

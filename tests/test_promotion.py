@@ -148,7 +148,10 @@ def test_a_crash_while_copying_leaves_the_promoted_drafter_intact(root, monkeypa
     assert not fs.glob(f"{path}.staged-*")  # ... is cleaned up by the next reader
 
 
-def test_a_crash_between_the_two_moves_is_recovered(root, monkeypatch):
+def test_a_crash_between_the_two_moves_is_recovered(tmp_path, monkeypatch):
+    """On a local disk the swap is two renames: a kill between them leaves no `promoted/`, and the old folder is
+    moved back."""
+    root = str(tmp_path / "store")
     cfg = _cfg(root)
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
     fs, _ = fsspec.core.url_to_fs(root)
@@ -167,6 +170,81 @@ def test_a_crash_between_the_two_moves_is_recovered(root, monkeypatch):
     assert len(moves) == 2 and not fs.exists(f"{root}/promoted")  # the state a kill there would leave
     assert read_promoted(root)["run"] == "runs/a"  # the old folder was moved back
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+
+
+def test_a_crash_at_any_file_operation_of_an_object_store_swap_keeps_a_whole_promoted_drafter(monkeypatch):
+    """On object storage a move is a copy then a delete, so a kill can leave `promoted/` half copied or half
+    deleted beside a whole old copy. Killed at every file copy and delete of the swap in turn, a reader then
+    finds the old promoted drafter whole (or, killed after the new one was whole, the new one), with its own
+    record and files, never a half folder, nothing, or a mix."""
+    import itertools
+
+    fs = fsspec.filesystem("memory")
+    kinds = {"cp_file": type(fs).cp_file, "rm": type(fs).rm}
+    outcomes = set()
+    for kind, k in itertools.product(kinds, range(1, 12)):
+        root = f"memory://crash-{uuid.uuid4().hex}"
+        cfg = _cfg(root)
+        promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+        calls: list[str] = []
+
+        def dies(self, *args, _kind=kind, _k=k, calls=calls, **kw):
+            calls.append(_kind)
+            if calls.count(_kind) == _k:
+                raise OSError(f"injected: killed at {_kind} #{_k}")
+            return kinds[_kind](self, *args, **kw)
+
+        monkeypatch.setattr(type(fs), kind, dies)
+        try:
+            atomic_dir.replace_dir(f"{root}/promoted", lambda staged: (
+                _drafter(f"{staged}/drafter", "B"), fs.pipe(f"{staged}/promoted.json", b'{"run": "runs/b"}')))
+            died = False
+        except OSError:
+            died = True
+        monkeypatch.undo()
+        record = read_promoted(root)
+        assert record is not None, (kind, k)
+        marker = json.loads(_read(f"{promoted_drafter(root)}/config.json"))["marker"]
+        weights = _read(f"{promoted_drafter(root)}/model.safetensors")
+        assert (record["run"], marker, weights) in {("runs/a", "A", "A" * 100), ("runs/b", "B", "B" * 100)}, \
+            (kind, k, record, marker)
+        assert not fs.glob(f"{root}/promoted.*") and not fs.glob(f"{root}/promoted.old-*")  # no leftovers
+        outcomes.add((died, record["run"]))
+    assert (True, "runs/a") in outcomes and (False, "runs/b") in outcomes  # kills before and after it was whole
+
+
+def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fails_before_training(
+        root, monkeypatch):
+    """Today's production drafter copied into promoted/drafter without a promoted.json: warm starts already
+    start from it, so the gate measures it too and a new drafter must beat it (it was replaced unmeasured as
+    'nothing was promoted yet'). A promoted.json whose drafter lost its files stops the run at once, naming
+    them (the run trained from scratch and failed measuring the incumbent after the GPU hours)."""
+    cfg = _cfg(root)
+    _drafter(promoted_drafter(root), "HAND")
+    measured: list[str] = []
+
+    def tau_of(cfg, target, drafter_dir):
+        measured.append(drafter_dir)
+        return {"tau": 1.5 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]}
+
+    monkeypatch.setattr(gate, "_tau", tau_of)
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    scores = gate.measure(cfg, f"{root}/runs/b/drafter")
+    assert measured == [f"{root}/runs/b/drafter", promoted_drafter(root)]
+    assert scores["incumbent_tau"] == 1.5 and scores["incumbent_run"] == gate.PLACED
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", scores)
+    assert not decision["promoted"] and "does not beat" in decision["reason"]
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "HAND"}
+    assert store.resolve_init_from(cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"init_from": "promoted"})})).train.init_from == promoted_drafter(root)
+    store.check_incumbent(root)  # a placed drafter is not damage
+
+    promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", {
+        **gate.measure(cfg, f"{root}/runs/c/drafter"), "tau": 9.0})
+    fs, _ = fsspec.core.url_to_fs(root)
+    fs.rm(f"{promoted_drafter(root)}/model.safetensors")
+    with pytest.raises(store.PromotionError, match="names run runs/c but its drafter lacks model.safetensors"):
+        store.check_incumbent(root)
 
 
 @pytest.mark.slow

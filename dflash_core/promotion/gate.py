@@ -17,6 +17,7 @@ from dflash_core.monitor.sinks import wandb_mode
 from dflash_core.promotion.store import (
     DRAFTER_FILES,
     PromotionConflict,
+    missing_files,
     promote,
     promoted_drafter,
     read_promoted,
@@ -26,6 +27,7 @@ from dflash_core.promotion.store import (
 log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
 # promoted.json: these keys of the decision, plus the time
+PLACED = "placed by hand (no promoted.json)"  # incumbent_run of a drafter the gate did not promote
 RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict", "gain")
 
 
@@ -54,13 +56,17 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     target = eval_target(cfg.model.target, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     new = _tau(cfg, target, drafter_dir)
     incumbent = read_promoted(cfg.storage.root)
-    old = _tau(cfg, target, promoted_drafter(cfg.storage.root)) if incumbent is not None else None
+    # a drafter placed there by hand (no promoted.json: today's production drafter, seeded) is an incumbent too:
+    # it is measured and must be beaten, as warm starts already start from it
+    placed = incumbent is None and not missing_files(cfg.storage.root)
+    old = _tau(cfg, target, promoted_drafter(cfg.storage.root)) if incumbent is not None or placed else None
     new_means, gain = new.pop("per_response"), None
     if old is not None:
         gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
                            cfg.eval.confidence or DEFAULT_CONFIDENCE)
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
-            "new": new, "incumbent": old, "incumbent_run": incumbent.get("run") if incumbent else None,
+            "new": new, "incumbent": old,
+            "incumbent_run": incumbent.get("run") if incumbent else PLACED if placed else None,
             "incumbent_id": record_id(incumbent), "gain": gain}
 
 

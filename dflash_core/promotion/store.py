@@ -25,7 +25,6 @@ import fsspec
 from dflash_core.atomic_dir import recover, replace_dir
 from dflash_core.config import PipelineConfig
 from dflash_core.errors import DflashError
-from dflash_core.model.export import WEIGHTS_FILE
 from dflash_core.publish import OutputLockedError, output_lock
 from dflash_core.runtime.warm_start import PROMOTED
 
@@ -37,6 +36,10 @@ LOCK_WAIT_S = 30.0  # how long a promotion waits for the lock before it counts a
 
 class PromotionConflict(DflashError):
     """The promoted drafter changed (or is being changed) since the run measured it: this one is not promoted."""
+
+
+class PromotionError(DflashError):
+    """The promoted drafter on storage is damaged; the message names what is missing and what to do."""
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,23 @@ def read_promoted(root: str) -> dict[str, Any] | None:
     except OutputLockedError:
         pass  # a live promotion is copying or swapping: its folders are not debris
     return _record(fs, path)
+
+
+def missing_files(root: str) -> list[str]:
+    """The serving files the promoted drafter folder lacks (all of them while nothing is promoted)."""
+    fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
+    return [name for name in DRAFTER_FILES if not fs.exists(posixpath.join(path, name))]
+
+
+def check_incumbent(root: str) -> None:
+    """Before a run pays for training: a promoted.json whose drafter is missing files is a damaged store (the
+    run would train from scratch and then fail measuring the incumbent, every night); say so now."""
+    record, missing = read_promoted(root), missing_files(root)
+    if record is not None and missing:
+        raise PromotionError(
+            f"{_join(root, PROMOTED_DIR)}: promoted.json names run {record.get('run')} but its drafter lacks "
+            f"{', '.join(missing)}: restore the files (the run's drafter/ folder: {record.get('drafter')}) or "
+            f"delete {_join(root, PROMOTED_DIR)} to promote the next stable drafter without a comparison")
 
 
 def record_id(record: dict[str, Any] | None) -> list[Any] | None:
@@ -136,8 +156,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     if cfg.train.init_from != PROMOTED:
         return cfg
     path = promoted_drafter(cfg.storage.root)
-    fs, root = fsspec.core.url_to_fs(path)
-    if fs.exists(posixpath.join(root, WEIGHTS_FILE)):
+    if not missing_files(cfg.storage.root):
         log.info("train.init_from: promoted -> %s", path)
         resolved: str | None = path
     else:
