@@ -51,6 +51,36 @@ def test_the_cache_key_changes_with_a_turn_setting_only_when_it_changes_what_is_
     assert key["merge"]["reader"][name] == "merge" and name not in key["auto"]["reader"]
 
 
+def test_the_cache_key_follows_the_targets_weights_not_only_its_path(tmp_path):
+    """A target replaced in place (a new version behind the same folder) writes other replies: the key changes
+    with a byte of its weights at either end, a config change, an added file; not with a touch. With endpoints
+    the server answers, whatever model.target holds on disk."""
+    import os
+
+    from dflash_core.data.fingerprint import model_digest
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"hidden_size": 8}')
+    weights = target / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * (5 << 14))  # 5 MiB: read at both ends only
+    data = load_config("tiny-cpu").data
+    key = settings(data, str(target))
+    assert key["target_weights"] == model_digest(str(target))
+    os.utime(weights, (1, 1))
+    assert settings(data, str(target)) == key
+    for change in (lambda b: b[:-1] + b"x", lambda b: b"x" + b[1:]):
+        original = weights.read_bytes()
+        weights.write_bytes(change(original))
+        assert settings(data, str(target)) != key
+        weights.write_bytes(original)
+    (target / "config.json").write_text('{"hidden_size": 16}')
+    assert settings(data, str(target)) != key
+    served = data.model_copy(update={"regenerate": data.regenerate.model_copy(update={"endpoints": ["http://x/v1"]})})
+    assert "target_weights" not in settings(served, str(target))
+    assert model_digest("no/such-model-anywhere") is None and "target_weights" not in settings(data, "no/such")
+
+
 def test_auto_folds_and_merges_what_the_targets_template_refuses(tmp_path):
     """data.system_turn / same_role_turns auto: the requests are shaped as the target's chat template needs (Gemma
     2's refuses system turns, same-role turns in a row and a reply before the first user turn, its server answers

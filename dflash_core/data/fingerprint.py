@@ -62,6 +62,43 @@ def tokenizer_digest(path: str, tokenizer: Any | None = None) -> str:
     return h.hexdigest()
 
 
+_SAMPLE = 1 << 20  # bytes of each end of a weight file a model digest reads
+
+
+def model_digest(target: str | None) -> str | None:
+    """What tells a model's weights apart without reading them all (a nightly fingerprint of a 16-140 GB
+    target): for a local folder, sha256 over each top-level file's name and size, the whole of the small ones
+    (config, tokenizer, index) and the first and last MiB of the large ones (a safetensors header names and
+    places every tensor; a fine-tune changes the bytes at both ends); for a hub id, the commit of its snapshot in
+    the local Hugging Face cache; None when neither is there (the id alone then names it)."""
+    if target is None:
+        return None
+    if os.path.isdir(target):
+        h = hashlib.sha256()
+        for entry in sorted(os.scandir(target), key=lambda e: e.name):
+            if not entry.is_file() or entry.name.startswith("."):
+                continue
+            size = entry.stat().st_size
+            h.update(f"{entry.name}\0{size}\0".encode())
+            with open(entry.path, "rb") as fh:
+                if size <= 4 * _SAMPLE:
+                    h.update(fh.read())
+                else:
+                    h.update(fh.read(_SAMPLE))
+                    fh.seek(size - _SAMPLE)
+                    h.update(fh.read(_SAMPLE))
+        return h.hexdigest()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(target, "config.json")
+    except Exception:  # noqa: BLE001 - not a repo id (a URI, a missing path): the id alone names it
+        return None
+    if isinstance(cached, str):  # .../snapshots/<commit>/config.json
+        return f"hub commit {os.path.basename(os.path.dirname(cached))}"
+    return None
+
+
 def combine(files: str, tokenizer: str, params: dict[str, Any]) -> str:
     """The run's fingerprint from its three parts."""
     blob = json.dumps([VERSION, files, tokenizer, params], sort_keys=True)

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from dflash_core.data.config import DataConfig
 from dflash_core.data.errors import TemplateError
-from dflash_core.data.fingerprint import files_digest
+from dflash_core.data.fingerprint import files_digest, model_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import load_tokenizer, turn_shaping
@@ -103,7 +103,10 @@ def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
     merged = {"system_turn": "merge", "same_role_turns": "merge"}
     reader = {**data.model_dump(mode="json", include={"format", "messages_key", "role_map"}),
               **{k: merged[k] for k, sent in zip(merged, sent_turns(data), strict=True) if sent}}
-    return {"format": FORMAT, "target": target, "model": cfg.model,
+    # the target's weights, not only its path: a target replaced in place (a new version behind the same folder or
+    # symlink) writes other replies (with endpoints the server's model is what answers: cfg.model names it)
+    weights = None if cfg.endpoints else model_digest(target)
+    return {"format": FORMAT, "target": target, "model": cfg.model, **({"target_weights": weights} if weights else {}),
             "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
             "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader,
             # only when on: caches made before the setting existed stay valid
