@@ -6,6 +6,7 @@ import asyncio
 import http.server
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -481,6 +482,55 @@ def test_an_endpoint_that_fails_every_request_while_listing_its_models_is_taken_
         assert not (tmp_path / "out-alone" / "manifest.json").exists()
     finally:
         zombie.shutdown()
+
+
+def test_the_last_endpoint_restarting_is_waited_for_and_its_records_are_not_dropped(tmp_path, monkeypatch):
+    """A vLLM server restarting takes minutes: the last endpoint that stops answering is polled (GET /models)
+    for up to restart_wait_s; when it is back its records are sent again, none dropped; when it stays down the
+    stage fails naming it (a rerun resumes)."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate import stage
+
+    monkeypatch.setattr(stage, "_RESTART_POLL_S", 0.2)
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                   for i in range(40)])
+    original = _Scripted.do_POST
+
+    def run(out: str, back_after_s: float | None, wait_s: float) -> dict:
+        servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)]
+        port, answered, lock = servers[0].server_address[1], [], threading.Lock()
+        threading.Thread(target=servers[0].serve_forever, daemon=True).start()
+
+        def restart() -> None:
+            servers[0].shutdown()
+            servers[0].server_close()
+            if back_after_s is not None:
+                time.sleep(back_after_s)
+                servers[0] = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Scripted)
+                threading.Thread(target=servers[0].serve_forever, daemon=True).start()
+
+        def counted(self) -> None:
+            with lock:
+                answered.append(1)
+                fifth = len(answered) == 5
+            time.sleep(0.05)  # a server that takes its time: the restart comes while records are left
+            original(self)
+            if fifth:
+                threading.Thread(target=restart, daemon=True).start()
+
+        monkeypatch.setattr(_Scripted, "do_POST", counted)
+        try:
+            return stage.regenerate_dataset(source, str(tmp_path / out), data_config(
+                source, endpoints=[f"http://127.0.0.1:{port}/v1"], concurrency=2, retries=0, restart_wait_s=wait_s))
+        finally:
+            servers[0].shutdown()
+            monkeypatch.setattr(_Scripted, "do_POST", original)
+
+    summary = run("out", back_after_s=1.5, wait_s=30)
+    assert summary["complete"] and summary["kept"] == 40 and summary["dropped"] == {}
+    with pytest.raises(EndpointError, match="every endpoint failed"):
+        run("out-down", back_after_s=None, wait_s=1)
 
 
 def test_a_later_turn_the_server_refuses_ends_the_conversation_after_its_last_reply(scripted_server, tmp_path):

@@ -105,6 +105,7 @@ class Endpoint:
         self.slots = asyncio.Semaphore(cfg.concurrency)
         self.alive = True
         self.failed_in_a_row = 0  # requests that failed every try since the last answer (the run takes it out)
+        self.waiting: asyncio.Future[bool] | None = None  # the poll for it to answer again after it stopped
 
     async def close(self) -> None:
         """Close the connection pool."""

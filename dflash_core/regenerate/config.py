@@ -2,7 +2,15 @@
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from dflash_core.schema import StrictModel
 
@@ -43,6 +51,10 @@ class RegenerateConfig(StrictModel):
         3, description="retries of a request on 5xx, 408/429 and connection errors, with backoff")
     backoff_s: PositiveFloat = Field(1.0, description="first retry delay; doubles every retry")
     startup_timeout_s: PositiveFloat = Field(900.0, description="how long a local server may take to be healthy")
+    restart_wait_s: NonNegativeFloat = Field(
+        600.0, description="how long the stage waits for the last of the `endpoints` that stopped answering (a "
+        "server restarting) to answer GET /models again before it fails; its records wait, none is dropped; 0 = "
+        "fail at once (local servers are never waited for: their process is gone)")
     records_per_shard: PositiveInt = Field(
         1000, description="input records per output shard: the unit of resume and of Prefect task runs")
     task_per_shard: bool = Field(

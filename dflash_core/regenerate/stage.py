@@ -199,6 +199,19 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     return summary
 
 
+_RESTART_POLL_S = 5.0
+
+
+async def _answers_within(endpoint: Endpoint, seconds: float) -> bool:
+    """Poll GET /models every few seconds until it answers (True) or `seconds` have passed (False)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(_RESTART_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        if await endpoint.responsive():
+            return True
+    return False
+
+
 def _serve(cfg: RegenerateConfig, target: str | None, tokenizer: str | None, output: OutputDir, key: str | None):
     """The local servers of the target (data.regenerate.serve, `replicas` of them), their logs under .work/
     (server.log, then server-1.log, ...)."""
@@ -325,6 +338,10 @@ class _Run:
         try:
             while True:
                 item = await self.queue.get()
+                if endpoint.waiting is not None and not endpoint.waiting.done():  # restarting: wait with it
+                    if not await asyncio.shield(endpoint.waiting):
+                        self._endpoint_down(endpoint, f"it did not answer within restart_wait_s "
+                                                      f"({self.cfg.restart_wait_s:.0f} s)")
                 if not endpoint.alive:
                     self.queue.put_nowait(item)
                     return
@@ -338,15 +355,21 @@ class _Run:
                     result = Regenerated(drop=Drop("rejected_by_server", rejection(exc, messages)))
                     endpoint.failed_in_a_row = 0
                 except Unavailable as exc:
-                    endpoint.failed_in_a_row += 1
                     limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)
-                    if endpoint.alive and endpoint.failed_in_a_row < limit and await endpoint.responsive():
-                        result = Regenerated(drop=Drop("server_error", str(exc)))  # only this request fails
+                    if endpoint.alive and await endpoint.responsive():  # it answers others: only this one fails
+                        endpoint.failed_in_a_row += 1
+                        if endpoint.failed_in_a_row >= limit:  # ... unless it fails them all
+                            self.queue.put_nowait(item)  # another endpoint regenerates it
+                            self._endpoint_down(endpoint, f"failed {endpoint.failed_in_a_row} requests in a row "
+                                                          f"while it still lists its models; last: {exc}")
+                            return
+                        result = Regenerated(drop=Drop("server_error", str(exc)))
+                    elif await self._comes_back(endpoint):
+                        self.queue.put_nowait(item)  # it failed because the server was restarting
+                        continue
                     else:
                         self.queue.put_nowait(item)  # another endpoint regenerates it
-                        failing = endpoint.failed_in_a_row >= limit
-                        self._endpoint_down(endpoint, f"failed {endpoint.failed_in_a_row} requests in a row while "
-                                                      f"it still lists its models; last: {exc}" if failing else exc)
+                        self._endpoint_down(endpoint, exc)
                         return
                 await self._settle(item, result, endpoint)
                 self.pending -= 1
@@ -418,6 +441,21 @@ class _Run:
         if tools and self.cfg.send_tools:
             body["tools"] = tools
         return await endpoint.chat(body)
+
+    async def _comes_back(self, endpoint: Endpoint) -> bool:
+        """Whether the last live endpoint, which stopped answering, answers GET /models again within
+        restart_wait_s (a server restarting); its workers all wait on one poll. Never for local servers."""
+        wait = self.cfg.restart_wait_s if self.cfg.endpoints else 0.0
+        if wait <= 0 or any(e.alive for e in self.endpoints if e is not endpoint):
+            return False
+        if endpoint.waiting is None or endpoint.waiting.done() and endpoint.waiting.result():
+            log.warning("endpoint %s stopped answering; waiting up to %.0f s for it to answer again (a restart: "
+                        "data.regenerate.restart_wait_s)", endpoint.url, wait)
+            endpoint.waiting = asyncio.ensure_future(_answers_within(endpoint, wait))
+        back = await asyncio.shield(endpoint.waiting)
+        if back:
+            log.warning("endpoint %s answers again; its records are sent again", endpoint.url)
+        return back
 
     def _endpoint_down(self, endpoint: Endpoint, exc: Exception | str) -> None:
         if not endpoint.alive:
