@@ -178,6 +178,7 @@ class ChatEncoder:
         self.skeletons: dict[str, str | Exception] = {}
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
+        self.headers = self._learn_headers()
         # the special token every message's header opens with (<|im_start|>, gpt-oss's <|start|>), or ''
         self.opener = _special_prefix(self.prompts[0], self._specials()).strip() if self.prompts else ""
         self.tools = self._renders_tools()
@@ -246,6 +247,24 @@ class ChatEncoder:
             if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
                 prompts.append(prompted[len(bare):])
         return [p for p in dict.fromkeys(prompts) if p]
+
+    def _learn_headers(self) -> list[str]:
+        """The assistant header of an earlier turn where it is shorter than the generation prompt, which pre-fills
+        more (QwQ's and Nemotron's '<think>\n'): what a turn without text (tool calls only) is anchored on. It
+        starts with a special token, and the generation prompt starts with it."""
+        specials, headers = tuple(self._specials()), []
+        for turns in (("user", "assistant", "user"), ("user", "assistant")):  # a reply in history, the last one
+            messages, kwargs = self._plain(*[(role, _MARK.format(k)) for k, role in enumerate(turns)])
+            text = self._render_one(messages, kwargs)
+            if not isinstance(text, str) or _MARK.format(0) not in text or _MARK.format(1) not in text:
+                continue
+            seg = text.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0]
+            for prompt in self.prompts:
+                cut = next((seg[i:] for i in range(len(seg)) if seg[i:].startswith(specials)
+                            and prompt.startswith(seg[i:]) and len(seg) - i < len(prompt)), None)
+                if cut:
+                    headers.append(cut)
+        return [h for h in dict.fromkeys(headers) if h not in self.prompts]
 
     def _renders_tools(self) -> bool:
         """Whether the template writes an assistant's tool calls (probed once with a made-up call)."""
@@ -329,16 +348,41 @@ class ChatEncoder:
         if spans is None:
             return Drop("template_mismatch", "cannot place the assistant turns in the rendered text (the template "
                         "rewrites both contents and scaffolding)")
+        if self._first_calls_render(messages, kwargs) == text:
+            return Drop("template_single_tool_call", f"a turn calls several tools at once and the chat template of "
+                        f"'{self.name}' renders only the first call of a turn (the others would be lost)")
+        lost = self._reasoning_left_out(conv, text)
+        if lost is not None:
+            return lost
         return self._assistant_spans(messages, slots, spans, text, conv.unsupervised)
+
+    def _reasoning_left_out(self, conv: Conversation, text: str) -> Drop | None:
+        """With data.thinking: keep, the last reply's reasoning must be in the render (earlier turns' may be left
+        out, as templates render history: Qwen3); DeepSeek-R1's template cuts every reply before '</think>'."""
+        if self.thinking != "keep":
+            return None
+        last = next((m for m in reversed(conv.messages) if m["role"] == "assistant"), None)
+        reasoning = (last or {}).get("reasoning_content") or ""
+        if not reasoning.strip() or reasoning.strip() in text:
+            return None
+        return Drop("reasoning_dropped_by_template", f"the chat template of '{self.name}' leaves the reasoning of "
+                    f"the last reply out of the text (it renders replies without it), so with data.thinking: keep "
+                    f"the drafter would learn replies without their reasoning; use data.thinking: strip, or a "
+                    f"template that renders reasoning")
 
     def _single_calls_only(self, messages: Messages, kwargs: dict[str, Any]) -> bool:
         """Whether the template refused the messages for their parallel tool calls alone (Llama 3.1's "This model
         only supports single tool-calls at once!"): it renders them with each turn's first call only."""
+        return isinstance(self._first_calls_render(messages, kwargs), str)
+
+    def _first_calls_render(self, messages: Messages, kwargs: dict[str, Any]) -> str | Exception | None:
+        """The render of the messages with each turn's first tool call only; None when no turn calls several (a
+        template that renders no more than that, gpt-oss's, silently drops the others)."""
         several = [j for j, m in enumerate(messages) if len(m.get("tool_calls") or ()) > 1]
         if not several:
-            return False
+            return None
         single = [{**m, "tool_calls": m["tool_calls"][:1]} if j in several else m for j, m in enumerate(messages)]
-        return isinstance(self._render_one(single, kwargs), str)
+        return self._render_one(single, kwargs)
 
     def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
                          text: str, unsupervised: set[int]) -> list[Span] | Drop:
@@ -364,11 +408,13 @@ class ChatEncoder:
         """From the generation prompt's end (or the first text) to the end-of-turn after the last text/call."""
         start = min((s for s, _ in own), default=None)
         end = max((e for _, e in own), default=None)
-        for prompt in self.prompts:
-            at = text.rfind(prompt, lo, hi if start is None else start)
-            if at >= 0:
+        for prompt in (*self.prompts, *self.headers):
+            # a prompt may pre-fill the start of the turn's own text (QwQ's '<think>\n' before inline reasoning):
+            # what it pre-fills is not supervised
+            at = text.rfind(prompt, lo, hi if start is None else min(hi, start + len(prompt)))
+            if at >= 0 and (start is None or at < start):
                 start = at + len(prompt)
-                end = start if end is None else end
+                end = start if end is None else max(end, start)
                 break
         if start is None or end is None:
             return None

@@ -1,0 +1,162 @@
+"""The supervised tokens under the chat templates real targets publish (tests/fixtures/templates): exactly the
+replies and their end-of-turn, nothing of the prompt and nothing a generation prompt pre-fills; the records a
+template cannot render faithfully are dropped with their reason, never kept half right."""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from common.chat import data_config
+
+from dflash_core.data.tokenize import preview_samples
+
+FIXTURES = Path(__file__).parent / "fixtures" / "templates"
+# template file, its special tokens (the first is the pad), bos, eos
+SPECS = {
+    "qwen3": ("Qwen-Qwen3-0.6B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                                  "</tool_call>", "<tool_response>", "</tool_response>"], None, "<|im_end|>"),
+    "qwq": ("Qwen-QwQ-32B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                             "</tool_call>"], None, "<|im_end|>"),
+    "r1distill": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", [
+        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "gptoss": ("openai-gpt-oss-120b", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
+                                       "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"], "<|startoftext|>",
+               "<|return|>"),
+    "nemotron": ("NVIDIA-Nemotron-Nano-v2", ["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<think>", "</think>",
+                                             "<TOOLCALL>", "</TOOLCALL>", "<TOOL_RESPONSE>", "</TOOL_RESPONSE>",
+                                             "<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>"], None, "<SPECIAL_12>"),
+    "llama31": ("meta-llama-Llama-3.1-8B-Instruct", ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>",
+                                                     "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                                     "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>"),
+    "gemma3": ("google-gemma-3-4b-it", ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>",
+               "<eos>"),
+    "phi4": ("microsoft-phi-4", ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>"),
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _call(name: str, n: int) -> dict[str, Any]:
+    return {"id": f"call{n:05d}", "type": "function", "function": {"name": name, "arguments": {"city": "Paris"}}}
+
+
+RECORDS = {
+    "single": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    "multi": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Q1 count"},
+              {"role": "assistant", "content": "A1 three"}, {"role": "user", "content": "Q2 total"},
+              {"role": "assistant", "content": "A2 six"}],
+    "reason": [{"role": "user", "content": "Q1 count"},
+               {"role": "assistant", "content": "A1 three", "reasoning_content": "R1 think one"},
+               {"role": "user", "content": "Q2 total"},
+               {"role": "assistant", "content": "A2 six", "reasoning_content": "R2 think two"}],
+    "tools": [{"role": "system", "content": "You can call tools."}, {"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 1)]},
+              {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "{\"temp\": 18}"},
+              {"role": "assistant", "content": "It is 18 degrees."}],
+    "parallel": [{"role": "user", "content": "Weather and time in Paris?"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [_call("get_weather", 1), _call("get_time", 2)]},
+                 {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": "{\"temp\": 18}"},
+                 {"role": "tool", "tool_call_id": "call00002", "name": "get_time", "content": "{\"time\": \"9:00\"}"},
+                 {"role": "assistant", "content": "It is 18 degrees at 9:00."}],
+}
+USER_TEXTS = ("Hi there", "Q1 count", "Q2 total", "Weather in Paris?", "Weather and time in Paris?")
+LAST_REPLY = {"single": "Hello! How can I help?", "multi": "A2 six", "reason": "A2 six", "tools": "It is 18 degrees.",
+              "parallel": "It is 18 degrees at 9:00."}
+# drops that say a template cannot render the record faithfully (policy), as opposed to failures to place it
+POLICY = {"template_has_no_tools", "template_single_tool_call", "reasoning_dropped_by_template"}
+
+
+@functools.cache
+def _tokenizer(name: str) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    file, specials, bos, eos = SPECS[name]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [m["content"] or "" for turns in RECORDS.values() for m in turns] * 5
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=500, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0])
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.chat_template = (FIXTURES / f"{file}.jinja").read_text()
+    out = tempfile.mkdtemp(prefix=f"dflash-real-template-{name}-")
+    fast.save_pretrained(out)
+    return out
+
+
+def _preview(name: str, thinking: str) -> dict[str, dict[str, Any]]:
+    folder = Path(tempfile.mkdtemp(prefix="dflash-real-records-"))
+    source = folder / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": rid, "messages": turns, **(
+        {"tools": [WEATHER, TIME]} if any(m.get("tool_calls") for m in turns) else {})}) + "\n"
+        for rid, turns in RECORDS.items()))
+    cfg = data_config(source=str(source), tokenizer=_tokenizer(name), thinking=thinking)
+    out = preview_samples(str(source), _tokenizer(name), cfg, block_size=1, limit=len(RECORDS))
+    return {r["id"]: r for r in out["records"]}
+
+
+def _supervised(record: dict[str, Any]) -> list[str]:
+    """The supervised spans of a previewed record, each one string."""
+    spans, current = [], None
+    for text, supervised in record["segments"]:
+        if supervised:
+            current = (current or "") + text
+        elif current is not None:
+            spans.append(current)
+            current = None
+    return spans + ([current] if current is not None else [])
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_only_replies_are_supervised_under_real_templates(name: str, thinking: str) -> None:
+    records = _preview(name, thinking)
+    eos = {"gemma3": "<end_of_turn>"}.get(name, SPECS[name][3])  # what ends a reply
+    for rid, record in records.items():
+        if not record["kept"]:
+            assert record["reason"] in POLICY, (name, thinking, rid, record["reason"], record["detail"])
+            continue
+        spans = _supervised(record)
+        assert spans and LAST_REPLY[rid] in spans[-1], (name, thinking, rid, spans)
+        assert spans[-1].rstrip("\n").endswith(eos), (name, thinking, rid, spans[-1])
+        assert not any(text in span for span in spans for text in USER_TEXTS), (name, thinking, rid, spans)
+    assert records["single"]["kept"] and records["multi"]["kept"]
+
+
+def test_what_a_generation_prompt_pre_fills_is_not_supervised_and_tool_turns_are_placed() -> None:
+    """QwQ's and Nemotron's generation prompts pre-fill '<think>\\n' after the header that earlier turns have:
+    a turn of tool calls only is placed on that header (it was a template_mismatch, which fails the stage), and
+    under thinking keep QwQ's last reply is supervised from after the pre-filled '<think>\\n'."""
+    for name in ("qwq", "nemotron"):
+        tools = _preview(name, "strip")["tools"]
+        assert tools["kept"], tools
+        assert "get_weather" in _supervised(tools)[0] and "Paris" in _supervised(tools)[0]
+    reason = _supervised(_preview("qwq", "keep")["reason"])
+    assert reason[-1].startswith("R2 think two") and "A2 six" in reason[-1], reason
+
+
+def test_templates_that_would_train_a_half_truth_drop_the_record_with_its_reason() -> None:
+    """gpt-oss's template renders only the first of a turn's parallel calls (silently); DeepSeek-R1's cuts every
+    reply before '</think>', so under thinking keep the reasoning would be lost: both are dropped, saying why."""
+    parallel = _preview("gptoss", "strip")["parallel"]
+    assert not parallel["kept"] and parallel["reason"] == "template_single_tool_call", parallel
+    assert _preview("gptoss", "strip")["tools"]["kept"]
+    kept_reason = _preview("r1distill", "keep")["reason"]
+    assert not kept_reason["kept"] and kept_reason["reason"] == "reasoning_dropped_by_template", kept_reason
+    assert _preview("r1distill", "strip")["reason"]["kept"]
+    qwen3 = _supervised(_preview("qwen3", "keep")["reason"])
+    assert "R2 think two" in qwen3[-1] and "R1 think one" not in "".join(qwen3)  # history as Qwen3 renders it
