@@ -27,6 +27,11 @@ SPECS = {
         "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
         "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
         "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "dsv31": ("deepseek-ai-DeepSeek-V3.1", [
+        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>"),
     "gptoss": ("openai-gpt-oss-120b", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                                        "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"], "<|startoftext|>",
                "<|return|>"),
@@ -145,6 +150,10 @@ def test_what_a_generation_prompt_pre_fills_is_not_supervised_and_tool_turns_are
         tools = _preview(name, "strip")["tools"]
         assert tools["kept"], tools
         assert "get_weather" in _supervised(tools)[0] and "Paris" in _supervised(tools)[0]
+    # DeepSeek's templates join a call's arguments into the text: they get them as JSON text, not an object (the
+    # probe with an object failed, and every tool record was dropped as template_has_no_tools)
+    calls = _preview("dsv31", "strip")["tools"]
+    assert calls["kept"] and '{"city": "Paris"}' in _supervised(calls)[0], calls
     reason = _supervised(_preview("qwq", "keep")["reason"])
     assert reason[-1].startswith("R2 think two") and "A2 six" in reason[-1], reason
 

@@ -176,6 +176,7 @@ class ChatEncoder:
         self.backend.no_truncation()  # the length policy is ours; a saved truncation would cut silently
         self.backend.no_padding()
         self.skeletons: dict[str, str | Exception] = {}
+        self.string_arguments = False  # set by _renders_tools
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.headers = self._learn_headers()
@@ -197,8 +198,14 @@ class ChatEncoder:
                 "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
 
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
-        """This encoder's chat_template_inputs of a conversation."""
-        return chat_template_inputs(conv, self.thinking, self.template)
+        """This encoder's chat_template_inputs of a conversation (tool call arguments as the JSON text a
+        template that joins them into its text needs, or as objects)."""
+        messages, kwargs = chat_template_inputs(conv, self.thinking, self.template)
+        if self.string_arguments:
+            messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+                if m.get("tool_calls") else m for m in messages]
+        return messages, kwargs
 
     def _render(self, items: list[tuple[Messages, dict[str, Any]]]) -> list[str | Exception]:
         """Rendered texts, batched (those without tools); a failing batch is redone one by one so only the
@@ -273,8 +280,13 @@ class ChatEncoder:
             "type": "object", "properties": {"q": {"type": "integer"}}}}}
         conv = Conversation([{"role": "user", "content": _MARK.format(0)},
                              {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
-        text = self._render_one(*self.inputs(conv))
-        return isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]
+        for as_text in (False, True):  # DeepSeek's templates join the arguments into the text: a JSON string
+            self.string_arguments = as_text
+            text = self._render_one(*self.inputs(conv))
+            if isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]:
+                return True
+        self.string_arguments = False
+        return False
 
     def _specials(self) -> list[str]:
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
