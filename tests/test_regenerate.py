@@ -224,8 +224,11 @@ def test_when_every_endpoint_dies_the_run_fails_then_resumes_elsewhere(target_se
     out = tmp_path / "out"
     watcher = _kill_after(hop, out, 2)
     try:
-        with pytest.raises(EndpointError, match=f"127.0.0.1:{port}"):
-            regenerate_dataset(source, str(out), data_config(source, endpoints=[hop_url], concurrency=1))
+        started = time.monotonic()
+        with pytest.raises(EndpointError, match=f"127.0.0.1:{port}"):  # after restart_wait_s for it to come back
+            regenerate_dataset(source, str(out), data_config(source, endpoints=[hop_url], concurrency=1,
+                                                             restart_wait_s=2))
+        assert time.monotonic() - started >= 2
     finally:
         hop.kill()
         watcher.join()
