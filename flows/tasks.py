@@ -35,29 +35,14 @@ def cached(task_fn, out: str, marker: str):
     return task_fn if storage.exists(storage.join(out, marker)) else task_fn.with_options(refresh_cache=True)
 
 
-_MANIFEST_COUNTS = ("read", "kept", "dropped", "notes", "truncated_files", "tokens", "supervised_tokens")
-
-
-def _finished_tokenize(out: str, fingerprint: str) -> dict[str, Any] | None:
-    """tokenize's summary from the manifest.json of a finished output of this very content, else None."""
-    from dflash_core.data.shards import read_manifest
-
-    if not storage.exists(storage.join(out, "manifest.json")):
-        return None
-    manifest = read_manifest(out)
-    if manifest.get("fingerprint") != fingerprint:
-        return None
-    return {**{k: manifest.get(k) for k in _MANIFEST_COUNTS}, "out": out, "fingerprint": fingerprint, "reused": True}
-
-
 @task(name="tokenize", retries=2, retry_delay_seconds=10, cache_key_fn=_content_key,
       persist_result=True)
 def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, Any]:
     """Chat data -> token shards (skipped when the same content was tokenized into `out` before)."""
-    from dflash_core.data.tokenize import tokenize_dataset
+    from dflash_core.data.tokenize import finished_summary, tokenize_dataset
 
     logger = get_run_logger()
-    done = _finished_tokenize(out, fingerprint)
+    done = finished_summary(out, fingerprint)
     if done is not None:  # a cache miss (no result storage where this runs: a fresh pod) over a finished output
         logger.info("tokenize: %s already holds this content (fingerprint %s): reused", out, fingerprint[:16])
         return done

@@ -36,7 +36,7 @@ from dflash_core.data.samples import (
     build_chunk,
     init_worker,
 )
-from dflash_core.data.shards import part_name
+from dflash_core.data.shards import part_name, read_manifest
 from dflash_core.data.sources import FileRecords, SourceFile, list_files
 from dflash_core.data.template import ChatEncoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
@@ -80,6 +80,22 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
     return {"read": run.read, "kept": run.kept, "dropped": run.drops.dropped(), "notes": run.notes.dropped(),
             "truncated_files": run.truncated_files, "tokens": run.tokens, "supervised_tokens": run.supervised,
             "out": out, "fingerprint": fingerprint}
+
+
+# the counts of tokenize_dataset's summary, under the same names in manifest.json
+SUMMARY_COUNTS = ("read", "kept", "dropped", "notes", "truncated_files", "tokens", "supervised_tokens")
+
+
+def finished_summary(out: str, fingerprint: str) -> dict[str, Any] | None:
+    """tokenize_dataset's summary of a finished output of this very content, read back from its manifest.json
+    (`reused`: nothing was tokenized); None when `out` holds no finished output of it."""
+    fs, path = fsspec.core.url_to_fs(join_uri(out, "manifest.json"))
+    if not fs.exists(path):  # manifest.json is written last: not finished
+        return None
+    manifest = read_manifest(out)
+    if manifest.get("fingerprint") != fingerprint:
+        return None
+    return {**{k: manifest.get(k) for k in SUMMARY_COUNTS}, "out": out, "fingerprint": fingerprint, "reused": True}
 
 
 def preview_samples(source: str, tokenizer: str, cfg: DataConfig, block_size: int, limit: int) -> dict[str, Any]:

@@ -57,6 +57,7 @@ _PROBE = [{"role": "user", "content": "Say hello."}]
 # taken out of the run, its records sent to the others (a gateway whose backend is gone, an engine that errs on
 # every request); at least 2 x concurrency, so a burst of timeouts under load does not count
 _FAILING_IN_A_ROW = 8
+_RESTART_POLL_S = 5.0  # how often a restarting endpoint is asked GET /models
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,11 @@ def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
 
 def regenerate_fingerprint(source: str, data: DataConfig, target: str | None) -> str:
     """Content fingerprint of a run: input bytes + target + sampling and sharding settings."""
-    return _fingerprint(list_files(source), data, target)
+    return _fingerprint(list_files(source), settings(data, target))
 
 
-def _fingerprint(files: list[SourceFile], data: DataConfig, target: str | None) -> str:
-    blob = json.dumps([files_digest(files), settings(data, target)], sort_keys=True)
+def _fingerprint(files: list[SourceFile], state: dict[str, Any]) -> str:
+    blob = json.dumps([files_digest(files), state], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -170,8 +171,9 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     cfg = data.regenerate
     files = list_files(source)
     output = OutputDir(out)
-    fingerprint = fingerprint or _fingerprint(files, data, target)
-    output.claim({"fingerprint": fingerprint, "source": source, "settings": settings(data, target)})
+    state = settings(data, target)  # reads the ends of the target's weight files: once
+    fingerprint = fingerprint or _fingerprint(files, state)
+    output.claim({"fingerprint": fingerprint, "source": source, "settings": state})
     output.remove_manifest()
     records = count_records(files, data) if records is None else records
     total_shards = cfg.shard_count(records)
@@ -194,12 +196,9 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     if complete and shards is None:
         output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
                                "endpoints": cfg.endpoints or [f"local {cfg.serve} serve"] * cfg.replicas,
-                               "sampling": settings(data, target)["sampling"], "keep_truncated": cfg.keep_truncated,
+                               "sampling": state["sampling"], "keep_truncated": cfg.keep_truncated,
                                "sources": [{"file": f.name, "bytes": f.size} for f in files]})
     return summary
-
-
-_RESTART_POLL_S = 5.0
 
 
 async def _answers_within(endpoint: Endpoint, seconds: float) -> bool:
@@ -208,6 +207,7 @@ async def _answers_within(endpoint: Endpoint, seconds: float) -> bool:
     while time.monotonic() < deadline:
         await asyncio.sleep(min(_RESTART_POLL_S, max(deadline - time.monotonic(), 0.0)))
         if await endpoint.responsive():
+            log.warning("endpoint %s answers again; its records are sent again", endpoint.url)
             return True
     return False
 
@@ -237,6 +237,7 @@ class _Run:
         self.todo_records = sum(self.size(s) for s in todo)  # in the shards this run works on (the bar's 100%)
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking)
+        self.failing_limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)  # failures in a row: endpoint out
         self.journals: dict[int, ShardJournal] = {}
         # by shard: the server_error drops of an earlier run, and those of them sent again and not yet answered
         self.retryable: dict[int, set[int]] = {}
@@ -355,10 +356,9 @@ class _Run:
                     result = Regenerated(drop=Drop("rejected_by_server", rejection(exc, messages)))
                     endpoint.failed_in_a_row = 0
                 except Unavailable as exc:
-                    limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)
                     if endpoint.alive and await endpoint.responsive():  # it answers others: only this one fails
                         endpoint.failed_in_a_row += 1
-                        if endpoint.failed_in_a_row >= limit:  # ... unless it fails them all
+                        if endpoint.failed_in_a_row >= self.failing_limit:  # ... unless it fails them all
                             self.queue.put_nowait(item)  # another endpoint regenerates it
                             self._endpoint_down(endpoint, f"failed {endpoint.failed_in_a_row} requests in a row "
                                                           f"while it still lists its models; last: {exc}")
@@ -452,10 +452,7 @@ class _Run:
             log.warning("endpoint %s stopped answering; waiting up to %.0f s for it to answer again (a restart: "
                         "data.regenerate.restart_wait_s)", endpoint.url, wait)
             endpoint.waiting = asyncio.ensure_future(_answers_within(endpoint, wait))
-        back = await asyncio.shield(endpoint.waiting)
-        if back:
-            log.warning("endpoint %s answers again; its records are sent again", endpoint.url)
-        return back
+        return await asyncio.shield(endpoint.waiting)
 
     def _endpoint_down(self, endpoint: Endpoint, exc: Exception | str) -> None:
         if not endpoint.alive:
