@@ -414,7 +414,12 @@ def _chosen_conversation(record: dict[str, Any], roles: Mapping[str, str]) -> li
     turns = _as_list(record.get("chosen")) if "rejected" in record else None
     if turns is None or not _turn_list(turns):
         return None
-    return turns if any(_role(turn, roles) not in ("assistant", None) for turn in turns) else None
+    return turns if _whole(turns, roles) else None
+
+
+def _whole(turns: list[Any], roles: Mapping[str, str]) -> bool:
+    """Whether turns are a whole conversation (a prompt among them), not only the replies to one."""
+    return any(_role(turn, roles) not in ("assistant", None) for turn in turns)
 
 
 def _role(turn: dict[str, Any], roles: Mapping[str, str]) -> str | None:
@@ -529,12 +534,12 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     call_key = None if reply_key else next((k for k in CALL_REPLY_KEYS if record.get(k) is not None), None)
     fmts: list[str | None] = ["openai"] * len(turns)
     reply_turns = None if reply_key is None else _as_list(record[reply_key])
-    if reply_key is not None and reply_turns is not None and \
-            (not isinstance(record[reply_key], str) or _turn_list(reply_turns)):
-        if not _turn_list(reply_turns):
+    as_turns = reply_turns is not None and _turn_list(reply_turns)
+    if reply_key is not None and reply_turns is not None and (not isinstance(record[reply_key], str) or as_turns):
+        if not as_turns:
             return Drop("wrong_schema", f"'{reply_key}' is a list but not of turns (role/content or from/value); "
                         "expected the reply as a string or a list of turns")
-        if any(_role(turn, roles) not in ("assistant", None) for turn in reply_turns):
+        if _whole(reply_turns, roles):
             turns, fmts = [], []  # the whole conversation, its prompt included (UltraFeedback's chosen turns)
         turns, fmts = turns + reply_turns, fmts + [None] * len(reply_turns)  # each turn read in its own format
     elif reply_key is not None:
@@ -566,7 +571,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
             return problem
     # the fields as written, for messages that name a turn's source (a transcript's turns: the roles as written;
     # turns from a list: theirs)
-    written = [] if reply_turns is not None and _turn_list(reply_turns) else \
+    written = [] if as_turns else \
         ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
     if written:
         conv.sources[-len(written):] = written
