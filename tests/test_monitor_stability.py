@@ -271,3 +271,73 @@ def test_the_incident_still_fails_when_clipping_is_only_a_warning():
     result = _analyze(records)
     assert verdict(result.figures, result.warnings) == "fail"
     assert {"spike_score", "loss_cliffs"} & {n for n, f in result.figures.items() if f["status"] == "fail"}
+
+
+def _scale_late(records, key, start, growth):
+    """Multiply `key` by exp(growth * k) where k runs 0 -> 1 from `start` (a share of the run) to the end."""
+    n = len(records)
+    for r in records[int(n * start):]:
+        r[key] *= math.exp(growth * (r["step"] - n * start) / (n * (1 - start)))
+        r["clipped"] = r["grad_norm"] > r["clip"]
+    return records
+
+
+def test_a_loss_that_falls_then_triples_fails_although_it_ends_below_its_start():
+    records = _scale_late(make_log(1000, 1), "loss", 0.8, 1.2)  # x3.3 over the last fifth
+    result = _analyze(records)
+    assert result.figures["loss_end_ratio"]["status"] == "pass"  # what the start-to-end trend sees
+    fig = result.figures["loss_rebound"]
+    assert fig["status"] == "fail" and fig["value"] > 2.0, fig
+    assert fig["lowest_from_step"] < 800 <= fig["end_from_step"]
+    assert verdict(result.figures, result.warnings) == "fail"
+
+
+def test_a_smooth_late_grad_norm_climb_fails_where_the_spike_rules_follow_it_up():
+    records = _scale_late(make_log(1000, 3), "grad_norm", 0.9, 2.5)  # x12 over the last tenth, no jump
+    result = _analyze(records)
+    assert result.figures["spike_score"]["status"] == "pass"
+    fig = result.figures["grad_norm_rise"]
+    assert fig["status"] == "fail" and fig["value"] > CFG.max_grad_norm_rise, fig
+    assert "fail" == verdict(result.figures, result.warnings)
+
+
+@pytest.mark.parametrize("n", [40, 126, 1000, 3000])
+def test_healthy_runs_stay_far_below_the_rise_thresholds(n):
+    for seed in range(6):
+        for homogeneous in (False, True):  # a run of long batches at the end is not a rebound
+            figures = _analyze(make_log(n, seed, homogeneous=homogeneous)).figures
+            assert figures["loss_rebound"]["value"] < 1.3, (seed, figures["loss_rebound"])
+            assert figures["grad_norm_rise"]["value"] < 1.6, (seed, figures["grad_norm_rise"])
+
+
+def test_the_rise_is_measured_after_the_lr_warmup():
+    # A long warmup (a fifth of the run) where the grad norm is small grows with the lr: not a rise.
+    records = make_log(1000, 5)
+    for r in records:
+        ramp = min(1.0, (r["step"] + 1) / 200)
+        r["lr"], r["grad_norm"] = 6e-4 * ramp, r["grad_norm"] * ramp**4
+    fig = _analyze(records).figures["grad_norm_rise"]
+    assert fig["status"] == "pass" and fig["settled_step"] == 199, fig
+    for r in records:
+        del r["lr"]  # without the lr, only the first tenth is left out: the end of the warmup counts
+    assert _analyze(records).figures["grad_norm_rise"]["status"] == "fail"
+
+
+def test_steps_missing_from_the_log_warn_and_are_named():
+    records = [r for r in make_log(600, 0) if not 300 <= r["step"] < 320]
+    for r in records[100:103]:
+        del r["loss"]  # a logger that drops what it cannot serialise
+    fig = _analyze(records).figures["unlogged_steps"]
+    assert fig["status"] == "warn" and fig["value"] == 23, fig
+    assert fig["gaps_after"] == [299] and fig["partial"] == [100, 101, 102]
+    assert "gaps after steps [299]" in fig["summary"]
+
+
+def test_a_log_written_every_k_steps_and_skipped_steps_are_not_unlogged():
+    every_tenth = [r for r in make_log(3000, 0) if r["step"] % 10 == 0]
+    assert _analyze(every_tenth).figures["unlogged_steps"]["value"] == 0
+    records = make_log(600, 0)
+    records[200].update(loss=None, grad_norm=None, skipped=True)  # flagged: counted by nonfinite_steps instead
+    del records[200]["loss"]
+    figures = _analyze(records).figures
+    assert figures["unlogged_steps"]["value"] == 0 and figures["nonfinite_steps"]["value"] == 1

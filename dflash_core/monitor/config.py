@@ -10,10 +10,11 @@ from dflash_core.schema import StrictModel
 class CheckConfig(StrictModel):
     """Stability thresholds. Breaking a hard figure fails the run; breaking a soft one warns.
 
-    Hard (fail): non-finite steps, gradient-norm spike score, loss cliffs: what harms training.
-    Soft (warn): clip rate and longest clipped run (constant clipping is a configuration smell: the report
-    advises a threshold), robust spike rate, loss spikes, spike coincidence, long-bucket runs and their spikes,
-    trends.
+    Hard (fail): non-finite steps, gradient-norm spike score, loss cliffs, a loss that climbed back up or a
+    gradient norm that grew by a multiple by the end of the run: what harms training.
+    Soft (warn): steps missing from the log, clip rate and longest clipped run (constant clipping is a
+    configuration smell: the report advises a threshold), robust spike rate, loss spikes, spike coincidence,
+    long-bucket runs and their spikes, trends.
     Windows are in optimizer steps; for runs shorter than 5 windows they shrink to a fifth of the run, but
     never below `min_window`.
     """
@@ -26,6 +27,10 @@ class CheckConfig(StrictModel):
     # Non-finite loss or gradient norm.
     max_nonfinite: NonNegativeInt = Field(
         0, description="hard: steps allowed with a non-finite loss or gradient norm (or logged as skipped)")
+    # Steps the log does not show: a gap in the step sequence, or a record without its loss or grad norm.
+    max_unlogged_steps: NonNegativeInt = Field(
+        0, description="soft: steps allowed without a record, or whose record lacks loss or grad_norm (the check "
+        "cannot see what happened in them)")
     # Gradient-norm spikes: the OLMo 2 spike score (mean/std of the trailing window) ...
     spike_k: PositiveFloat = Field(
         7.0, description="a gradient-norm spike is a pre-clip norm above the trailing mean + spike_k std")
@@ -79,8 +84,18 @@ class CheckConfig(StrictModel):
     max_loss_end_ratio: PositiveFloat = Field(
         1.0, description="soft: median loss of the last tenth of the steps over that of the first tenth")
     max_grad_norm_growth: PositiveFloat = Field(
-        2.0, description="soft: fitted growth factor of the grad norm after the first 10% of the run (Theil-Sen; "
-        "warns only when significant)")
+        2.0, description="soft: fitted growth factor of the grad norm after the run settled (its first tenth and "
+        "lr warmup left out; Theil-Sen; warns only when significant)")
+    # Levels at the end: the median of the last level_window steps over the lowest such median after the run
+    # settled (its first tenth and the lr warmup left out).
+    level_window: PositiveInt = Field(
+        100, description="steps whose median is a level of the loss or grad norm (a twentieth of a shorter run, "
+        "at least 5)")
+    max_loss_rebound: PositiveFloat = Field(
+        1.5, description="hard: loss level at the end over the lowest loss level of the run (bucket-adjusted): a "
+        "loss that fell and climbed back up diverged")
+    max_grad_norm_rise: PositiveFloat = Field(
+        4.0, description="hard: grad-norm level at the end over its lowest level after the run settled")
     # Baseline: report.json of an earlier healthy run; a figure worse by more than the tolerance regresses.
     baseline: str | None = Field(None, description="report.json of an earlier healthy run")
     baseline_tolerance: NonNegativeFloat = Field(

@@ -76,6 +76,22 @@ def _trailing(x: np.ndarray, window: int, min_periods: int, stat: Stat) -> tuple
     return first, second
 
 
+def level_width(configured: int, n: int) -> int:
+    """Values whose median is a level: the configured window, a twentieth of a shorter series, at least 5."""
+    return max(5, min(configured, n // 20))
+
+
+def end_above_lowest(x: np.ndarray, width: int) -> tuple[float, int] | None:
+    """How far the level at the end (median of the last `width` values) lies above the lowest level of the
+    series (the smallest median of `width` consecutive values), and where that lowest window starts.
+    None when the series holds fewer than 2 * width values (the end would be its own lowest)."""
+    if len(x) < 2 * width:
+        return None
+    levels = pl.Series(x, dtype=pl.Float64).rolling_median(width).to_numpy()[width - 1 :]  # [i]: x[i : i+width]
+    low = int(np.argmin(levels))
+    return float(levels[-1] - levels[low]), low
+
+
 def group_runs(flags: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
     """(first, last) positions of clusters of True values separated by at most `max_gap` False values."""
     idx = np.flatnonzero(flags)

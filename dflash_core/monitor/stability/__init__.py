@@ -15,9 +15,15 @@ from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.stability.clipping import clip_figures
 from dflash_core.monitor.stability.composition import coincidence, composition, long_runs
 from dflash_core.monitor.stability.figures import Analysis, Series, figure
-from dflash_core.monitor.stability.gradients import grad_spikes, grad_trend, nonfinite_figure, nonfinite_steps
+from dflash_core.monitor.stability.gradients import (
+    grad_rise,
+    grad_spikes,
+    grad_trend,
+    nonfinite_figure,
+    nonfinite_steps,
+)
 from dflash_core.monitor.stability.loss import loss_events, loss_trend
-from dflash_core.monitor.stability.prepare import dedupe, make_series, missing_fields
+from dflash_core.monitor.stability.prepare import dedupe, make_series, missing_fields, unlogged_figure
 
 __all__ = ["Analysis", "Series", "analyze", "figure"]
 
@@ -33,6 +39,7 @@ def analyze(frame: pl.DataFrame, cfg: CheckConfig) -> Analysis:
     loss = loss_events(series, cfg)
     figures = result.figures
     figures["nonfinite_steps"] = nonfinite_figure(series.steps, nonfinite, cfg)
+    figures["unlogged_steps"] = unlogged_figure(clean, cfg)
     figures.update(grad["figures"])
     figures.update(clip_figures(clean, series, cfg))
     figures.update(loss["figures"])
@@ -40,6 +47,7 @@ def analyze(frame: pl.DataFrame, cfg: CheckConfig) -> Analysis:
     figures.update(composition(clean, series, loss, grad["robust"], cfg))
     figures["loss_end_ratio"] = loss_trend(series, cfg)
     figures["grad_norm_growth"] = grad_trend(series, cfg)
+    figures["grad_norm_rise"] = grad_rise(series, cfg)
     figures["step_order"] = order
     steps = series.steps
     result.markers = {

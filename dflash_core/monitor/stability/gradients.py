@@ -16,7 +16,7 @@ from dflash_core.monitor.rolling import (
     trailing_mean_std,
     trailing_median_mad,
 )
-from dflash_core.monitor.stability.figures import MIN_LOG_SCALE, Series, figure, listed
+from dflash_core.monitor.stability.figures import MIN_LOG_SCALE, Series, figure, listed, rise_figure
 
 
 def nonfinite_steps(clean: pl.DataFrame, s: Series) -> np.ndarray:
@@ -69,11 +69,20 @@ def _spike_figure(name: str, spikes: np.ndarray, scored: int, k: float, window: 
                   window=window, steps=listed(spikes))
 
 
+def grad_rise(s: Series, cfg: CheckConfig) -> dict[str, Any]:
+    """Grad-norm level at the end of the run over its lowest level after the run settled."""
+    pos = np.flatnonzero(np.isfinite(s.grad_norm) & (s.grad_norm > 0))
+    if not s.grad_logged:
+        return figure(None, cfg.max_grad_norm_rise, "fail", "grad-norm rise: n/a (grad_norm not logged)")
+    return rise_figure("grad norm", np.log(s.grad_norm[pos]), pos, s, cfg.level_window, cfg.max_grad_norm_rise,
+                       "fail")
+
+
 def grad_trend(s: Series, cfg: CheckConfig) -> dict[str, Any]:
-    """Fitted growth of the grad norm over the run after its first 10% (Theil-Sen on binned log norms)."""
-    ok = np.isfinite(s.grad_norm) & (s.grad_norm > 0)
-    x, y = s.steps[ok].astype(float), np.log(s.grad_norm[ok])
-    x, y = x[len(x) // 10 :], y[len(y) // 10 :]  # the first 10%: the norm settles from its initial transient
+    """Fitted growth of the grad norm after the run settled (Theil-Sen on binned log norms)."""
+    pos = np.flatnonzero(np.isfinite(s.grad_norm) & (s.grad_norm > 0))
+    start = s.settled(pos)  # the norm settles from its initial transient and the lr warmup
+    x, y = s.steps[pos[start:]].astype(float), np.log(s.grad_norm[pos[start:]])
     if len(x) < 20:
         return figure(None, cfg.max_grad_norm_growth, "warn", "grad-norm trend: n/a (fewer than 20 grad norms)")
     bins = np.array_split(np.arange(len(x)), min(200, len(x)))  # Theil-Sen is O(n^2): fit bin medians

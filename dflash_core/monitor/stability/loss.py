@@ -15,7 +15,14 @@ from dflash_core.monitor.rolling import (
     scaled_window,
     trailing_median_mad,
 )
-from dflash_core.monitor.stability.figures import MAX_LISTED, MIN_LOG_SCALE, Series, figure, listed
+from dflash_core.monitor.stability.figures import (
+    MAX_LISTED,
+    MIN_LOG_SCALE,
+    Series,
+    figure,
+    listed,
+    rise_figure,
+)
 
 MERGE_GAP = 3  # flagged loss steps this close belong to one event (noise interrupts a cliff's tail)
 
@@ -32,6 +39,7 @@ def loss_events(s: Series, cfg: CheckConfig) -> dict[str, Any]:
         return {**empty, "figures": {
             "loss_spikes": figure(None, cfg.max_loss_spike_rate, "warn", f"loss spikes: n/a ({why})"),
             "loss_cliffs": figure(None, cfg.max_loss_cliffs, "fail", f"loss cliffs: n/a ({why})"),
+            "loss_rebound": figure(None, cfg.max_loss_rebound, "fail", f"loss rebound: n/a ({why})"),
         }}
     log_loss, offsets = _bucket_adjusted(np.log(np.maximum(s.loss[pos], 1e-12)), s.dominant[pos], window, history)
     med, mad = trailing_median_mad(log_loss, window, history)
@@ -56,7 +64,9 @@ def loss_events(s: Series, cfg: CheckConfig) -> dict[str, Any]:
     scored = int(np.isfinite(med).sum())
     return {"onsets": onsets, "spike_onsets": spike_onsets, "offsets": offsets,
             "cliffs": [(pos[e["first"]], pos[min(e["first"] + e["span"], len(pos)) - 1]) for e in cliffs],
-            "figures": _loss_figures(spikes, cliffs, scored, window, cfg)}
+            "figures": {**_loss_figures(spikes, cliffs, scored, window, cfg),
+                        "loss_rebound": rise_figure("loss (bucket-adjusted)", log_loss, pos, s, cfg.level_window,
+                                                    cfg.max_loss_rebound, "fail")}}
 
 
 def _bucket_adjusted(log_loss: np.ndarray, dominant: np.ndarray, window: int,

@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.sources import REQUIRED, bucket_ids
-from dflash_core.monitor.stability.figures import Series, figure
+from dflash_core.monitor.stability.figures import Series, figure, listed
 
 
 def dedupe(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -18,12 +19,43 @@ def dedupe(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
     resumes = int((np.diff(steps) <= 0).sum()) if len(steps) > 1 else 0
     clean = frame.unique(subset="step", keep="last", maintain_order=True).sort("step")
     first, last = int(clean["step"][0]), int(clean["step"][-1])
-    repeated, missing = frame.height - clean.height, (last - first + 1) - clean.height
+    repeated, (missing, _, stride) = frame.height - clean.height, gaps(clean["step"].to_numpy())
     summary = (f"{behind} records out of order or repeated (restarts: {resumes}, repeated steps: {repeated}, "
-               f"the later records kept); {missing} steps missing between {first} and {last}")
+               f"the later records kept); {missing} steps missing between {first} and {last}"
+               + (f" (logged every {stride} steps)" if stride > 1 else ""))
     fig = figure(behind, 0, "info", summary, repeated=repeated, restarts=resumes, missing=missing,
-                 first_step=first, last_step=last, records=frame.height, steps=clean.height)
+                 first_step=first, last_step=last, records=frame.height, steps=clean.height, stride=stride)
     return clean, fig
+
+
+def gaps(steps: np.ndarray) -> tuple[int, list[int], int]:
+    """Steps missing from sorted unique `steps` logged every `stride` steps (the commonest difference):
+    how many, the step after which each gap opens, and the stride."""
+    diffs = np.diff(steps)
+    if not len(diffs):
+        return 0, [], 1
+    values, counts = np.unique(diffs, return_counts=True)
+    stride = int(values[np.argmax(counts)])
+    lost = -(-diffs // stride) - 1  # ceil: a step off the grid still leaves the steps around it unseen
+    return int(lost.sum()), [int(step) for step in steps[:-1][lost > 0]], stride
+
+
+def unlogged_figure(clean: pl.DataFrame, cfg: CheckConfig) -> dict[str, Any]:
+    """Steps the check cannot see: gaps in the step sequence, and records without their loss or grad norm
+    (a field never logged at all is reported by missing_fields and fails the figures that need it)."""
+    missing, after, _ = gaps(clean["step"].to_numpy())
+    flagged = clean["nonfinite"].fill_null(False) | clean["skipped"].fill_null(False)
+    lacking = pl.lit(False)
+    for name in ("loss", "grad_norm"):
+        if clean[name].is_not_null().any():
+            lacking = lacking | pl.col(name).is_null()
+    partial = clean.filter(lacking & ~flagged)["step"].to_list()
+    count = missing + len(partial)
+    parts = [f"{missing} steps missing from the log" + (f" (gaps after steps {after[:5]})" if after else ""),
+             f"{len(partial)} records without loss or grad_norm"
+             + (f" (steps {partial[:5]})" if partial else "")]
+    return figure(count, cfg.max_unlogged_steps, "warn", f"{count} steps the check cannot see: " + "; ".join(parts),
+                  gaps_after=listed(after), partial=listed(partial))
 
 
 def make_series(clean: pl.DataFrame) -> Series:
@@ -40,6 +72,7 @@ def make_series(clean: pl.DataFrame) -> Series:
         buckets=ids,
         shares=shares,
         dominant=np.where(known, dominant, -1) if dominant is not None else np.full(clean.height, -1),
+        lr=clean["lr"].fill_null(np.nan).to_numpy().astype(float),
     )
 
 
