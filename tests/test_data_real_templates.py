@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ SPECS = {
                                                      "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>"),
     "gemma3": ("google-gemma-3-4b-it", ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>",
                "<eos>"),
+    "nemo": ("mistralai-Mistral-Nemo-Instruct-2407", ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                                                   "[TOOL_CALLS]"], "<s>", "</s>"),
     "phi4": ("microsoft-phi-4", ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
@@ -103,14 +107,15 @@ def _tokenizer(name: str) -> str:
     return out
 
 
-def _preview(name: str, thinking: str) -> dict[str, dict[str, Any]]:
+def _preview(name: str, thinking: str, records: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    records = records or RECORDS
     folder = Path(tempfile.mkdtemp(prefix="dflash-real-records-"))
     source = folder / "chats.jsonl"
     source.write_text("".join(json.dumps({"id": rid, "messages": turns, **(
         {"tools": [WEATHER, TIME]} if any(m.get("tool_calls") for m in turns) else {})}) + "\n"
-        for rid, turns in RECORDS.items()))
+        for rid, turns in records.items()))
     cfg = data_config(source=str(source), tokenizer=_tokenizer(name), thinking=thinking)
-    out = preview_samples(str(source), _tokenizer(name), cfg, block_size=1, limit=len(RECORDS))
+    out = preview_samples(str(source), _tokenizer(name), cfg, block_size=1, limit=len(records))
     return {r["id"]: r for r in out["records"]}
 
 
@@ -169,3 +174,36 @@ def test_templates_that_would_train_a_half_truth_drop_the_record_with_its_reason
     assert _preview("r1distill", "strip")["reason"]["kept"]
     qwen3 = _supervised(_preview("qwen3", "keep")["reason"])
     assert "R2 think two" in qwen3[-1] and "R1 think one" not in "".join(qwen3)  # history as Qwen3 renders it
+
+
+def _with_ids(new_id: Any) -> dict[str, Any]:
+    """The tool records with each call id (and result's tool_call_id) replaced by new_id(old), or removed."""
+    out = json.loads(json.dumps({rid: RECORDS[rid] for rid in ("tools", "parallel")}))
+    for turns in out.values():
+        for m in turns:
+            for key, holder in [("id", c) for c in m.get("tool_calls") or []] + [("tool_call_id", m)] * (
+                    m["role"] == "tool"):
+                if new_id is None:
+                    del holder[key]
+                else:
+                    holder[key] = new_id(holder[key])
+    return out
+
+
+@pytest.mark.parametrize("ids", ["openai", "none"])
+def test_mistral_templates_get_tool_call_ids_they_accept_and_calls_only_turns_are_placed(ids: str) -> None:
+    """Mistral's templates raise on a tool call id that is not 9 letters or digits (OpenAI's 'call_...' ids, or
+    none at all as in Glaive-style data), and have no generation prompt to anchor a turn of calls only on: such
+    records were all dropped (template_has_no_tools). Ids are now made to fit, results keep their links, and a
+    turn of calls is supervised from the '[TOOL_CALLS]' the model writes."""
+    records = _with_ids({"openai": lambda old: f"call_{old}XYZ", "none": None}[ids])
+    for rid, record in _preview("nemo", "strip", records).items():
+        assert record["kept"], (rid, record["reason"], record["detail"])
+        calls, reply = _supervised(record)
+        assert calls.startswith("[TOOL_CALLS][") and calls.endswith("]</s>") and reply == f"{LAST_REPLY[rid]}</s>"
+        text = "".join(t for t, _ in record["segments"])
+        made = re.findall(r'"id": "([^"]*)"', calls)
+        assert len(made) == len(records[rid][1 if rid == "parallel" else 2]["tool_calls"])
+        assert all(len(i) == 9 and i.isalnum() for i in made) and len(set(made)) == len(made), made
+        assert re.findall(r'"call_id": "([^"]*)"', text) == made  # each result answers its own call
+        assert not any(u in "".join(_supervised(record)) for u in USER_TEXTS)

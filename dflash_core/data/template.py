@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 _SKELETONS = 4096  # cached role sequences
 
 _PROBE_TOOL = "dflash_probe_tool"
+_ID_CHARS = string.ascii_letters + string.digits
+_ID_LENGTH = 9  # Mistral's templates raise on any tool call id that is not 9 letters or digits
 
 Span = tuple[int, int]
 Slot = tuple[int, str]  # (message index, "content" | "reasoning_content")
@@ -177,11 +180,13 @@ class ChatEncoder:
         self.backend.no_padding()
         self.skeletons: dict[str, str | Exception] = {}
         self.string_arguments = False  # set by _renders_tools
+        self.call_ids = False  # set by _renders_tools: the template refuses calls without a 9-character id
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.headers = self._learn_headers()
         # the special token every message's header opens with (<|im_start|>, gpt-oss's <|start|>), or ''
         self.opener = _special_prefix(self.prompts[0], self._specials()).strip() if self.prompts else ""
+        self.call_opener = ""  # set by _renders_tools: what opens a turn of calls where no prompt does
         self.tools = self._renders_tools()
         self.fold_system, self.merge_roles = turn_shaping(tokenizer, system_turn, same_role_turns)
 
@@ -192,6 +197,8 @@ class ChatEncoder:
         return {"name": self.name, "class": type(tok).__name__, "vocab_size": len(tok),
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
+                "tool_call_ids": f"{_ID_LENGTH} letters or digits (the template refuses others)"
+                if self.call_ids else "as in the data",
                 "system_turn": "merged into the first user turn" if self.fold_system else "kept",
                 "same_role_turns": "merged into one turn, replies before the first user turn left out"
                 if self.merge_roles else "kept",
@@ -201,6 +208,8 @@ class ChatEncoder:
         """This encoder's chat_template_inputs of a conversation (tool call arguments as the JSON text a
         template that joins them into its text needs, or as objects)."""
         messages, kwargs = chat_template_inputs(conv, self.thinking, self.template)
+        if self.call_ids:
+            messages = _with_call_ids(messages)
         if self.string_arguments:
             messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                 c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
@@ -280,13 +289,29 @@ class ChatEncoder:
             "type": "object", "properties": {"q": {"type": "integer"}}}}}
         conv = Conversation([{"role": "user", "content": _MARK.format(0)},
                              {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
-        for as_text in (False, True):  # DeepSeek's templates join the arguments into the text: a JSON string
-            self.string_arguments = as_text
-            text = self._render_one(*self.inputs(conv))
-            if isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]:
-                return True
-        self.string_arguments = False
+        # DeepSeek's templates join the arguments into the text (a JSON string); Mistral's refuse a call without
+        # an id of 9 letters or digits
+        for self.call_ids in (False, True):
+            for self.string_arguments in (False, True):
+                text = self._render_one(*self.inputs(conv))
+                if isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]:
+                    self.call_opener = self._learn_call_opener(text)
+                    return True
+        self.string_arguments = self.call_ids = False
         return False
+
+    def _learn_call_opener(self, probe: str) -> str:
+        """Without a generation prompt (Mistral's templates) a reply starts right after the user turn's closing,
+        which a turn of calls only has no text to show: the special token the template opens calls with
+        (Mistral's '[TOOL_CALLS]') is where it starts. The render of a plain reply gives the closing."""
+        if self.prompts or self.headers:
+            return ""
+        plain = self._render_one(*self._plain(("user", _MARK.format(0)), ("assistant", _MARK.format(1))))
+        if not isinstance(plain, str) or _MARK.format(1) not in plain:
+            return ""
+        closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0]
+        calls = probe.split(_MARK.format(0), 1)[1]
+        return _special_prefix(calls[len(closing):], self._specials()) if calls.startswith(closing) else ""
 
     def _specials(self) -> list[str]:
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
@@ -428,6 +453,9 @@ class ChatEncoder:
                 start = at + len(prompt)
                 end = start if end is None else max(end, start)
                 break
+        if start is None and calls and self.call_opener:
+            at = text.find(self.call_opener, lo, hi)
+            start = end = at if at >= 0 else None
         if start is None or end is None:
             return None
         if calls:  # the calls follow the text: the turn ends at the first end-of-turn after them
@@ -441,6 +469,38 @@ class ChatEncoder:
             header = text.rfind(self.opener, end, hi) if self.opener else -1
             return start, header if header >= 0 else end
         return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
+
+
+def _with_call_ids(messages: Messages) -> Messages:
+    """The messages with an id of 9 letters or digits on every tool call and tool result, for templates that
+    refuse any other (Mistral's). An id of that shape is kept; any other is replaced by one made from it (the same
+    id gives the same new one, so results stay linked to their calls); a call without an id gets one made from its
+    place, and a result without one the id of the call it answers (a turn's results answer its calls in order)."""
+    def made(key: str) -> str:
+        number = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+        return "".join(_ID_CHARS[(number // len(_ID_CHARS) ** k) % len(_ID_CHARS)] for k in range(_ID_LENGTH))
+
+    def shaped(raw: Any, place: str) -> str:
+        if isinstance(raw, str) and len(raw) == _ID_LENGTH and raw.isascii() and raw.isalnum():
+            return raw
+        return made(f"id:{raw}" if isinstance(raw, str) and raw else f"place:{place}")
+
+    out: Messages = []
+    waiting: list[str] = []  # ids of the last turn's calls not answered yet
+    for j, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = [{**c, "id": shaped(c.get("id"), f"{j}.{k}")} for k, c in enumerate(m["tool_calls"])]
+            waiting = [c["id"] for c in calls]
+            m = {**m, "tool_calls": calls}
+        elif m["role"] == "tool":
+            raw = m.get("tool_call_id")
+            new = shaped(raw, str(j)) if isinstance(raw, str) and raw else waiting[0] if waiting else made(f"place:{j}")
+            waiting = [w for w in waiting if w != new]
+            m = {**m, "tool_call_id": new}
+        else:
+            waiting = []
+        out.append(m)
+    return out
 
 
 def _dropped_turn(conv: Conversation, messages: Messages, j: int) -> Drop:
