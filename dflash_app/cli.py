@@ -152,9 +152,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     cfg = resolve_init_from(_resolved(_config(args)))  # init_from: promoted -> a path, before any worker
-    config_path = write_run_config(cfg, args.out)  # the workers read this file; the run keeps it
-    summary = launch_train(
-        tokenized=args.tokenized, plan=args.plan, out=args.out, config_path=config_path,
+    summary = launch_train(  # the workers read <out>/config.yaml, written once the run folder is locked
+        tokenized=args.tokenized, plan=args.plan, out=args.out, config=lambda: write_run_config(cfg, args.out),
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,

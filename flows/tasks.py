@@ -145,7 +145,7 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     from dflash_core.runtime.launch import launch_train
 
     logger = get_run_logger()
-    config_path = write_run_config(resolve_init_from(config), out)  # init_from: promoted -> a path, for the workers
+    resolved = resolve_init_from(config)  # init_from: promoted -> a path, for the workers
     # The trainer stops at train.max_steps when set (runtime/run_plan.py load_run_plan): the bar counts to that.
     total = min(num_steps, config.train.max_steps or num_steps)
     progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"))
@@ -153,7 +153,8 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
     try:
-        summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out, config_path=config_path,
+        summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out,
+                               config=lambda: write_run_config(resolved, out),  # written under the run's lock
                                nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
                                timeout_s=config.train.timeout_s)
     finally:

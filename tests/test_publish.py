@@ -157,3 +157,24 @@ def test_a_held_lock_beats_and_a_silent_one_from_any_host_is_taken_over(tmp_path
                                 "beat": time.time() - 1}))
     with output_lock(out, "train"):  # silent for longer than LOCK_STALE_S: the other node's holder is gone
         assert json.loads(lock.read_text())["host"] == socket.gethostname()
+
+
+def test_a_second_training_launch_into_a_running_folder_leaves_its_config_alone(tmp_path: Path) -> None:
+    """The workers of a running launch read <out>/config.yaml; a second launch into the same folder fails on the
+    lock before it writes its own config (it used to write it first, then fail on the lock)."""
+    from dflash_core.runtime.launch import launch_train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("train: {lr: 0.001}\n")
+    written: list[str] = []
+
+    def write() -> str:
+        written.append("config")
+        (out / "config.yaml").write_text("train: {lr: 1.0}\n")
+        return str(out / "config.yaml")
+
+    with output_lock(str(out), "train"):
+        with pytest.raises(OutputLockedError):
+            launch_train("tokenized", "plan", str(out), write, on_line=lambda _: None)
+    assert not written and (out / "config.yaml").read_text() == "train: {lr: 0.001}\n"

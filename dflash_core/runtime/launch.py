@@ -96,7 +96,7 @@ def launch_train(
     tokenized: str,
     plan: str,
     out: str,
-    config_path: str,
+    config: str | Callable[[], str],
     nproc_per_node: int = 1,
     nnodes: int | str = 1,
     node_rank: int | None = None,
@@ -109,11 +109,15 @@ def launch_train(
     env: Mapping[str, str] | None = None,
 ) -> dict:
     """Run torchrun to completion, streaming its lines; returns rank 0's summary, or raises ProcessFailed.
-    Token shards on an object store are copied to this machine's disk first (local_data)."""
+    `config` is the path of the config file the workers read, or what writes it (`<out>/config.yaml`) and returns
+    its path, called once the run folder is locked: a second launch into the same folder fails on the lock without
+    touching the running one's config. Token shards on an object store are copied to this machine's disk
+    first (local_data)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     check_output(out, "train", ("config.yaml",))
     with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
+        config_path = config if isinstance(config, str) else config()
         errors: list[str] = []
 
         def collect(line: str) -> None:
