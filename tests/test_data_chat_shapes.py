@@ -356,11 +356,11 @@ def test_llama31_like_template_supervises_a_call_only_turn_and_refuses_to_lose_t
     tok.save_pretrained(tmp_path / "tok")
     with_text = json.loads(json.dumps(OPENAI_TOOLS))
     with_text["id"], with_text["messages"][2]["content"] = "text+call", "Let me check."
-    summary = _run(tmp_path, [OPENAI_TOOLS, with_text], str(tmp_path / "tok"), max_bad_fraction=1.0)
-    assert summary["kept"] == 1 and summary["dropped"] == {"turn_dropped_by_template": 1}
+    summary = _run(tmp_path, [OPENAI_TOOLS, with_text], str(tmp_path / "tok"))  # a policy drop: not bad input
+    assert summary["kept"] == 1 and summary["dropped"] == {"template_drops_text_with_calls": 1}
     assert _supervised(tmp_path, str(tmp_path / "tok")) == [[
         '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', ANSWER + "<|eot_id|>"]]
-    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["turn_dropped_by_template"][0]["detail"]
+    detail = read_manifest(str(tmp_path / "out"))["drop_examples"]["template_drops_text_with_calls"][0]["detail"]
     assert "renders only the calls" in detail
 
 

@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 from common.chat import data_config
 
+from dflash_core.data.accounting import POLICY_REASONS
 from dflash_core.data.tokenize import preview_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"
+MISTRAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+           "[/TOOL_RESULTS]", "[TOOL_CALLS]"]
 # template file, its special tokens (the first is the pad), bos, eos
 SPECS = {
     "qwen3": ("Qwen-Qwen3-0.6B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
@@ -44,9 +47,10 @@ SPECS = {
                                                      "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>"),
     "gemma3": ("google-gemma-3-4b-it", ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>",
                "<eos>"),
-    "nemo": ("mistralai-Mistral-Nemo-Instruct-2407", ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
-                                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
-                                                   "[TOOL_CALLS]"], "<s>", "</s>"),
+    "nemo": ("mistralai-Mistral-Nemo-Instruct-2407", MISTRAL, "<s>", "</s>"),
+    "mistral03": ("mistralai-Mistral-7B-Instruct-v0.3", MISTRAL, "<s>", "</s>"),
+    "small32": ("mistralai-Mistral-Small-3.2-24B-Instruct-2506", [
+        *MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"], "<s>", "</s>"),
     "phi4": ("microsoft-phi-4", ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
@@ -84,7 +88,8 @@ USER_TEXTS = ("Hi there", "Q1 count", "Q2 total", "Weather in Paris?", "Weather 
 LAST_REPLY = {"single": "Hello! How can I help?", "multi": "A2 six", "reason": "A2 six", "tools": "It is 18 degrees.",
               "parallel": "It is 18 degrees at 9:00."}
 # drops that say a template cannot render the record faithfully (policy), as opposed to failures to place it
-POLICY = {"template_has_no_tools", "template_single_tool_call", "reasoning_dropped_by_template"}
+POLICY = {"template_has_no_tools", "template_single_tool_call", "reasoning_dropped_by_template",
+          "template_drops_text_with_calls"}
 
 
 @functools.cache
@@ -190,20 +195,55 @@ def _with_ids(new_id: Any) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("ids", ["openai", "none"])
-def test_mistral_templates_get_tool_call_ids_they_accept_and_calls_only_turns_are_placed(ids: str) -> None:
+@pytest.mark.parametrize("name", ["nemo", "mistral03", "small32"])
+@pytest.mark.parametrize("ids", ["openai", "none", "numbers"])
+def test_mistral_templates_get_tool_call_ids_they_accept_and_calls_only_turns_are_placed(ids: str, name: str) -> None:
     """Mistral's templates raise on a tool call id that is not 9 letters or digits (OpenAI's 'call_...' ids, or
     none at all as in Glaive-style data), and have no generation prompt to anchor a turn of calls only on: such
     records were all dropped (template_has_no_tools). Ids are now made to fit, results keep their links, and a
     turn of calls is supervised from the '[TOOL_CALLS]' the model writes."""
-    records = _with_ids({"openai": lambda old: f"call_{old}XYZ", "none": None}[ids])
-    for rid, record in _preview("nemo", "strip", records).items():
+    new_id = {"openai": lambda old: f"call_{old}XYZ", "none": None, "numbers": lambda old: int(old[4:])}[ids]
+    records = _with_ids(new_id)
+    if ids != "none":  # results answer their calls out of order: linked by id, not by place
+        records["parallel"][2:4] = records["parallel"][3:1:-1]
+    for rid, record in _preview(name, "strip", records).items():
         assert record["kept"], (rid, record["reason"], record["detail"])
         calls, reply = _supervised(record)
-        assert calls.startswith("[TOOL_CALLS][") and calls.endswith("]</s>") and reply == f"{LAST_REPLY[rid]}</s>"
+        assert calls.startswith("[TOOL_CALLS]") and calls.endswith("</s>"), calls
+        assert reply.strip() == f"{LAST_REPLY[rid]}</s>"
         text = "".join(t for t, _ in record["segments"])
-        made = re.findall(r'"id": "([^"]*)"', calls)
+        made = re.findall(r'"id": "([^"]*)"|\[CALL_ID\]([A-Za-z0-9]{9})', calls)
+        made = [a or b for a, b in made]
         assert len(made) == len(records[rid][1 if rid == "parallel" else 2]["tool_calls"])
         assert all(len(i) == 9 and i.isalnum() for i in made) and len(set(made)) == len(made), made
-        assert re.findall(r'"call_id": "([^"]*)"', text) == made  # each result answers its own call
+        answered = [a or b for a, b in re.findall(r'"call_id": "([^"]*)"|\[TOOL_RESULTS\]([A-Za-z0-9]{9})', text)]
+        results = [m for m in records[rid] if m["role"] == "tool"]
+        by_call = {c["function"]["name"]: i for c, i in zip(
+            records[rid][1 if rid == "parallel" else 2]["tool_calls"], made, strict=True)}
+        assert answered == [by_call[m["name"]] for m in results]  # each result answers its own call
         assert not any(u in "".join(_supervised(record)) for u in USER_TEXTS)
+
+
+@pytest.mark.parametrize("name", ["nemo", "small32"])
+def test_a_turn_of_calls_right_after_calls_or_an_empty_result_is_placed_on_its_own_calls(name: str) -> None:
+    """Without a generation prompt a turn of calls only is found by the token that opens calls; the search starts
+    after the previous reply, so it never takes the previous turn's calls (it did after an empty tool result)."""
+    turns = [{"role": "user", "content": "Weather, then time in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 1)]},
+             {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": ""},
+             {"role": "assistant", "content": None, "tool_calls": [_call("get_time", 2)]},
+             {"role": "tool", "tool_call_id": "call00002", "name": "get_time", "content": "{\"time\": \"9:00\"}"},
+             {"role": "assistant", "content": "It is 9:00."}]
+    record = _preview(name, "strip", {"empty": turns})["empty"]
+    assert record["kept"], record
+    spans = _supervised(record)
+    assert len(spans) == 3 and "get_weather" in spans[0] and "get_time" in spans[1], spans
+    assert "get_time" not in spans[0] and spans[2] == "It is 9:00.</s>"
+
+
+def test_text_beside_calls_on_a_template_that_writes_only_the_calls_is_a_policy_drop() -> None:
+    turns = json.loads(json.dumps(RECORDS["tools"]))
+    turns[2]["content"] = "Let me check."
+    record = _preview("nemo", "strip", {"text": turns})["text"]
+    assert not record["kept"] and record["reason"] == "template_drops_text_with_calls", record
+    assert record["reason"] in POLICY_REASONS

@@ -11,6 +11,7 @@ from dflash_core.data.errors import BadInputError
 # not from broken input: they never count toward data.max_bad_fraction. Everything else does: unparsable,
 # unreadable, truncated_file (one per file: the lost part cannot be counted), wrong_schema, unknown_role, ...
 POLICY_REASONS = frozenset({"too_long", "too_few_supervised", "template_has_no_tools", "template_single_tool_call",
+                            "template_drops_text_with_calls",
                             "empty_conversation", "no_assistant_turn", "no_assistant_content", "no_trained_turn",
                             "non_text_content"})
 

@@ -704,10 +704,16 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
         message["reasoning_content"] = "\n\n".join(r.strip("\n") for r in reasoning)
     if calls:
         message["tool_calls"] = calls
-    for k in ("tool_call_id", "name"):
-        if role == "tool" and isinstance(raw.get(k), str):
-            message[k] = raw[k]
+    if role == "tool" and _is_id(raw.get("tool_call_id")):
+        message["tool_call_id"] = str(raw["tool_call_id"])
+    if role == "tool" and isinstance(raw.get("name"), str):
+        message["name"] = raw["name"]
     return message
+
+
+def _is_id(value: Any) -> bool:
+    """A tool call id as data writes them: a string, or a number (kept as its text)."""
+    return isinstance(value, str | int) and not isinstance(value, bool)
 
 
 def _inline_reasoning(text: str) -> tuple[list[str], str]:
@@ -793,8 +799,8 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]] | Drop:
             return Drop("bad_tool_call", f"turn {i}: a tool call needs a 'name' and object 'arguments'; "
                         f"got {str(call)[:80]}")
         out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
-        if isinstance(call, dict) and isinstance(call.get("id"), str):
-            out["id"] = call["id"]
+        if isinstance(call, dict) and _is_id(call.get("id")):
+            out["id"] = str(call["id"])
         calls.append(out)
     return calls
 

@@ -309,7 +309,8 @@ class ChatEncoder:
         plain = self._render_one(*self._plain(("user", _MARK.format(0)), ("assistant", _MARK.format(1))))
         if not isinstance(plain, str) or _MARK.format(1) not in plain:
             return ""
-        closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0]
+        # the user turn's closing; what follows it is the reply's own (Mistral 7B v0.3 writes ' ' + reply)
+        closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0].rstrip()
         calls = probe.split(_MARK.format(0), 1)[1]
         return _special_prefix(calls[len(closing):], self._specials()) if calls.startswith(closing) else ""
 
@@ -429,11 +430,13 @@ class ChatEncoder:
         for k, span in spans.items():
             if span[1] > span[0]:
                 by_message.setdefault(slots[k][0], []).append(span)
-        out = []
+        out: list[Span] = []
         for j, m in enumerate(messages):
             if m["role"] != "assistant" or j in unsupervised or not (by_message.get(j) or m.get("tool_calls")):
                 continue
-            lo = max((e for i, own in by_message.items() if i < j for _, e in own), default=0)
+            # after every earlier text and every earlier reply (a turn of calls only right after another one, or
+            # after an empty tool result, has no text between them)
+            lo = max([e for i, own in by_message.items() if i < j for _, e in own] + [out[-1][1] if out else 0])
             hi = min((s for i, own in by_message.items() if i > j for s, _ in own), default=len(text))
             turn = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
             if turn is None:
@@ -506,9 +509,9 @@ def _with_call_ids(messages: Messages) -> Messages:
 def _dropped_turn(conv: Conversation, messages: Messages, j: int) -> Drop:
     """Why turn j's text is missing from the render, naming its role as written in the data."""
     source, role = conv.source(j), messages[j]["role"]
-    if messages[j].get("tool_calls"):  # Llama 3.1 writes only the call of a tool-calling turn
-        return Drop("turn_dropped_by_template", f"turn {j} ({source!r}) has text and tool calls; the template "
-                    "renders only the calls, so its text would be lost")
+    if messages[j].get("tool_calls"):  # Llama 3.1's and Mistral's templates write only the calls of such a turn
+        return Drop("template_drops_text_with_calls", f"turn {j} ({source!r}) has text and tool calls; the "
+                    "template renders only the calls, so its text would be lost")
     return Drop("turn_dropped_by_template", f"turn {j} (role {source!r}, read as {role}) is not in the rendered "
                 f"text; map {source!r} to a role the template renders with data.role_map, e.g. role_map: "
                 f"{{{source}: {'user' if role != 'user' else 'assistant'}}}")
