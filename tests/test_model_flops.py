@@ -85,9 +85,28 @@ def test_peak_table_matches_device_names():
     assert peak_for_name("NVIDIA A10").tflops == 125.0  # not the A100 row
     assert peak_for_name("NVIDIA L40S").tflops == 362.05
     assert peak_for_name("NVIDIA B200").tflops == 2250.0
+    assert peak_for_name("NVIDIA H800").tflops == 989.4
+    assert peak_for_name("NVIDIA H800 PCIe").tflops == 756.0
+    assert peak_for_name("NVIDIA H20").tflops == 148.0  # not the H200 row, nor H200 read as H20
+    assert peak_for_name("NVIDIA A800-SXM4-80GB").tflops == 312.0
+    assert peak_for_name("NVIDIA GB200").tflops == 2500.0  # not the B200 row
+    assert peak_for_name("NVIDIA B300 SXM6 AC").tflops == 2250.0
+    assert peak_for_name("NVIDIA L40").tflops == 181.05  # not the L40S row
+    assert peak_for_name("NVIDIA L20").tflops == 119.5
+    assert peak_for_name("AMD Instinct MI325X").tflops == 1307.4
     assert peak_for_name("NVIDIA GeForce GTX 1080") is None
     assert device_peak_tflops(torch.device("cpu")) is None
     assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
+
+
+def test_an_unknown_gpu_says_how_to_get_its_mfu(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Mystery X9")
+    with caplog.at_level("WARNING"):
+        assert device_peak_tflops(torch.device("cuda", 0)) is None
+    assert "'NVIDIA Mystery X9' is not in the table" in caplog.text and "train.peak_tflops" in caplog.text
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H20")
+    assert device_peak_tflops(torch.device("cuda", 0)) == 148.0
+    assert device_peak_tflops(torch.device("cuda", 0), 100.0) == 100.0  # the override wins
 
 
 def _micro_batch(lengths: list[int]):

@@ -7,6 +7,7 @@ the table does not know, mfu is null (tflops is always there).
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from torch._dynamo.utils import counters
 from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
 from dflash_core.model.loss import LossOutput
 from dflash_core.runtime.batch import MicroBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,25 @@ PEAKS: tuple[Peak, ...] = (
     Peak("H200", "NVL", 835.0, "https://www.nvidia.com/en-us/data-center/h200/ (1,671 sparse)"),
     Peak("H200", None, 989.4, "https://www.nvidia.com/en-us/data-center/h200/ (SXM, 1,979 sparse)"),
     Peak("GH200", None, 989.4, "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
+    # the export versions of Hopper and Ampere: the H800 and A800 keep their originals' tensor cores (less
+    # NVLink); the H20 is a cut-down Hopper
+    Peak("H800", "PCIE", 756.0, "NVIDIA H800 PCIe datasheet (1,513 sparse), as H100 PCIe"),
+    Peak("H800", None, 989.4, "NVIDIA H800 SXM5 datasheet (1,979 sparse), as H100 SXM"),
+    Peak("H20", None, 148.0, "NVIDIA H20 datasheet (296 sparse)"),
+    Peak("A800", None, 312.0, "NVIDIA A800 datasheet (624 sparse), as A100"),
     Peak("B200", None, 2250.0, "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 36 PFLOPS sparse / 8)"),
+    Peak("B300", None, 2250.0, "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B300: 36 PFLOPS sparse / 8)"),
+    Peak("GB200", None, 2500.0, "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (360 PFLOPS sparse / 72)"),
+    Peak("GB300", None, 2500.0, "https://www.nvidia.com/en-us/data-center/gb300-nvl72/ (360 PFLOPS sparse / 72)"),
     Peak("A100", None, 312.0, "https://www.nvidia.com/en-us/data-center/a100/ (624 sparse)"),
+    Peak("A30", None, 165.0, "https://www.nvidia.com/en-us/data-center/products/a30-gpu/ (330 sparse)"),
     Peak("L40S", None, 362.05, "https://www.nvidia.com/en-us/data-center/l40s/ (733 sparse)"),
+    Peak("L40", None, 181.05, "https://www.nvidia.com/en-us/data-center/l40/ (362.1 sparse)"),
+    Peak("L20", None, 119.5, "NVIDIA L20 datasheet (239 sparse)"),
     Peak("L4", None, 121.0, "https://www.nvidia.com/en-us/data-center/l4/ (242 sparse)"),
     Peak("A10", None, 125.0, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/ (250 sparse)"),
     Peak("MI300X", None, 1307.4, "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
+    Peak("MI325X", None, 1307.4, "https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html"),
 )
 
 
@@ -60,7 +76,11 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
         return float(override)
     if device.type != "cuda":
         return None
-    peak = peak_for_name(torch.cuda.get_device_name(device))
+    name = torch.cuda.get_device_name(device)
+    peak = peak_for_name(name)
+    if peak is None:
+        log.warning("mfu will be null: '%s' is not in the table of GPU peaks (dflash_core/runtime/efficiency.py); "
+                    "set train.peak_tflops to its dense bf16 TFLOP/s", name)
     return peak.tflops if peak else None
 
 
