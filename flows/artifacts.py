@@ -38,7 +38,7 @@ from flows.metrics_tail import MetricsTail, is_step, is_val, read_records
 IMAGE_BUDGET = 64 * 1024
 MIN_WIDTH = 320  # narrower than this a plot is unreadable: over budget there is an error, not a smaller picture
 # Plain words, no emoji: a headless or minimal browser without an emoji font draws empty boxes.
-LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "time")
+LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "tflops", "mfu", "time")
 STATUS_MARK = {"fail": "**FAIL**", "warn": "*warn*", "pass": "pass", "info": "info"}
 
 
@@ -234,19 +234,22 @@ class TrainingProgress:
         update_markdown_artifact(self.page_id, self.page())
 
     def figures(self) -> dict[str, Any]:
-        """The live figures: step, loss, pre-clip grad norm and clip, tokens/s, ETA (from the records' times)."""
+        """The live figures: step, loss, pre-clip grad norm and clip, tokens/s, model TFLOP/s and MFU of a rank
+        (MFU "-" where the GPU's peak is unknown, and on CPU), ETA (from the records' times)."""
         last = self.train[-1] if self.train else {}
         done = int(last["step"]) + 1 if last else 0
         return {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
                 "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
-                "tokens/s": _rate(last.get("tokens_per_s")),
+                "tokens/s": _rate(last.get("tokens_per_s")), "TFLOP/s": _tflops(last.get("tflops")),
+                "MFU": _percent(last.get("mfu")),
                 "ETA": "finished" if self.finished else duration(self._eta_s(done))}
 
     def line(self) -> str:
         """The figures in one line, for the progress bar."""
         f = self.figures()
         return (f"step {f['step']} · loss {_fmt(f['loss'])} · grad norm {_fmt(f['grad norm (pre-clip)'])} "
-                f"(clip {_fmt(f['clip'])}) · {f['tokens/s']} tokens/s · ETA {f['ETA']}")
+                f"(clip {_fmt(f['clip'])}) · {f['tokens/s']} tokens/s · {f['TFLOP/s']} TFLOP/s (MFU {f['MFU']}) "
+                f"· ETA {f['ETA']}")
 
     def page(self) -> str:
         """The live page: the figures table, the latest validation, the curves."""
@@ -273,6 +276,14 @@ def _val_row(record: dict[str, Any]) -> dict[str, Any]:
 
 def _rate(value: Any) -> str:
     return f"{value:,.0f}" if isinstance(value, int | float) else "-"
+
+
+def _tflops(value: Any) -> str:
+    return f"{value:,.1f}" if isinstance(value, int | float) else "-"
+
+
+def _percent(value: Any) -> str:
+    return f"{value:.1%}" if isinstance(value, int | float) else "-"
 
 
 def duration(seconds: float | None) -> str:
@@ -366,6 +377,9 @@ def _plan_line(plan: dict[str, Any]) -> str:
 def _train_line(train: dict[str, Any], val: list[dict[str, Any]]) -> str:
     line = (f"{train.get('steps')} steps in {duration(train.get('elapsed_s'))}, final loss "
             f"{_fmt(train.get('final_loss'))}, {_rate(train.get('tokens_per_s'))} tokens/s")
+    if train.get("steady_tflops") is not None:  # per rank, warm-up and compiling steps left out
+        line += (f" ({_tflops(train['steady_tflops'])} TFLOP/s per rank in steady state"
+                 + (f", MFU {_percent(train['steady_mfu'])}" if train.get("steady_mfu") is not None else "") + ")")
     if val:
         line += (f"; validation at step {val[-1].get('step')}: loss {_fmt(val[-1].get('val_loss'))}, "
                  f"accept length {_fmt(val[-1].get('val_accept_len'))}")

@@ -140,6 +140,17 @@ def test_summary_is_the_run_in_five_lines(failed_run, tmp_path):
     assert [alt for alt, _, _ in images(page)] == ["stability plot"]  # no val records: no validation curve
 
 
+def test_summary_training_line_gives_the_steady_model_flops_rate(failed_run):
+    run, records, report = failed_run
+    inputs = _synthetic_inputs(run, records)
+    inputs["train"] |= {"steady_tflops": 398.26, "steady_mfu": 0.40251}
+    page = artifacts.summary_markdown(report=report, **inputs)
+    assert "5,322 tokens/s (398.3 TFLOP/s per rank in steady state, MFU 40.3%)" in page
+    inputs["train"] |= {"steady_mfu": None}  # CPU, or a GPU the peak table does not know
+    page = artifacts.summary_markdown(report=report, **inputs)
+    assert "5,322 tokens/s (398.3 TFLOP/s per rank in steady state)" in page
+
+
 def test_summary_shows_validation_and_promotion_when_they_exist(failed_run, tmp_path):
     run, records, report = failed_run
     val = [{"kind": "val", "step": s, "val_loss": 2.0 - s / 1000, "val_accept_len": 1 + s / 800}
@@ -167,7 +178,8 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
 
     _, records, _ = failed_run
     start = 1_700_000_000.0
-    timed = [{**r, "time": start + 0.5 * r["step"], "tokens_per_s": 4200.0} for r in records]
+    timed = [{**r, "time": start + 0.5 * r["step"], "tokens_per_s": 4200.0, "tflops": 412.345, "mfu": 0.41677}
+             for r in records]
     path = tmp_path / "metrics.jsonl"
     progress = artifacts.TrainingProgress(len(records), str(path), plot_every_s=0.0)
     write_jsonl(timed[:400], path)
@@ -178,7 +190,8 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     progress.poll()
     assert progress.figures() == {"step": f"400 / {len(records)}", "loss": timed[399]["loss"],
                                   "grad norm (pre-clip)": timed[399]["grad_norm"], "clip": 1.0,
-                                  "tokens/s": "4,200", "ETA": "6 min 40 s"}  # 800 steps left at 2 steps/s
+                                  "tokens/s": "4,200", "TFLOP/s": "412.3", "MFU": "41.7%",
+                                  "ETA": "6 min 40 s"}  # 800 steps left at 2 steps/s
     with get_client(sync_client=True) as client:
         page = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(
             any_=[progress.page_id, progress.bar_id])))
@@ -188,6 +201,7 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     assert [alt for alt, _, _ in images(live.data)] == ["training curves"]
     assert bar.data == pytest.approx(100 * 400 / len(records))
     assert bar.description.startswith(f"step 400 / {len(records)} · loss ")
+    assert "4,200 tokens/s · 412.3 TFLOP/s (MFU 41.7%) · ETA" in bar.description
 
 
 def test_the_samples_page_shows_the_first_samples_as_training_reads_them(tmp_path):
