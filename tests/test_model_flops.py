@@ -18,6 +18,7 @@ from dflash_core.runtime.efficiency import (
     SteadyRate,
     device_peak_tflops,
     intra_op_threads,
+    missing_peak_note,
     peak_for_name,
 )
 
@@ -99,11 +100,13 @@ def test_peak_table_matches_device_names():
     assert device_peak_tflops(torch.device("cpu"), 2.5) == 2.5
 
 
-def test_an_unknown_gpu_says_how_to_get_its_mfu(monkeypatch, caplog):
+def test_gpu_names_resolve_through_the_table_unless_overridden(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Mystery X9")
-    with caplog.at_level("WARNING"):
-        assert device_peak_tflops(torch.device("cuda", 0)) is None
-    assert "'NVIDIA Mystery X9' is not in the table" in caplog.text and "train.peak_tflops" in caplog.text
+    assert device_peak_tflops(torch.device("cuda", 0)) is None
+    note = missing_peak_note(torch.device("cuda", 0), None)  # what the trainer prints on its main rank
+    assert "'NVIDIA Mystery X9' is not in the table" in note and "set train.peak_tflops" in note
+    assert missing_peak_note(torch.device("cuda", 0), 400.0) is None
+    assert missing_peak_note(torch.device("cpu"), None) is None  # no mfu on CPU is no news
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H20")
     assert device_peak_tflops(torch.device("cuda", 0)) == 148.0
     assert device_peak_tflops(torch.device("cuda", 0), 100.0) == 100.0  # the override wins

@@ -7,7 +7,6 @@ the table does not know, mfu is null (tflops is always there).
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 
@@ -17,8 +16,6 @@ from torch._dynamo.utils import counters
 from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
 from dflash_core.model.loss import LossOutput
 from dflash_core.runtime.batch import MicroBatch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,12 +73,16 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
         return float(override)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = peak_for_name(name)
-    if peak is None:
-        log.warning("mfu will be null: '%s' is not in the table of GPU peaks (dflash_core/runtime/efficiency.py); "
-                    "set train.peak_tflops to its dense bf16 TFLOP/s", name)
+    peak = peak_for_name(torch.cuda.get_device_name(device))
     return peak.tflops if peak else None
+
+
+def missing_peak_note(device: torch.device, peak_tflops: float | None) -> str | None:
+    """What a run on a GPU the table does not know says once: its mfu will be null, and how to get one."""
+    if peak_tflops is not None or device.type != "cuda":
+        return None
+    return (f"note: mfu is null in metrics.jsonl: {torch.cuda.get_device_name(device)!r} is not in the table of GPU "
+            "peaks (dflash_core/runtime/efficiency.py); set train.peak_tflops to its dense bf16 TFLOP/s")
 
 
 @dataclass

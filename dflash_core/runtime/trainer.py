@@ -41,7 +41,7 @@ from dflash_core.runtime.distributed import (
     resolve_device,
     wait_for_all,
 )
-from dflash_core.runtime.efficiency import FlopMeter, SteadyRate
+from dflash_core.runtime.efficiency import FlopMeter, SteadyRate, missing_peak_note
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.run_plan import RunPlan
@@ -175,6 +175,9 @@ class Trainer:
             autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
             meter=FlopMeter.for_model(self.drafter, self.device, t.peak_tflops, len(self._devices())),
         )
+        note = missing_peak_note(self.device, settings.meter.peak_tflops if settings.meter else None)
+        if note and self.env.is_main:
+            print(note, flush=True)
         health = lambda: {"queue_depth": {"prefetch": batches.depth(), "target": features.depth()}}  # noqa: E731
         loop = DrafterTrainLoop(self.model, self.optimizer, self.scheduler, features, settings, self.faults, health)
         if self.loop_state is not None:
