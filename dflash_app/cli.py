@@ -40,11 +40,18 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+# the flags whose name is not their config key's last part (--max-length is data.max_length, --data is not)
+FLAG_OF = {"data.source": "--data", "data.regenerate.endpoints": "--endpoint"}
+
+
 def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> PipelineConfig:
+    """The config of a command: --config (preset or file), --set, then `extra` (the command's own flags, each
+    blamed by its flag name when its value is refused)."""
     from dflash_app.config import load_config
 
     overrides = {**_overrides(getattr(args, "set", None) or []), **(extra or {})}
-    return load_config(args.config, overrides)
+    flags = {key: FLAG_OF.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-")) for key in extra or {}}
+    return load_config(args.config, overrides, flags)
 
 
 def _resolve(uri: str) -> str:
@@ -181,15 +188,17 @@ def _check_overrides(pairs: list[str]):
     """CheckConfig from `--set check.KEY=VALUE` alone (check needs no pipeline config file)."""
     from dflash_core.config import ConfigError
     from dflash_core.monitor.config import CheckConfig
+    from dflash_core.schema import validate_mapping
 
     values = _overrides(pairs)
     others = [key for key in values if not key.startswith("check.")]
     if others:
         raise UsageError(f"--set {others[0]}: without --config, check takes only check.* keys")
     try:
-        return CheckConfig.model_validate({key.removeprefix("check."): v for key, v in values.items()})
-    except ValueError as exc:
-        raise ConfigError(f"--set: {exc}") from None
+        return validate_mapping(CheckConfig, {key.removeprefix("check."): v for key, v in values.items()}, "--set")
+    except ConfigError as exc:
+        keys = [f"check.{key}" for key in exc.keys if key != "<top level>"]
+        raise ConfigError(str(exc).replace("--set: ", f"--set {', '.join(keys)}: " if keys else "--set: ", 1)) from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -198,6 +207,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dflash_core.model.suites import parse_benches
 
     target = _resolve(args.target)
+    if not args.data and not args.bench:
+        raise UsageError("nothing to evaluate: give --data (chat records or {\"turns\": [...]} instances) or "
+                         "--bench (named suites, e.g. --bench mt-bench)")
+    _check_eval_inputs(_resolve(args.tokenizer), args.drafter, args.against)  # before the target loads (minutes)
     prompts = {"tokenizer": _resolve(args.tokenizer), "data": _resolve(args.data) if args.data else None,
                "benches": parse_benches(args.bench), "limit": args.limit, "sample": args.sample,
                "sample_seed": args.sample_seed, "sample_shuffle": args.sample_shuffle,
@@ -213,6 +226,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
         summary["against"] = {"drafter": args.against, **{k: other[k] for k in ("tau", "tau_pooled", "histogram")}}
     _print_summary(summary)
     return 0
+
+
+def _check_eval_inputs(tokenizer: str, drafter: str, against: str | None) -> None:
+    """The mistakes that would otherwise surface only after the target has loaded (or, for --against, after the
+    whole first evaluation): no tokenizer folder, no drafter folder."""
+    from dflash_core.io import missing_local_folder
+    from dflash_core.model.export import read_drafter_config
+
+    if missing_local_folder(tokenizer):
+        raise UsageError(f"--tokenizer {tokenizer}: no such folder; give a local tokenizer folder or a hub id")
+    for flag, folder in (("--drafter", drafter), ("--against", against)):
+        if folder is not None:
+            try:
+                read_drafter_config(folder)
+            except DflashError as exc:
+                raise UsageError(f"{flag} {folder}: {exc}") from None
 
 
 def cmd_config(args: argparse.Namespace) -> int:

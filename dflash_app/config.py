@@ -26,9 +26,10 @@ def resolve_config_path(name_or_path: str) -> str:
     return str(preset) if preset.is_file() else name_or_path
 
 
-def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """A preset name or a YAML path/URI, with dotted overrides, validated."""
-    return core_config.load_config(resolve_config_path(name_or_path), overrides)
+def load_config(name_or_path: str, overrides: dict[str, Any] | None = None,
+                labels: dict[str, str] | None = None) -> PipelineConfig:
+    """A preset name or a YAML path/URI, with dotted overrides (blamed by `labels` when refused), validated."""
+    return core_config.load_config(resolve_config_path(name_or_path), overrides, labels)
 
 
 def resolve_config(cfg: PipelineConfig) -> PipelineConfig:

@@ -50,8 +50,10 @@ def parse_config(raw: Any, source: str = "<config>") -> PipelineConfig:
     return validate_mapping(PipelineConfig, raw, source)
 
 
-def load_config(path: str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """Read a YAML config (path or fsspec URI), apply dotted overrides, validate."""
+def load_config(path: str, overrides: dict[str, Any] | None = None,
+                labels: dict[str, str] | None = None) -> PipelineConfig:
+    """Read a YAML config (path or fsspec URI), apply dotted overrides, validate. A bad override is blamed on
+    its label (how the user gave it: a command-line flag; `--set KEY` by default), not on the file."""
     raw = read_yaml(path)
     raw = raw if raw is not None else {}
     if not isinstance(raw, dict):
@@ -61,16 +63,18 @@ def load_config(path: str, overrides: dict[str, Any] | None = None) -> PipelineC
     try:
         return parse_config(raw, path)
     except ConfigError as exc:
-        raise _blame_overrides(exc, path, overrides or {}) from None
+        raise _blame_overrides(exc, path, overrides or {}, labels or {}) from None
 
 
-def _blame_overrides(exc: ConfigError, path: str, overrides: dict[str, Any]) -> ConfigError:
-    """A bad value that came from --set is reported as --set's, not as the config file's."""
-    message = str(exc)
-    culprits = [key for key in overrides if f"'{key}'" in message]
+def _blame_overrides(exc: ConfigError, path: str, overrides: dict[str, Any], labels: dict[str, str]) -> ConfigError:
+    """A bad value that came from an override is reported as the override's, not as the config file's: a key at
+    fault is the override's when it is that key, lies under it, or is the unknown section or key it names."""
+    culprits = [key for key in overrides
+                if any(bad == key or bad.startswith(f"{key}.") or key.startswith(f"{bad}.") for bad in exc.keys)]
     if not culprits:
         return exc
-    return ConfigError(message.replace(f"{path}: ", f"--set {', '.join(culprits)} (over {path}): ", 1))
+    named = ", ".join(labels.get(key, f"--set {key}") for key in culprits)
+    return ConfigError(str(exc).replace(f"{path}: ", f"{named} (over {path}): ", 1))
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

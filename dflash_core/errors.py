@@ -23,7 +23,10 @@ class InputError(DflashError, ValueError):
 
 
 class ConfigError(InputError):
-    """A config file that cannot be used; the message names the file and the key."""
+    """A config file that cannot be used; the message names the file and the key (`keys`: the dotted keys at
+    fault, where validation found them)."""
+
+    keys: list[str] = []
 
 
 class UsageError(InputError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,3 +27,14 @@ def write_jsonl(path: str, records: Iterable[Any], *, sort_keys: bool = False, g
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether an fsspec filesystem is the local disk (renames are atomic, os calls work on its paths)."""
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def looks_local(path: str) -> bool:
+    """A path no hub id can be: absolute, relative with ./ or ~, a file URI, or deeper than owner/name."""
+    return path.startswith(("/", ".", "~", "file:")) or "\\" in path or path.count("/") > 1 or path.endswith("/")
+
+
+def missing_local_folder(path: str) -> bool:
+    """A model or tokenizer path that can only be a local folder, and is none (from_pretrained would take it for a
+    hub id and say its name is malformed)."""
+    return looks_local(path) and not os.path.isdir(os.path.expanduser(path.removeprefix("file://")))

@@ -65,10 +65,17 @@ def stage_of(out: str) -> str | None:
         return None
 
 
-def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False) -> None:
-    """Refuse an existing `out` that is a file, or a non-empty folder that this stage did not write."""
+def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False,
+                 overwritable: bool = True, inputs: dict[str, str] | None = None) -> None:
+    """Refuse an existing `out` that is a file, a non-empty folder that this stage did not write
+    (`overwritable`: the stage has an --overwrite flag to offer), or the folder of one of the stage's `inputs`
+    ({flag: uri}; publishing `out` would replace it, even with --overwrite)."""
     fs, root = fsspec.core.url_to_fs(out)
     root = root.rstrip("/")
+    for flag, uri in (inputs or {}).items():
+        if _within(uri, out):
+            raise OutputError(f"--out {out} holds this stage's input {flag} {uri}: publishing the output would "
+                              "replace it; pick another --out")
     if fs.exists(root + ".lock"):  # a live writer: fail at once, before any slow set-up
         holder = _read_lock(fs, root + ".lock")
         if not _is_stale(holder):
@@ -85,8 +92,22 @@ def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrit
     legacy = bool(own_files) and all(n in names for n in own_files)  # written before markers existed
     if names and owner != stage and not legacy:
         what = f"the output of `{owner}`" if owner else f"not a `{stage}` output ({len(names)} entries)"
-        raise OutputError(f"--out {out} already holds files and is {what}; pick an empty or new folder, "
-                          "or pass --overwrite to replace it")
+        raise OutputError(f"--out {out} already holds files and is {what}; pick an empty or new folder"
+                          + (", or pass --overwrite to replace it" if overwritable else ""))
+
+
+def _within(uri: str, folder: str) -> bool:
+    """Whether `uri` is `folder` or lies inside it (same filesystem; local paths through their real paths)."""
+    try:
+        (fs_a, a), (fs_b, b) = fsspec.core.url_to_fs(uri), fsspec.core.url_to_fs(folder)
+    except (ValueError, ImportError):  # a URI of a filesystem not installed here (the stage will say so) or a hub id
+        return False
+    if fs_a.protocol != fs_b.protocol:
+        return False
+    if is_local(fs_a):
+        a, b = os.path.realpath(a), os.path.realpath(b)
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.startswith(b + "/")
 
 
 def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> None:
@@ -223,9 +244,10 @@ def _is_stale(holder: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False) -> Iterator[str]:
+def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False,
+                  overwritable: bool = True, inputs: dict[str, str] | None = None) -> Iterator[str]:
     """Lock `out`, yield a fresh temporary sibling to write into, publish it as `out` on success."""
-    check_output(out, stage, own_files, overwrite)
+    check_output(out, stage, own_files, overwrite, overwritable, inputs)
     with output_lock(out, stage):
         fs, root = fsspec.core.url_to_fs(out)
         root = root.rstrip("/")

@@ -50,21 +50,33 @@ def read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {where}{getattr(exc, 'problem', exc)}") from None
 
 
-def _describe(err: Any) -> str:
-    key = ".".join(str(p) for p in err["loc"]) or "<top level>"
-    if err["type"] == "extra_forbidden":
+def _key(err: Any) -> str:
+    # a union's members add their own tag to the location (plan.buckets.literal['auto'], ...list[int]): not a key
+    return ".".join(str(p) for p in err["loc"] if "[" not in str(p)) or "<top level>"
+
+
+def _describe(key: str, errs: list[Any]) -> str:
+    if errs[0]["type"] == "extra_forbidden":
         return f"unknown key '{key}'"
-    if err["type"] == "missing":
+    if errs[0]["type"] == "missing":
         return f"missing key '{key}'"
-    return f"key '{key}': {err['msg']} (got {err.get('input')!r})"
+    said = " or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
+    if key == "<top level>":  # a check across keys (a model validator): its message names them
+        return said
+    return f"key '{key}': {said} (got {errs[0].get('input')!r})"
 
 
 def validate_mapping(model: type[M], raw: Any, source: str) -> M:
-    """Validate a mapping as `model`; errors name the source and every bad key."""
+    """Validate a mapping as `model`; errors name the source and every bad key (ConfigError.keys lists them)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(raw).__name__}")
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(_describe(e) for e in exc.errors())
-        raise ConfigError(f"{source}: {problems}") from None
+        by_key: dict[str, list[Any]] = {}
+        for err in exc.errors():
+            by_key.setdefault(_key(err), []).append(err)
+        problems = "; ".join(_describe(key, errs) for key, errs in by_key.items())
+        error = ConfigError(f"{source}: {problems}")
+        error.keys = list(by_key)
+        raise error from None

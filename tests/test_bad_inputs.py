@@ -92,6 +92,33 @@ CASES: list[Case] = [
                                                             "--out", str(t / "r")], 1, ("verdict",)),
     ("check-wandb-without-credentials", lambda t, e: ["check", "--metrics", "wandb://someone/proj/run1", "--out",
                                                       str(t / "r")], 2, ("W&B run", "someone/proj/run1")),
+    ("set-an-unknown-section-blames-set", lambda t, e: ["plan", "--tokenized", str(t), "--out", str(t / "p"),
+                                                        "--set", "trian.lr=1"], 2,
+     ("--set trian.lr (over", "unknown key 'trian'")),
+    ("a-flag-is-blamed-by-its-name", lambda t, e: ["plan", "--tokenized", str(t), "--out", str(t / "p"),
+                                                   "--buckets", "512,128"], 2, ("--buckets (over", "ascending")),
+    ("check-set-unknown-key", lambda t, e: ["check", "--metrics", _metrics(t / "m.jsonl", _steps(300)), "--out",
+                                            str(t / "r"), "--set", "check.fail_unjudgd=false"], 2,
+     ("--set check.fail_unjudgd: unknown key 'fail_unjudgd'",)),
+    ("plan-into-its-own-input", lambda t, e: ["plan", "--tokenized", str(t), "--out", str(t), "--overwrite"], 2,
+     ("holds this stage's input --tokenized",)),
+    ("train-without-tokenized-data", lambda t, e: ["train", "--tokenized", str(t / "nope"), "--plan", str(t),
+                                                   "--out", str(t / "o")], 2, ("nope: no such folder",)),
+    ("train-without-a-plan", lambda t, e: ["train", "--tokenized", str(_tokenized_stub(t)), "--plan",
+                                           str(t / "nope"), "--out", str(t / "o")], 2, ("plan.json: missing",)),
+    ("eval-nothing-to-evaluate", lambda t, e: ["eval", "--target", e.target, "--drafter", str(t), "--tokenizer",
+                                               e.tokenizer], 2, ("give --data", "--bench")),
+    ("eval-missing-tokenizer", lambda t, e: ["eval", "--target", e.target, "--drafter", str(t), "--tokenizer",
+                                             str(t / "nope"), "--data", e.data], 2, ("--tokenizer", "no such folder")),
+    ("eval-drafter-is-no-drafter", lambda t, e: ["eval", "--target", e.target, "--drafter", str(t),
+                                                 "--tokenizer", e.tokenizer, "--data", e.data], 2,
+     ("--drafter", "config.json: missing")),
+    ("eval-against-is-no-drafter", lambda t, e: ["eval", "--target", e.target, "--drafter", _drafter(t, e),
+                                                 "--tokenizer", e.tokenizer, "--data", e.data, "--against",
+                                                 str(t / "nope")], 2, ("--against", "config.json: missing")),
+    ("eval-missing-target", lambda t, e: ["eval", "--target", str(t / "nope"), "--drafter", _drafter(t, e),
+                                          "--tokenizer", e.tokenizer, "--data", e.data], 2,
+     ("target", "nope': no such folder")),
     ("eval-limit-zero", lambda t, e: ["eval", "--target", e.target, "--drafter", str(t), "--tokenizer",
                                       e.tokenizer, "--data", e.data, "--limit", "0"], 2, ("--limit",)),
     ("eval-tokenizer-larger-than-the-target", lambda t, e: ["eval", "--target", e.target, "--drafter",
@@ -99,6 +126,12 @@ CASES: list[Case] = [
                                                             "--data", e.data, "--limit", "1"], 2,
      ("the target's vocabulary has",)),
 ]
+
+
+def _tokenized_stub(tmp: Path) -> Path:
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "manifest.json").write_text('{"fingerprint": "abc"}')
+    return tmp / "tok"
 
 
 def _touch(path: Path) -> Path:

@@ -113,6 +113,15 @@ def test_bad_overrides_and_files_are_named_precisely(tmp_path):
         load_config("tiny-cpu", {"data.source.x": 1})
     with pytest.raises(ConfigError, match=r"^--set train.lr \(over .*tiny-cpu.yaml\): key 'train.lr'"):
         load_config("tiny-cpu", {"train.lr": "abc"})
+    # an unknown section or key given by --set is --set's fault too, and a union's member tags are no keys
+    with pytest.raises(ConfigError, match=r"^--set trian.lr \(over .*tiny-cpu.yaml\): unknown key 'trian'$"):
+        load_config("tiny-cpu", {"trian.lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"^--set plan.buckets \(over .*\): key 'plan.buckets': Input should be "
+                                          r"'auto' or Input should be a valid list \(got 'foo'\)$"):
+        load_config("tiny-cpu", {"plan.buckets": "foo"})
+    # a command's own flag is blamed by its name
+    with pytest.raises(ConfigError, match=r"^--buckets \(over .*\): key 'plan.buckets': buckets must be"):
+        load_config("tiny-cpu", {"plan.buckets": [512, 128]}, {"plan.buckets": "--buckets"})
     twice = tmp_path / "twice.yaml"
     twice.write_text("data:\n  source: a\ntrain:\n  lr: 1\ntrain:\n  lr: 2\n")
     with pytest.raises(ConfigError, match=r"twice.yaml: invalid YAML: line 5, .*duplicate key 'train' \(first on line 3\)"):

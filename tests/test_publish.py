@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.publish import OutputError, OutputLockedError, output_lock, staged_output
+from dflash_core.publish import OutputError, OutputLockedError, check_output, output_lock, staged_output
 
 
 def _write(folder: str, name: str, text: str) -> None:
@@ -178,3 +178,38 @@ def test_a_second_training_launch_into_a_running_folder_leaves_its_config_alone(
         with pytest.raises(OutputLockedError):
             launch_train("tokenized", "plan", str(out), write, on_line=lambda _: None)
     assert not written and (out / "config.yaml").read_text() == "train: {lr: 0.001}\n"
+
+
+def test_a_launch_that_trains_nothing_puts_the_run_folders_config_back(tmp_path: Path) -> None:
+    """A launch refused by its workers (another plan's checkpoints in the folder, a bad setting) must not leave its
+    config.yaml as the record of a finished run it never touched; one that logged steps keeps its own."""
+    from dflash_core.runtime.launch import _kept_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("old\n")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(RuntimeError), _kept_config(str(out)):
+        (out / "config.yaml").write_text("new\n")
+        raise RuntimeError("workers refused")
+    assert (out / "config.yaml").read_text() == "old\n"
+    with pytest.raises(RuntimeError), _kept_config(str(out)):
+        (out / "config.yaml").write_text("new\n")
+        with (out / "metrics.jsonl").open("a") as fh:
+            fh.write('{"step": 1}\n')  # a step ran with the new config
+        raise RuntimeError("failed later")
+    assert (out / "config.yaml").read_text() == "new\n"
+    with _kept_config(str(out)) as kept:
+        (out / "config.yaml").write_text("newer\n")
+        kept.done = True  # the launch finished (a no-op rerun of a finished run logs nothing and succeeds)
+    assert (out / "config.yaml").read_text() == "newer\n"
+
+
+def test_a_stage_without_overwrite_does_not_offer_it(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's work")
+    with pytest.raises(OutputError, match="pick an empty or new folder$"):
+        check_output(str(out), "check", overwritable=False)  # check and train have no --overwrite flag
+    with pytest.raises(OutputError, match="or pass --overwrite to replace it$"):
+        check_output(str(out), "plan")

@@ -47,6 +47,9 @@ def read_manifest(tokenized: str) -> dict[str, Any]:
         with fsspec.open(path, "r", encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
+        fs, root = fsspec.core.url_to_fs(tokenized)
+        if not fs.exists(root):
+            raise ShardError(f"{tokenized}: no such folder; give the --out folder of a `dflash tokenize` run") from None
         raise ShardError(f"{path}: missing; the tokenize run did not finish, re-run `dflash tokenize`") from None
     except ValueError as exc:
         raise ShardError(f"{path}: not valid JSON ({exc}); re-run `dflash tokenize`") from exc

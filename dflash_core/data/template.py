@@ -36,6 +36,7 @@ from dflash_core.data.formats import (
     same_role_groups,
     system_folded,
 )
+from dflash_core.io import missing_local_folder
 
 _MARK = "\ue000{}\ue001"  # private-use code points: no template trims or rewrites them
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -63,7 +64,7 @@ def load_tokenizer(path: str) -> Any:
     """A transformers fast tokenizer from a local path or hub id; errors name the tokenizer."""
     from transformers import AutoTokenizer
 
-    if not os.path.isdir(os.path.expanduser(path)) and _looks_local(path):
+    if missing_local_folder(path):
         raise TemplateError(f"tokenizer '{path}': no such folder; give a local tokenizer folder or a hub id "
                             "like Qwen/Qwen3-8B")
     try:
@@ -120,11 +121,6 @@ def for_template(tokenizer: Any, messages: Messages) -> Messages:
     fold, merge = turn_shaping(tokenizer)
     messages = alternated if merge else messages
     return (system_folded(messages) or messages) if fold else messages
-
-
-def _looks_local(path: str) -> bool:
-    """A path no hub id can be: absolute, relative with ./ or ~, a file URI, or deeper than owner/name."""
-    return path.startswith(("/", ".", "~", "file:")) or "\\" in path or path.count("/") > 1 or path.endswith("/")
 
 
 def chat_template_inputs(conv: Conversation, thinking: str = "strip",

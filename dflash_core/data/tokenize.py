@@ -59,14 +59,15 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
 
     `out` is published whole when the stage succeeds (dflash_core/publish.py); a failure leaves it as it was.
     """
-    check_output(out, "tokenize", OWN_FILES, overwrite)  # before the slow set-up: a wrong --out fails at once
+    inputs = {"--data": source, "--tokenizer": tokenizer}
+    check_output(out, "tokenize", OWN_FILES, overwrite, inputs=inputs)  # before the slow set-up: a wrong --out fails at once
     files = _without_output(list_files(source), out)
     local = _builder(tokenizer, cfg, block_size)  # fails here, before any work, on an unusable template
     encoder, spec = local.encoder, local.spec
     fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, encoder.tokenizer),
                           output_params(cfg, block_size))
     run = _Run(files, cfg, progress)
-    with staged_output(out, "tokenize", OWN_FILES, overwrite) as staging:
+    with staged_output(out, "tokenize", OWN_FILES, overwrite, inputs=inputs) as staging:
         writer = ShardWriter(staging, cfg.rows_per_part, cfg.rows_per_group)
         try:
             for result in _ordered(run.chunks(), spec, cfg.num_proc, local):

@@ -134,6 +134,20 @@ def load_dflash(
     return drafter.to(device=target.device, dtype=dtype)
 
 
+def read_drafter_config(uri: str) -> dict[str, Any]:
+    """A drafter folder's config.json, checked to be a DFlash drafter's (the cheap part of `load_dflash`, for
+    callers that want a wrong folder refused before they load a target)."""
+    fs, root = fsspec.core.url_to_fs(drafter_location(uri))
+    return _drafter_config_json(fs, posixpath.join(root, CONFIG_FILE))
+
+
+def _drafter_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+    raw = read_config_json(fs, path)
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise ExportError(f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}")
+    return raw
+
+
 def drafter_location(uri: str) -> str:
     """Where a drafter folder is read from: a local folder or any fsspec URI as given; `owner/name` that is no
     local folder is a Hugging Face hub repository, read through fsspec as hf://owner/name (as from_pretrained
@@ -186,11 +200,7 @@ def read_weights(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, torch.Te
 
 
 def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
-    raw = read_config_json(fs, path)
-    if ARCHITECTURE not in raw.get("architectures", []):
-        raise ExportError(
-            f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}"
-        )
+    raw = _drafter_config_json(fs, path)
     dflash: Any = raw.get("dflash_config")
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash_core.errors import InputError
+from dflash_core.io import missing_local_folder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,6 +147,8 @@ def load_target(
 ) -> TargetModel:
     """Load a causal LM (local path or hub id) frozen, in eval mode, on `device`."""
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if missing_local_folder(path):
+        raise TargetError(f"target '{path}': no such folder; give a local model folder or a hub id like Qwen/Qwen3-8B")
     try:
         # use_kernels: transformers 5.25 turned Hub kernels on by default (a download on load, and an error where
         # the `kernels` package is missing); the target runs transformers' own layers, as it did before

@@ -92,7 +92,7 @@ def write_report(report: dict[str, Any], out: str, png: bytes) -> dict[str, Any]
     """Write report.json, report.md and stability.png into `out`, published whole; returns the report."""
     base = out.rstrip("/")
     report = {**report, "files": {key: f"{base}/{name}" for key, name in FILES.items()}}
-    with staged_output(out, "check", ("report.json",), overwrite=False) as staging:
+    with staged_output(out, "check", ("report.json",), overwritable=False) as staging:
         fs, root = fsspec.core.url_to_fs(staging)
         with fs.open(f"{root}/report.json", "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1, allow_nan=False)

@@ -47,7 +47,7 @@ _SUMMARY_KEYS = (
 
 def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False) -> dict[str, Any]:
     """Plan a tokenized folder into `out` (val.parquet, plan.parquet, plan.json; published whole); CLI summary."""
-    check_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite)
+    check_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite, inputs={"--tokenized": tokenized})
     index = _load_index(tokenized)
     fingerprint = read_manifest(tokenized).get("fingerprint")
     held_out = val_mask(index["sample_id"].to_numpy(), cfg)
@@ -58,7 +58,7 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False)
     except PlanError as exc:
         raise PlanError(f"{join_uri(tokenized, 'index.parquet')}: {exc}") from None
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
-    with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite) as staging:
+    with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite, inputs={"--tokenized": tokenized}) as staging:
         if val.height:
             batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens)
             with fsspec.open(join_uri(staging, VAL_FILE), "wb") as fh:

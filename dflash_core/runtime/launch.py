@@ -16,10 +16,13 @@ from typing import TextIO
 
 import fsspec
 
+from dflash_core.data.shards import read_manifest
 from dflash_core.errors import DflashError, UsageError
 from dflash_core.io import is_local, join_uri
+from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, output_lock
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
+from dflash_core.runtime.run_plan import check_plan
 
 
 def torchrun_command(
@@ -115,8 +118,10 @@ def launch_train(
     first (local_data)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
-    check_output(out, "train", ("config.yaml",))
+    check_output(out, "train", ("config.yaml",), overwritable=False)
+    check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
     with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
+        kept = stack.enter_context(_kept_config(out)) if not isinstance(config, str) else None
         config_path = config if isinstance(config, str) else config()
         errors: list[str] = []
 
@@ -136,10 +141,44 @@ def launch_train(
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
         except ProcessFailed as exc:
             raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
+        if kept is not None:
+            kept.done = True
     try:
         return parse_summary(lines)
     except ValueError as exc:
         raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+
+
+def check_inputs(tokenized: str, plan: str, world_size: int | None) -> None:
+    """What the workers would refuse, refused before torchrun starts and before a run folder is made: token
+    shards that did not finish, a plan that is not there, or one made for other shards or another world size
+    (None: an elastic launch, whose size only the rendezvous knows)."""
+    manifest = read_manifest(tokenized)
+    _, meta = read_plan(plan)
+    check_plan(meta, plan, int(meta["world_size"]) if world_size is None else world_size,
+               manifest.get("fingerprint", ""), tokenized)
+
+
+class _KeptConfig:
+    done = False
+
+
+@contextlib.contextmanager
+def _kept_config(out: str) -> Iterator[_KeptConfig]:
+    """The run folder's config.yaml as it was, put back when this launch fails before it logged a step: a
+    launch refused by its workers (a run folder of another plan, a bad setting) leaves the finished run's
+    record of its config as it was. A launch that trained steps keeps its own config: they ran with it."""
+    fs, root = fsspec.core.url_to_fs(out)
+    config, metrics = join_uri(root, "config.yaml"), join_uri(root, "metrics.jsonl")
+    before = fs.cat_file(config) if fs.exists(config) else None
+    size = fs.size(metrics) if fs.exists(metrics) else -1
+    state = _KeptConfig()
+    try:
+        yield state
+    finally:
+        if not state.done and before is not None and (fs.size(metrics) if fs.exists(metrics) else -1) == size:
+            with fs.open(config, "wb") as fh:
+                fh.write(before)
 
 
 @contextlib.contextmanager
