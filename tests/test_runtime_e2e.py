@@ -188,12 +188,29 @@ def test_a_rerun_with_a_lower_lr_resumes_at_that_lr(inputs, baseline, tmp_path):
     resumed = torchrun(inputs, out, lower)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert "note: resumed with train {'initial_lr': 0.0001}" in resumed.output
+    assert "lr schedule now spans" not in resumed.output  # same max_steps: the schedule is the same
     records, base = _metrics(out), _metrics(base_out)
     base_lr, start = yaml.safe_load(Path(config).read_text())["train"]["lr"], _summary(resumed.output)["start_step"]
     assert 0 < start < len(base) and [r["step"] for r in records] == list(range(len(base)))
     for record, reference in zip(records[start:], base[start:], strict=True):  # the steps after the resume
         assert record["lr"] == pytest.approx(reference["lr"] * 1e-4 / base_lr)
     assert [r["lr"] for r in records[:start]] == [r["lr"] for r in base[:start]]
+
+
+def test_a_resume_that_changes_max_steps_says_the_lr_moved(inputs, baseline, tmp_path):
+    """train.max_steps sets what the lr schedule spans: a resume with another value continues on the new schedule,
+    whose lr at the resumed step is not the old one's; the log says so (it used to jump without a word)."""
+    base_out, _, _ = baseline
+    out = tmp_path / "out"
+    killed = torchrun(inputs, out, _config(tmp_path, inputs, "steps", ALL_ANCHORS), fault="kill@5:1")
+    assert killed.returncode != 0
+    total = len(_metrics(base_out)) - 2
+    resumed = torchrun(inputs, out, _config(tmp_path, inputs, "fewer", ALL_ANCHORS, max_steps=total))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    start = _summary(resumed.output)["start_step"]
+    assert f"note: the lr schedule now spans {total} steps (the checkpoint's run: {total + 2}; " in resumed.output
+    assert f"the lr at step {start} is " in resumed.output
+    assert [r["step"] for r in _metrics(out)] == list(range(total))
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(inputs, baseline, tmp_path):

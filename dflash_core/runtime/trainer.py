@@ -45,7 +45,7 @@ from dflash_core.runtime.efficiency import FlopMeter, SteadyRate, missing_peak_n
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.run_plan import RunPlan
-from dflash_core.runtime.schedule import make_scheduler
+from dflash_core.runtime.schedule import lr_factor, make_scheduler, warmup_steps
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
 from dflash_core.runtime.validate import BestTracker, Validator
@@ -131,10 +131,23 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self._current_hyperparameters()
+        self._note_schedule(step, ckpt.state.get("schedule_steps"))
         self.loop_state = ckpt.state["loop"]
         self.best.load_state_dict(ckpt.state.get("best"))
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
+
+    def _note_schedule(self, step: int, was_steps: int | None) -> None:
+        """A resume whose schedule spans another number of steps (train.max_steps changed) moves the lr: say so."""
+        if was_steps is None or was_steps == self.plan.num_steps or not self.env.is_main:
+            return
+        t = self.cfg.train
+        now = t.lr * lr_factor(step, self.plan.num_steps, warmup_steps(self.plan.num_steps, t.warmup_ratio),
+                               t.schedule, t.min_lr_ratio)
+        then = t.lr * lr_factor(step, was_steps, warmup_steps(was_steps, t.warmup_ratio), t.schedule, t.min_lr_ratio)
+        print(f"note: the lr schedule now spans {self.plan.num_steps} steps (the checkpoint's run: {was_steps}; "
+              f"train.max_steps changed): the lr at step {step} is {now:.3g}, where the old schedule had {then:.3g}",
+              flush=True)
 
     def _current_hyperparameters(self) -> None:
         """The resumed optimizer and schedule with this config's lr, betas and weight decay (a checkpoint brings
@@ -272,6 +285,7 @@ class Trainer:
             "loop": loop.state_dict(),
             "rng": rngs,
             "best": self.best.state_dict(),
+            "schedule_steps": self.plan.num_steps,  # what the lr schedule spans (train.max_steps may change it)
         }
         self.ckpts.save(step, self.drafter.state_dict(), state, self.identity)
 
