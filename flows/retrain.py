@@ -15,6 +15,10 @@ from flows import storage, tasks
 from flows.artifacts import publish_summary
 
 
+# what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
+TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from")
+
+
 def _run_name(explicit: str | None, plan_fp: str) -> str:
     """`<scheduled start, UTC>-<flow run name>-<plan fingerprint[:8]>`: the same for every retry of a flow run
     (Prefect keeps a run's expected start) on the same plan, so a retried run resumes its own checkpoints instead
@@ -73,7 +77,7 @@ def retrain_drafter(
     report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
     result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
               "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
-              "best_step": train_summary.get("best_step"), "drafter_best": train_summary.get("drafter_best"),
+              **{key: train_summary.get(key) for key in TRAIN_RESULT_KEYS},
               **({"regenerated": regenerated} if regenerated else {})}
     logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
     # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact.

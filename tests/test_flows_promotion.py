@@ -24,6 +24,8 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     assert result["verdict"] == "pass" and result["promoted"] is True and result["incumbent_tau"] is None
     assert result["tau"] >= 1.0 and result["best_step"] in (1, 3)
     assert (Path(result["drafter_best"]) / "model.safetensors").exists()
+    assert result["best_val_accept_len"] >= 1.0 and result["val_accept_len"] >= 1.0 and result["val_loss"] > 0
+    assert result["init_from"] is None  # nothing was promoted yet: trained from scratch
     record = json.loads((store / "promoted" / "promoted.json").read_text())
     assert record["run"] == result["run"] and record["tau"] == result["tau"]
     assert record["eval_set"] == {"data": example_assets.heldout, "limit": 2, "max_new_tokens": 16}
@@ -43,7 +45,7 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     assert again["gain"]["mean"] == pytest.approx(again["tau"] - again["incumbent_tau"])
     assert (store / "promoted" / "promoted.json").read_bytes() == before
     run_config = yaml.safe_load((Path(again["run"]) / "config.yaml").read_text())
-    assert run_config["train"]["init_from"] == promoted_drafter(str(store))
+    assert run_config["train"]["init_from"] == promoted_drafter(str(store)) == again["init_from"]
     assert task_states(second.state_details.flow_run_id)["promote"] == "Completed"
 
 
