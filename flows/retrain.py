@@ -14,7 +14,6 @@ from dflash_core.promotion.store import check_incumbent
 from flows import storage, tasks
 from flows.artifacts import publish_summary
 
-
 # what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
 TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from")
 
