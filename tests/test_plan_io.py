@@ -119,3 +119,14 @@ def test_read_plan_refuses_an_incomplete_folder(tmp_path):
     (tmp_path / "plan" / "plan.json").unlink()
     with pytest.raises(PlanError, match="plan.json: missing"):
         read_plan(str(tmp_path / "plan"))
+
+
+def test_summary_reports_the_longest_bucket_that_holds_batches(tmp_path):
+    """Explicit edges can leave the top bucket empty: the summary's run figures are the longest filled bucket's
+    (they were null)."""
+    write_tokenized(str(tmp_path / "tok"), LENGTHS)
+    edges = [256, 1500, 4096]  # nothing is longer than 1500
+    result = run_plan(str(tmp_path / "tok"), str(tmp_path / "plan"), CFG.model_copy(update={"buckets": edges}))
+    runs = result["plan"]["order"]["longest_run"]
+    assert "2" not in runs and result["longest_bucket_run"] == runs["1"] is not None
+    assert result["random_shuffle_longest_bucket_run"] == result["plan"]["order"]["random_shuffle_longest_run"]["1"]

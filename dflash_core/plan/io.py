@@ -75,7 +75,8 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False)
 def cli_summary(summary: dict[str, Any], out: str) -> dict[str, Any]:
     """The one-line JSON the CLI prints: counts, edges and what the interleaving bought."""
     order = summary["order"]
-    last = str(len(summary["edges"]) - 1)
+    # the longest bucket that holds batches (explicit edges may leave the top ones empty)
+    last = str(max((int(b) for b in order["longest_run"]), default=len(summary["edges"]) - 1))
     return {
         "out": out,
         "samples": summary["num_samples"],

@@ -160,6 +160,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         log.info("train.init_from: promoted -> %s", path)
         resolved: str | None = path
     else:
-        log.info("train.init_from: promoted, but nothing is promoted under %s yet: training from scratch", path)
+        log.info("train.init_from: promoted, but nothing is promoted under %s yet: no warm start (a new run starts "
+                 "from a fresh drafter; a checkpoint in its run folder is resumed as usual)", path)
         resolved = None
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": resolved})})
