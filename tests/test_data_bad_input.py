@@ -235,7 +235,15 @@ def test_garbage_never_crashes_and_every_record_is_accounted_for(tmp_path: Path,
     first = data.read_bytes().lstrip()[:1]
     if records and (first == b"[" or (first == b"{" and not _parses(data.read_bytes().lstrip().split(b"\n")[0]))):
         records = None  # sniffed as a JSON array / pretty-printed objects: the count differs, accounting holds
-    summary = _run(data, tmp_path / "out", max_bad_fraction=1.0)
+    if records == 0:  # nothing to read at all: refused by name, nothing published
+        with pytest.raises(DataError, match="no records"):
+            _run(data, tmp_path / "out", max_bad_fraction=1.0)
+        return
+    try:
+        summary = _run(data, tmp_path / "out", max_bad_fraction=1.0)
+    except DataError as exc:  # a JSON array or document that holds no record
+        assert "no records" in str(exc) and records is None
+        return
     assert summary["kept"] + sum(summary["dropped"].values()) == summary["read"]
     if records is not None:
         assert summary["read"] == records

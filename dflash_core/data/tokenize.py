@@ -74,6 +74,7 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
                 run.account(result, writer)
             run.report(final=True)
             run.drops.check(run.read, cfg.max_bad_fraction)
+            _check_read(source, len(files), run)
         except BaseException:
             writer.abort()
             raise
@@ -175,6 +176,14 @@ def _builder(tokenizer: str, cfg: DataConfig, block_size: int) -> SampleBuilder:
     spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking,
                      cfg.system_turn, cfg.same_role_turns)
     return SampleBuilder(spec, encoder)
+
+
+def _check_read(source: str, files: int, run: _Run) -> None:
+    """An input without a single record is a mistake to say now (planning would refuse the empty index later).
+    Records that were all dropped are not: the summary and manifest say why, reason by reason."""
+    if run.read == 0:
+        raise DataError(f"{source}: no records in its {files} file(s) (empty, blank lines only, or an empty "
+                        "array); nothing to tokenize")
 
 
 def _without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
