@@ -68,8 +68,11 @@ def test_load_target_from_a_saved_folder(tmp_path, hf_model):
 
 
 def test_load_target_bad_path_says_where(tmp_path):
+    with pytest.raises(TargetError, match=r"nope': no such folder; give a local model folder or a hub id"):
+        load_target(str(tmp_path / "nope"))  # not Hugging Face's "Repo id must be in the form ..."
+    (tmp_path / "empty").mkdir()
     with pytest.raises(TargetError, match="cannot load the target"):
-        load_target(str(tmp_path / "nope"))
+        load_target(str(tmp_path / "empty"))
 
 
 def test_a_qwen3_5_checkpoint_is_a_target(tmp_path):
