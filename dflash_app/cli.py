@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dflash_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, DflashError, UsageError
+from dflash_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DflashError, UsageError
 
 if TYPE_CHECKING:
     from dflash_core.config import PipelineConfig
@@ -249,8 +249,21 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_run_inputs(cfg: PipelineConfig) -> None:
+    """Local inputs that are not there, said before the flow (and Prefect's temporary server) starts."""
+    from dflash_core.data.sources import list_files
+    from dflash_core.io import missing_local_folder
+
+    if "://" not in cfg.data.source:
+        list_files(cfg.data.source)  # DataError naming the path when there is no data
+    for key, path in (("data.tokenizer", cfg.data.tokenizer), ("model.target", cfg.model.target)):
+        if missing_local_folder(path):
+            raise ConfigError(f"{key} {path}: no such folder; give a local folder or a hub id")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _resolved(_config(args))
+    _check_run_inputs(cfg)
     from flows.retrain import retrain_drafter
 
     state = retrain_drafter(config=cfg, run_name=args.run_name, return_state=True)
