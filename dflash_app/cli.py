@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("example", help="build (or reuse) the built-in example assets and print their paths")
     p.add_argument("--out", default=None, help="cache folder (default: $DFLASH_HOME or ~/.cache/dflash-pipeline)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the example corpus and target (default 0)")
     p.set_defaults(func=cmd_example)
 
     p = add("tokenize", help="chat data -> token shards with assistant-only loss masks")
@@ -316,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preview", type=_positive_int, metavar="N",
                    help="print the first N records as they would be trained on (supervised text between « and », "
                         "in green on a terminal) or why each is dropped; nothing is written")
-    p.add_argument("--format", choices=["auto", "sharegpt", "openai"])
-    p.add_argument("--max-length", type=int)
+    p.add_argument("--format", choices=["auto", "sharegpt", "openai"],
+                   help="turn shape of the records (data.format; auto: detected per record)")
+    p.add_argument("--max-length", type=int, help="longest sample in tokens; longer ones are cut at a turn end or "
+                   "dropped (data.max_length)")
     p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a tokenize output")
     _add_config(p)
     p.set_defaults(func=cmd_tokenize)
@@ -328,36 +330,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", action="append", help="base URL such as http://host:8000/v1 (repeatable); "
                    "none: start a local server for model.target (data.regenerate.serve)")
     p.add_argument("--model", help="model id in requests (default: the server's first, GET /v1/models)")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-tokens", type=int, help="most new tokens per reply (data.regenerate.max_tokens)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (data.regenerate.temperature)")
     p.add_argument("--concurrency", type=int, help="requests in flight per endpoint")
     p.add_argument("--limit", type=int, help="only the first N records")
     _add_config(p)
     p.set_defaults(func=cmd_regenerate)
 
     p = add("plan", help="length buckets, token-budget batches, interleaved order, rank balance")
-    p.add_argument("--tokenized", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--tokenized", required=True, help="the --out folder of `dflash tokenize` (reads index.parquet)")
+    p.add_argument("--out", required=True, help="output folder: plan.parquet, plan.json, val.parquet")
+    p.add_argument("--max-tokens", type=int, help="token budget of a micro-batch, padding included (plan.max_tokens)")
     p.add_argument("--buckets", help="auto, or ascending upper edges: 256,1024,3072")
-    p.add_argument("--world-size", type=int)
-    p.add_argument("--grad-accum", type=int)
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--world-size", type=int, help="training processes the plan is made for (plan.world_size)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per rank and optimizer step (plan.grad_accum)")
+    p.add_argument("--epochs", type=int, help="passes over the data (plan.epochs)")
+    p.add_argument("--seed", type=int, help="seed of the batch order and the validation slice (plan.seed)")
     p.add_argument("--overwrite", action="store_true", help="replace an --out folder that is not a plan output")
     _add_config(p)
     p.set_defaults(func=cmd_plan)
 
     p = add("train", help="train the drafter with torchrun (1..N processes, 1..M nodes)")
-    p.add_argument("--tokenized", required=True)
-    p.add_argument("--plan", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--nproc-per-node", type=int)
-    p.add_argument("--nnodes", default="1")
-    p.add_argument("--node-rank", type=int, default=None)
-    p.add_argument("--rdzv-backend", default=None)
-    p.add_argument("--rdzv-endpoint", default=None)
-    p.add_argument("--rdzv-id", default=None)
+    p.add_argument("--tokenized", required=True, help="the --out folder of `dflash tokenize`")
+    p.add_argument("--plan", required=True, help="the --out folder of `dflash plan` (made for this world size)")
+    p.add_argument("--out", required=True, help="run folder: metrics.jsonl, checkpoints/, drafter/, drafter-best/; "
+                   "the same command again resumes it")
+    p.add_argument("--nproc-per-node", type=int, help="processes (GPUs) on this node (default: "
+                   "train.nproc_per_node)")
+    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic launch (torchrun's --nnodes)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun's --node-rank)")
+    p.add_argument("--rdzv-backend", default=None, help="rendezvous backend of a multi-node run (default c10d)")
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node runs)")
+    p.add_argument("--rdzv-id", default=None, help="the run's id, the same on every node (default dflash)")
     _add_config(p)
     p.set_defaults(func=cmd_train)
 
@@ -365,14 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", help="metrics.jsonl (any fsspec URI), or wandb://entity/project/run_id")
     p.add_argument("--wandb-run", help="entity/project/run_id: read the full history from W&B instead")
     p.add_argument("--baseline", help="report.json of an earlier healthy run to compare against")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="report folder: report.json, report.md, stability.png")
     _add_config(p, default=None)
     p.set_defaults(func=cmd_check)
 
     p = add("eval", help="greedy speculative decoding: acceptance length of a drafter")
-    p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--target", required=True, help="the target model: local folder or hub id")
+    p.add_argument("--drafter", required=True, help="a DFlash drafter folder (config.json + model.safetensors; "
+                   "local, fsspec URI or hub id)")
+    p.add_argument("--tokenizer", required=True, help="the target's tokenizer: local folder or hub id")
     p.add_argument("--data", help="benchmark ({\"turns\": [...]}) or chat records; or use --bench")
     p.add_argument("--bench", action="append",
                    help="gsm8k|math500|humaneval|mbpp|mt-bench (the public benchmark's), aime24|aime25|alpaca|"
@@ -386,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-shuffle", choices=["random", "datasets"], default="random",
                    help="how --sample shuffles: random (Python's, the public benchmark.py today) or datasets "
                         "(Dataset.shuffle, the script of the DFlash paper's figures)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=2048)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=2048,
+                   help="most new tokens per response (default 2048, as the public benchmark)")
     p.add_argument("--thinking", choices=["on", "off"], default="off",
                    help="enable_thinking in the template (off, as the public drafters; match data.thinking)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
@@ -405,12 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     p = add("run", help="the whole pipeline as a Prefect flow run")
-    p.add_argument("--run-name", default=None)
+    p.add_argument("--run-name", default=None, help="name of the run folder under <storage root>/runs/ (default: "
+                   "<scheduled start>-<flow run name>-<plan fingerprint[:8]>, the same for a retried flow run)")
     _add_config(p)
     p.set_defaults(func=cmd_run)
 
     p = add("demo", help="build the example assets if missing and run the flow on them")
-    p.add_argument("--run-name", default=None)
+    p.add_argument("--run-name", default=None, help="name of the run folder (default: as `dflash run`)")
     p.set_defaults(func=cmd_demo)
     return parser
 
