@@ -84,6 +84,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             extra[f"data.{key}"] = value
     if args.out is None and args.preview is None:
         raise UsageError("--out is required (or --preview N to see the first N records, nothing written)")
+    if args.out is not None and args.preview is not None:
+        raise UsageError("--preview writes nothing: drop --out to preview, or --preview to tokenize into --out")
     cfg = _resolved(_config(args, extra))
     if args.preview is not None:
         from dflash_core.data.tokenize import preview_samples

@@ -82,6 +82,8 @@ CASES: list[Case] = [
                                        f"storage.root={t / 'store'}"], 2, ("nope.jsonl",)),
     ("run-without-a-target", lambda t, e: ["run", "--set", f"model.target={t / 'nope'}", "--set",
                                            f"storage.root={t / 'store'}"], 2, ("model.target", "no such folder")),
+    ("tokenize-preview-with-out", lambda t, e: ["tokenize", "--preview", "2", "--out", str(t / "tok")], 2,
+     ("--preview writes nothing",)),
     ("zero-processes", lambda t, e: ["train", "--tokenized", str(t), "--plan", str(t), "--out", str(t / "o"),
                                      "--nproc-per-node", "0"], 2, ("--nproc-per-node must be at least 1",)),
     ("check-a-folder-without-metrics", lambda t, e: ["check", "--metrics", str(t), "--out", str(t / "r")], 2,
