@@ -256,13 +256,27 @@ def staged_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwri
         fs.makedirs(tmp, exist_ok=True)
         try:
             yield fs.unstrip_protocol(tmp) if not is_local(fs) else tmp
-            with fs.open(f"{tmp}/{STAGE_MARKER}", "w", encoding="utf-8") as fh:
-                json.dump({"stage": stage}, fh)  # no time: same input, same bytes
+            _write_marker(fs, tmp, stage)
             _publish(fs, tmp, root)
         except BaseException:
             with contextlib.suppress(OSError):
                 fs.rm(tmp, recursive=True)
             raise
+
+
+def _write_marker(fs: fsspec.AbstractFileSystem, folder: str, stage: str) -> None:
+    with fs.open(f"{folder}/{STAGE_MARKER}", "w", encoding="utf-8") as fh:
+        json.dump({"stage": stage}, fh)  # no time: same input, same bytes
+
+
+def mark_stage(out: str, stage: str) -> None:
+    """Mark a folder that its stage writes in place (training's run folder) as that stage's output, so that its
+    next launch resumes it instead of refusing it as someone else's folder."""
+    fs, root = fsspec.core.url_to_fs(out)
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    if stage_of(out) != stage:
+        _write_marker(fs, root, stage)
 
 
 def _publish(fs: fsspec.AbstractFileSystem, tmp: str, root: str) -> None:

@@ -283,6 +283,12 @@ def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
     assert f"from {remote} to" in copied and Path(local).name.startswith("dflash-tokenized-")
     assert not Path(local).exists() and copied in (tmp_path / "out" / "train.log").read_text()
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [f"step-{summary['num_steps']}"]
+    # the same launch again (a retried flow run whose training had finished) trains nothing and reports the run
+    again = launch_train(remote, one.plan, str(tmp_path / "out"), config, nproc_per_node=1,
+                         on_line=lambda _: None, timeout_s=600)
+    assert again["steps"] == 0 and again["start_step"] == summary["num_steps"]
+    for key in ("final_loss", "final_acc", "accept_len", "val_loss", "val_accept_len"):
+        assert again[key] == summary[key], key  # not nulls
 
 
 def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(inputs, tmp_path):

@@ -64,6 +64,7 @@ class JsonlSink(MetricSink):
         self._fs, self._path = fsspec.core.url_to_fs(uri)
         self._fs.makedirs(posixpath.dirname(self._path) or ".", exist_ok=True)
         self._found: dict[str, int] = {}  # the newest step of each kind the file held when opened
+        self._kept: dict[str, dict[str, Any]] = {}  # the newest record of each kind kept from the file
         self._written = self._existing_keys(resumed_at)
         self._fh = self._fs.open(self._path, "ab")
 
@@ -82,6 +83,8 @@ class JsonlSink(MetricSink):
                 if resumed_at is None or step < resumed_at:
                     kept.append(line)
                     keys.add((kind, step))
+                    if step >= int(self._kept.get(kind, {}).get("step", -1)):
+                        self._kept[kind] = record
         if len(kept) != len(complete.splitlines()) or len(complete) != len(data):
             self._rewrite(b"".join(kept))
         return keys
@@ -108,6 +111,11 @@ class JsonlSink(MetricSink):
         """The newest step of each record kind the file held when opened, dropped records included (a resume
         re-runs them; W&B, whose history only grows, has them already)."""
         return dict(self._found)
+
+    def kept_record(self, kind: str) -> dict[str, Any]:
+        """The newest record of a kind ('train', 'val') kept from the file as it was opened ({} when none): what
+        a launch that resumes a finished run reports, having trained no step of its own."""
+        return dict(self._kept.get(kind, {}))
 
     def log(self, record: dict[str, Any]) -> None:
         """Append the record unless its (kind, step) is already in the file; flush (and fsync locally)."""

@@ -20,7 +20,7 @@ from dflash_core.data.shards import read_manifest
 from dflash_core.errors import DflashError, UsageError
 from dflash_core.io import is_local, join_uri
 from dflash_core.plan.io import read_plan
-from dflash_core.publish import check_output, output_lock
+from dflash_core.publish import check_output, mark_stage, output_lock
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
 from dflash_core.runtime.run_plan import check_plan
 
@@ -121,6 +121,7 @@ def launch_train(
     check_output(out, "train", ("config.yaml",), overwritable=False)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
     with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
+        mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
         kept = stack.enter_context(_kept_config(out)) if not isinstance(config, str) else None
         config_path = config if isinstance(config, str) else config()
         errors: list[str] = []

@@ -203,10 +203,13 @@ class Trainer:
         """The devices this rank's step runs on: its own and its target replicas'."""
         return {str(self.device)} | {str(target.device) for target in self.targets}
 
+    _history: JsonlSink | None = None  # rank 0's metrics.jsonl as this launch found it
+
     def _sink(self) -> MetricSink:
         if not self.env.is_main:
             return NullSink()
         jsonl = JsonlSink(str(self.out / "metrics.jsonl"), resumed_at=self.start_step)
+        self._history = jsonl
         sinks: list[MetricSink] = [jsonl]
         if wandb_mode(self.cfg.wandb) != "disabled":
             logged = jsonl.last_steps()  # a resume re-runs these; W&B has them already
@@ -248,6 +251,9 @@ class Trainer:
             sink.close()
         prefetch.join(timeout=10)
         target.join(timeout=10)
+        if self.start_step >= self.plan.num_steps and self._history is not None:
+            # a launch that resumed a finished run trained nothing: it reports the run's last figures, not nulls
+            last, self.last_val = self._history.kept_record("train"), self._history.kept_record("val")
         exporting = time.perf_counter()
         self._export()
         timings["export_s"] = time.perf_counter() - exporting
