@@ -190,7 +190,7 @@ def _check_overrides(pairs: list[str]):
     """CheckConfig from `--set check.KEY=VALUE` alone (check needs no pipeline config file)."""
     from dflash_core.config import ConfigError
     from dflash_core.monitor.config import CheckConfig
-    from dflash_core.schema import validate_mapping
+    from dflash_core.schema import TOP_LEVEL, validate_mapping
 
     values = _overrides(pairs)
     others = [key for key in values if not key.startswith("check.")]
@@ -199,7 +199,7 @@ def _check_overrides(pairs: list[str]):
     try:
         return validate_mapping(CheckConfig, {key.removeprefix("check."): v for key, v in values.items()}, "--set")
     except ConfigError as exc:
-        keys = [f"check.{key}" for key in exc.keys if key != "<top level>"]
+        keys = [f"check.{key}" for key in exc.keys if key != TOP_LEVEL]
         raise ConfigError(str(exc).replace("--set: ", f"--set {', '.join(keys)}: " if keys else "--set: ", 1)) from None
 
 

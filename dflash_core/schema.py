@@ -50,9 +50,12 @@ def read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {where}{getattr(exc, 'problem', exc)}") from None
 
 
+TOP_LEVEL = "<top level>"  # the key of a check across keys (a model validator)
+
+
 def _key(err: Any) -> str:
     # a union's members add their own tag to the location (plan.buckets.literal['auto'], ...list[int]): not a key
-    return ".".join(str(p) for p in err["loc"] if "[" not in str(p)) or "<top level>"
+    return ".".join(str(p) for p in err["loc"] if "[" not in str(p)) or TOP_LEVEL
 
 
 def _describe(key: str, errs: list[Any]) -> str:
@@ -61,7 +64,7 @@ def _describe(key: str, errs: list[Any]) -> str:
     if errs[0]["type"] == "missing":
         return f"missing key '{key}'"
     said = " or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
-    if key == "<top level>":  # a check across keys (a model validator): its message names them
+    if key == TOP_LEVEL:  # its message names the keys
         return said
     return f"key '{key}': {said} (got {errs[0].get('input')!r})"
 

@@ -199,9 +199,8 @@ def test_a_launch_that_trains_nothing_puts_the_run_folders_config_back(tmp_path:
             fh.write('{"step": 1}\n')  # a step ran with the new config
         raise RuntimeError("failed later")
     assert (out / "config.yaml").read_text() == "new\n"
-    with _kept_config(str(out)) as kept:
+    with _kept_config(str(out)):  # the launch finished (a no-op rerun of a finished run logs nothing, succeeds)
         (out / "config.yaml").write_text("newer\n")
-        kept.done = True  # the launch finished (a no-op rerun of a finished run logs nothing and succeeds)
     assert (out / "config.yaml").read_text() == "newer\n"
 
 

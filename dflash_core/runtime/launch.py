@@ -122,7 +122,8 @@ def launch_train(
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
     with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
         mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
-        kept = stack.enter_context(_kept_config(out)) if not isinstance(config, str) else None
+        if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
+            stack.enter_context(_kept_config(out))
         config_path = config if isinstance(config, str) else config()
         errors: list[str] = []
 
@@ -142,8 +143,6 @@ def launch_train(
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
         except ProcessFailed as exc:
             raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
-        if kept is not None:
-            kept.done = True
     try:
         return parse_summary(lines)
     except ValueError as exc:
@@ -160,12 +159,8 @@ def check_inputs(tokenized: str, plan: str, world_size: int | None) -> None:
                manifest.get("fingerprint", ""), tokenized)
 
 
-class _KeptConfig:
-    done = False
-
-
 @contextlib.contextmanager
-def _kept_config(out: str) -> Iterator[_KeptConfig]:
+def _kept_config(out: str) -> Iterator[None]:
     """The run folder's config.yaml as it was, put back when this launch fails before it logged a step: a
     launch refused by its workers (a run folder of another plan, a bad setting) leaves the finished run's
     record of its config as it was. A launch that trained steps keeps its own config: they ran with it."""
@@ -173,13 +168,13 @@ def _kept_config(out: str) -> Iterator[_KeptConfig]:
     config, metrics = join_uri(root, "config.yaml"), join_uri(root, "metrics.jsonl")
     before = fs.cat_file(config) if fs.exists(config) else None
     size = fs.size(metrics) if fs.exists(metrics) else -1
-    state = _KeptConfig()
     try:
-        yield state
-    finally:
-        if not state.done and before is not None and (fs.size(metrics) if fs.exists(metrics) else -1) == size:
+        yield
+    except BaseException:
+        if before is not None and (fs.size(metrics) if fs.exists(metrics) else -1) == size:
             with fs.open(config, "wb") as fh:
                 fh.write(before)
+        raise
 
 
 @contextlib.contextmanager

@@ -181,14 +181,14 @@ class Trainer:
             self.targets, self.drafter.target_layer_ids, batches, features,
             cost=lambda b: batch_cost(b.n_samples, b.max_len, hidden), feature_device=self.device, faults=self.faults,
         )
+        meter = FlopMeter.for_model(self.drafter, self.device, t.peak_tflops, len(self._devices()))
         settings = LoopSettings(
             grad_accum=self.plan.grad_accum, clip=t.clip_grad, seed=t.seed, rank=self.env.rank,
             world_size=self.env.world_size, device=self.device, buckets=self.plan.buckets,
             block_size=self.drafter.block_size,
-            autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None,
-            meter=FlopMeter.for_model(self.drafter, self.device, t.peak_tflops, len(self._devices())),
+            autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None, meter=meter,
         )
-        note = missing_peak_note(self.device, settings.meter.peak_tflops if settings.meter else None)
+        note = missing_peak_note(self.device, meter.peak_tflops)
         if note and self.env.is_main:
             print(note, flush=True)
         health = lambda: {"queue_depth": {"prefetch": batches.depth(), "target": features.depth()}}  # noqa: E731
