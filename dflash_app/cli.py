@@ -217,7 +217,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                "benches": parse_benches(args.bench), "limit": args.limit, "sample": args.sample,
                "sample_seed": args.sample_seed, "sample_shuffle": args.sample_shuffle,
                "max_new_tokens": args.max_new_tokens,
-               "thinking": args.thinking == "on", "kv_cache": not args.no_kv_cache,
+               "thinking": args.thinking == "on", "temperature": args.temperature, "seed": args.seed,
+               "kv_cache": not args.no_kv_cache,
                "per_response": args.against is not None, "trust_remote_code": args.trust_remote_code}
     # loaded once for both drafters
     loaded = eval_target(target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
@@ -293,6 +294,16 @@ def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
     return int(value)
+
+
+def _temperature(value: str) -> float:
+    try:
+        out = float(value)
+    except ValueError:
+        out = float("nan")
+    if not 0 <= out < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number >= 0 (0: greedy decoding)")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p, default=None)
     p.set_defaults(func=cmd_check)
 
-    p = add("eval", help="greedy speculative decoding: acceptance length of a drafter")
+    p = add("eval", help="speculative decoding (greedy by default): acceptance length of a drafter")
     p.add_argument("--target", required=True, help="the target model: local folder or hub id")
     p.add_argument("--drafter", required=True, help="a DFlash drafter folder (config.json + model.safetensors; "
                    "local, fsspec URI or hub id)")
@@ -397,6 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most new tokens per response (default 2048, as the public benchmark)")
     p.add_argument("--thinking", choices=["on", "off"], default="off",
                    help="enable_thinking in the template (off, as the public drafters; match data.thinking)")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sample the target's tokens at this temperature, drafts greedy, a draft accepted while it "
+                        "equals the sampled token (the public benchmark's --temperature; default 0: greedy)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature: response k samples from a generator seeded seed + k")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="the target's dtype (auto: as its checkpoint stores it; match model.dtype of training)")

@@ -161,6 +161,14 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
         return self.norm(x)
 
 
+def sample(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The published benchmark's token choice from logits [N, V]: argmax below 1e-5, else one draw per row from
+    the softmax at that temperature (torch's global generator: seed it with torch.manual_seed)."""
+    if temperature < 1e-5:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).view(-1)
+
+
 @torch.inference_mode()
 def reference_generate(
     target: PreTrainedModel,
@@ -168,15 +176,17 @@ def reference_generate(
     prompt: torch.Tensor,
     max_new_tokens: int,
     stop_token_ids: tuple[int, ...] = (),
+    temperature: float = 0.0,
 ) -> tuple[list[int], list[int], list[torch.Tensor]]:
-    """(new tokens, acceptance lengths, the draft logits [B-1, V] of every step) by the published loop."""
+    """(new tokens, acceptance lengths, the draft logits [B-1, V] of every step) by the published loop; at a
+    temperature the target's tokens are sampled, the drafts stay greedy."""
     B, P = draft.block_size, prompt.numel()
     limit = P + max_new_tokens
     cache = DynamicCache(config=target.config)
     # transformers 5.24 renamed the forward's past_key_values to cache
     key = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     out = target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, **{key: cache})
-    tokens = prompt.tolist() + [int(out.logits[0, -1].argmax())]
+    tokens = prompt.tolist() + [int(sample(out.logits[0, -1:], temperature))]
     new_features = draft.features(out.hidden_states)
     first_new, start = 0, P
     caches: list[list[torch.Tensor]] = [[] for _ in draft.layers]
@@ -191,7 +201,7 @@ def reference_generate(
         drafted = logits.argmax(-1)
         block[0, 1:] = drafted
         out = target(input_ids=block, use_cache=True, output_hidden_states=True, **{key: cache})
-        posterior = out.logits[0].argmax(-1)
+        posterior = sample(out.logits[0], temperature)
         accepted = int((drafted == posterior[:-1]).long().cumprod(0).sum())
         del tokens[start + 1 :]
         tokens += drafted[:accepted].tolist() + [int(posterior[accepted])]

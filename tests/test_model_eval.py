@@ -292,6 +292,29 @@ def test_evaluate_end_to_end(tmp_path, target):
     assert summary["layer_attention"] == ["causal, window 8", "full"]
 
 
+def test_evaluate_at_a_temperature_is_reproducible_by_seed(tmp_path, target):
+    """Sampled decoding: the same seed gives the same figures, another seed other outputs; the baseline is timed
+    but not compared (sampled outputs differ), and the summary says the temperature."""
+    target.model.save_pretrained(tmp_path / "target")
+    save_dflash(tiny_drafter(target, block_size=B, seed=7), str(tmp_path / "drafter"))
+    tiny_tokenizer(tmp_path / "tok")
+    run = functools.partial(evaluate, target=str(tmp_path / "target"), drafter_dir=str(tmp_path / "drafter"),
+                            tokenizer=str(tmp_path / "tok"), instances=[{"turns": ["hello there", "count to ten"]},
+                                                                        {"turns": ["what is two plus three ?"]}],
+                            max_new_tokens=12, device="cpu", per_response=True)
+    greedy = run()
+    first, again = run(temperature=1.0, seed=5, baseline=True), run(temperature=1.0, seed=5)
+    other = run(temperature=1.0, seed=6)
+    assert greedy["temperature"] == 0.0 and first["temperature"] == 1.0
+    assert first["per_response"] == again["per_response"] and first["histogram"] == again["histogram"]
+    assert first["tokens_generated"] == again["tokens_generated"]
+    assert (first["histogram"], first["tokens_generated"]) != (greedy["histogram"], greedy["tokens_generated"])
+    assert (other["histogram"], other["tokens_generated"]) != (first["histogram"], first["tokens_generated"])
+    assert first["baseline_tokens_per_s"] > 0 and "baseline_matches" not in first
+    with pytest.raises(ValueError, match="temperature -1"):
+        run(temperature=-1)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss"])
 def test_kv_cached_verification_on_targets_whose_cache_cannot_simply_be_cropped(kind):
     """gpt-oss's sliding-window layers drop keys past their window, and Qwen3.5/3.6's linear-attention layers

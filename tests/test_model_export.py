@@ -287,6 +287,11 @@ def test_the_worker_names_the_mask_token_from_the_tokenizer(example_assets, tmp_
     assert mask_token(run_config()) == (tok.mask_token_id, "<|mask|>")  # the tokenizer's own mask token
     assert mask_token(run_config(mask_token_id=7)) == (7, tok.convert_ids_to_tokens(7))
     assert mask_token(run_config(mask_token_id=len(tok))) == (len(tok), None)  # an unused row past the tokenizer
+    assert "past the tokenizer's end" not in capsys.readouterr().err  # at the end: what every engine expects
+    assert mask_token(run_config(mask_token_id=len(tok) + 3)) == (len(tok) + 3, None)
+    assert f"past the tokenizer's end but not at it ({len(tok)} tokens)" in capsys.readouterr().err
+    assert mask_token(run_config(mask_token_id=len(tok) + 3), notes=False) == (len(tok) + 3, None)
+    assert not capsys.readouterr().err  # ranks other than the main one say nothing
     # a configured id trains without the tokenizer; only the exported text is then missing, and the log says so
     assert mask_token(run_config(str(tmp_path / "no-tokenizer"), mask_token_id=7)) == (7, None)
     assert "exported without its text" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from common.models import tiny_qwen3
 from reference_dflash import RefDFlashDraftModel, reference_generate
 
 from dflash_core.model.config import ModelConfig
-from dflash_core.model.decoding import speculative_generate
+from dflash_core.model.decoding import TokenPicker, speculative_generate
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import load_dflash, save_dflash
 from dflash_core.model.target import TargetModel
@@ -153,6 +153,27 @@ def test_loop_edges_match_the_published_loop(trained):
     new, lengths, _ = reference_generate(target.model, ref, prompt, NEW, stop_token_ids=(stop,))
     out, ours = speculative_generate(target, drafter, prompt, NEW, stop_token_ids=[stop])
     assert (out[0, len(prompt):].tolist(), ours) == (new, lengths)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampling_at_a_temperature_decodes_like_the_published_loop(trained, temperature):
+    """`--temperature`: the target's tokens sampled, the drafts greedy, a draft accepted while it equals the
+    sampled token; the same draws (one per verified position, a verify pass in one draw) give the same tokens
+    and acceptance lengths as the published loop, with the KV cache and without."""
+    target, fp32, _ = trained
+    ref = RefDFlashDraftModel.from_pretrained(str(fp32), dtype=torch.float32).eval()
+    drafter = load_dflash(str(fp32), target).eval()
+    differs = 0
+    for seed, prompt in enumerate(_prompts(4, seed=3)):
+        torch.manual_seed(seed)
+        new, lengths, _ = reference_generate(target.model, ref, prompt, NEW, temperature=temperature)
+        for kv_cache in (True, False):
+            pick = TokenPicker(temperature, torch.Generator().manual_seed(seed))
+            out, ours = speculative_generate(target, drafter, prompt, NEW, kv_cache=kv_cache, pick=pick)
+            assert (out[0, len(prompt):].tolist(), ours) == (new, lengths), (seed, kv_cache)
+        greedy, _ = speculative_generate(target, drafter, prompt, NEW)
+        differs += greedy[0, len(prompt):].tolist() != new
+    assert differs  # the draws changed the output: the comparison is of sampled decoding
 
 
 def test_a_causal_sliding_window_layer_decodes_like_the_engines(target_and_data, tmp_path):

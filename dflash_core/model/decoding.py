@@ -1,4 +1,6 @@
-"""Greedy speculative decoding with a target and a DFlash drafter, and the target's own greedy decoding.
+"""Speculative decoding with a target and a DFlash drafter, and the target's own decoding: greedy, or with the
+target's tokens sampled at a temperature (the published benchmark's `--temperature`: the drafter still drafts
+greedily, and a draft is accepted while it equals the token sampled from the target's verify pass).
 
 By default verification runs on the target's KV cache: a step feeds only the anchor and the drafted tokens,
 and the cache is cropped back to the committed tokens on rejection (DynamicCache.crop). The same verify pass
@@ -40,6 +42,34 @@ class Drafter(Protocol):
     ) -> torch.Tensor: ...
 
 
+# the published benchmark's `sample`: below this a temperature is greedy decoding
+_GREEDY_BELOW = 1e-5
+
+
+class TokenPicker:
+    """The target's next tokens from its logits [N, V]: argmax, or one multinomial draw per row from
+    softmax(logits / temperature) (float32) with `generator`, all rows in one draw as the published benchmark
+    samples a verify pass."""
+
+    def __init__(self, temperature: float = 0.0, generator: torch.Generator | None = None):
+        if not temperature >= 0:
+            raise ValueError(f"temperature {temperature}: must be >= 0 (0 is greedy decoding)")
+        self.temperature, self.generator = temperature, generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_BELOW
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).view(-1)
+
+
+GREEDY = TokenPicker()
+
+
 def _hf(target: TargetModel | PreTrainedModel) -> PreTrainedModel:
     return target.model if isinstance(target, TargetModel) else target
 
@@ -65,15 +95,15 @@ def _crop(cache: DynamicCache, length: int) -> None:
 class _FullVerifier:
     """No cache: the whole sequence through the target at every step (the reference path)."""
 
-    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]):
-        self.model, self.layer_ids = model, list(layer_ids)
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int], pick: TokenPicker = GREEDY):
+        self.model, self.layer_ids, self.pick = model, list(layer_ids), pick
         self._feats = torch.empty(0)
 
     def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are committed."""
+        """The target's next tokens of the last `keep` positions of ids [1, T]; positions < start are committed."""
         out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=keep)
         self._feats = _features(out.hidden_states, self.layer_ids)
-        return out.logits[0].argmax(-1)
+        return self.pick(out.logits[0])
 
     def commit(self, length: int) -> torch.Tensor:
         """The context features of the committed positions 0..length-1."""
@@ -89,8 +119,9 @@ def _records_recurrent_states(layer: Any) -> bool:
 class _CachedVerifier:
     """Only the new positions through the target; its KV cache holds the committed ones."""
 
-    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int], block_size: int):
-        self.model, self.layer_ids = model, list(layer_ids)
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int], block_size: int,
+                 pick: TokenPicker = GREEDY):
+        self.model, self.layer_ids, self.pick = model, list(layer_ids), pick
         self.cache = DynamicCache(config=model.config)
         recurrent = [layer for layer in self.cache.layers if isinstance(layer, _RECURRENT)]
         if recurrent and all(_records_recurrent_states(layer) for layer in recurrent):
@@ -106,13 +137,13 @@ class _CachedVerifier:
         self._saved: list[dict[int, torch.Tensor]] = []
 
     def __call__(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Greedy next tokens of the last `keep` positions of ids [1, T]; positions < start are in the cache."""
+        """The target's next tokens of the last `keep` positions of ids [1, T]; positions < start are cached."""
         self._saved = [{i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}
                        for layer in self._recurrent]
         self._fed = ids[:, start:]
         out = self.model(input_ids=self._fed, output_hidden_states=True, logits_to_keep=keep, **self._kwargs)
         self._new, self._start = _features(out.hidden_states, self.layer_ids), start
-        return out.logits[0].argmax(-1)
+        return self.pick(out.logits[0])
 
     def commit(self, length: int) -> torch.Tensor:
         """Drop the rejected positions from the cache; the features of positions 0..length-1."""
@@ -144,16 +175,18 @@ def speculative_generate(
     stop_token_ids: Iterable[int] = (),
     kv_cache: bool = True,
     decoding_starts: Callable[[], None] | None = None,
+    pick: TokenPicker = GREEDY,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Greedy decoding of one prompt ([T] or [1, T]) -> (prompt + new ids [1, T'], acceptance lengths).
+    """Speculative decoding of one prompt ([T] or [1, T]) -> (prompt + new ids [1, T'], acceptance lengths).
 
-    `decoding_starts` is called once the prefill and the first draft pass are done, where the published
-    benchmark starts its decode timer."""
+    The target's tokens are `pick`ed (greedy by default; TokenPicker(temperature, generator) samples them), the
+    drafts are always its argmax. `decoding_starts` is called once the prefill and the first draft pass are
+    done, where the published benchmark starts its decode timer."""
     model, stops = _hf(target), set(stop_token_ids)
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt_len, block = ids.shape[1], drafter.block_size
-    verify = (_CachedVerifier(model, drafter.target_layer_ids, block) if kv_cache
-              else _FullVerifier(model, drafter.target_layer_ids))
+    verify = (_CachedVerifier(model, drafter.target_layer_ids, block, pick) if kv_cache
+              else _FullVerifier(model, drafter.target_layer_ids, pick))
     first = verify(ids, 0, 1)
     feats = verify.commit(prompt_len)
     ids = torch.cat([ids, first.view(1, 1)], dim=1)
@@ -188,10 +221,11 @@ def greedy_generate(
     stop_token_ids: Iterable[int] = (),
     kv_cache: bool = False,
     decoding_starts: Callable[[], None] | None = None,
+    pick: TokenPicker = GREEDY,
 ) -> torch.Tensor:
-    """The target's own greedy output ([1, T']), one token a step: the lossless reference (no cache by
-    default) and, with `kv_cache`, the baseline speculative decoding is timed against (`decoding_starts` is
-    called after the prefill, where the published benchmark starts its decode timer)."""
+    """The target's own output ([1, T']), one token a step, greedy unless `pick` samples: the lossless
+    reference (no cache by default) and, with `kv_cache`, the baseline speculative decoding is timed against
+    (`decoding_starts` is called after the prefill, where the published benchmark starts its decode timer)."""
     model, stops = _hf(target), set(stop_token_ids)
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt_len, fresh = ids.shape[1], ids
@@ -201,7 +235,7 @@ def greedy_generate(
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         else:
             logits = model(input_ids=fresh, logits_to_keep=1, **cached).logits
-        fresh = logits[0, -1].argmax(-1).view(1, 1)
+        fresh = pick(logits[0, -1:]).view(1, 1)
         if decoding_starts is not None and ids.shape[1] == prompt_len:
             decoding_starts()
         ids = torch.cat([ids, fresh], dim=1)

@@ -1,8 +1,9 @@
 """`dflash eval`: acceptance length (tau) of a drafter by the public DFlash benchmark's protocol.
 
 Every turn of an instance is one response: the chat so far is rendered with the chat template (thinking off
-unless asked), tokenized with `tokenizer.encode` as z-lab/dflash `benchmark.py` does, decoded greedily with
-speculative decoding until an eos/end-of-turn token or `max_new_tokens`, and the answer (decoded with
+unless asked), tokenized with `tokenizer.encode` as z-lab/dflash `benchmark.py` does, decoded with speculative
+decoding (greedy, or the target's tokens sampled at `temperature` as its `--temperature` does) until an
+eos/end-of-turn token or `max_new_tokens`, and the answer (decoded with
 `skip_special_tokens=True`) is fed back as the assistant turn before the next user turn. tau is the mean over
 responses of each response's mean acceptance length (DFLASH_SPEC.md "Evaluation"); `tau_pooled` is the mean
 over all decoding steps.
@@ -22,7 +23,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_core.data.template import for_template
-from dflash_core.model.decoding import Drafter, greedy_generate, speculative_generate
+from dflash_core.model.decoding import GREEDY, Drafter, TokenPicker, greedy_generate, speculative_generate
 from dflash_core.model.export import load_dflash
 from dflash_core.model.instances import (
     EvalDataError,
@@ -111,7 +112,8 @@ def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
         spec = _throughput([(r.tokens, r.seconds) for r in timed])
         base = out["baseline_tokens_per_s"]
         out["speedup"] = spec / base if spec and base else None
-        out["baseline_matches"] = sum(bool(r.matches_baseline) for r in timed)
+        if all(r.matches_baseline is not None for r in timed):  # greedy: the outputs must be the same
+            out["baseline_matches"] = sum(bool(r.matches_baseline) for r in timed)
     return out
 
 
@@ -216,6 +218,8 @@ def evaluate(
     sample_seed: int = 0,
     sample_shuffle: str = "random",
     thinking: bool = False,
+    temperature: float = 0.0,
+    seed: int = 0,
     kv_cache: bool = True,
     baseline: bool = False,
     device: str | None = None,
@@ -231,12 +235,14 @@ def evaluate(
     folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
     `benches` (suite names, or {name: local copy or None}); `limit` takes the first N of each, `sample` the
     N the public benchmark's `--max-samples N` takes (sample_instances: `sample_shuffle` random for its current
-    script, datasets for the paper's). With
-    `baseline`, target-only greedy decoding (KV cache) is timed on the same prompts: baseline_tokens_per_s,
-    speedup, baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
+    script, datasets for the paper's). `temperature` > 0 samples the target's tokens (the drafts stay greedy), the
+    k-th response from a generator seeded `seed + k`, so two drafters' k-th responses start from the same draws.
+    With `baseline`, target-only decoding (KV cache, same temperature) is timed on the same prompts:
+    baseline_tokens_per_s, speedup, and when greedy baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
     figures per suite.
     """
     suites = _suites(data, instances, benches, limit, sample, sample_seed, sample_shuffle)
+    TokenPicker(temperature)  # a bad temperature is refused before anything loads
     if isinstance(target, str):
         target = eval_target(target, device, dtype, trust_remote_code)
     if isinstance(drafter_dir, str):
@@ -246,13 +252,14 @@ def evaluate(
     if len(tokenizer) > target.vocab_size:  # ids past the embedding would index out of range mid-decoding
         raise EvalDataError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary has "
                             f"{target.vocab_size}: pass the target's own tokenizer (--tokenizer)")
-    run = _Run(target, drafter_dir, tokenizer, max_new_tokens, thinking, kv_cache, baseline)
+    run = _Run(target, drafter_dir, tokenizer, max_new_tokens, thinking, kv_cache, baseline, temperature, seed)
     responses = [r for name, items in suites.items() for r in run.suite(name, items)]
     summary = {
         **summarize(responses, drafter_dir.block_size),
         "block_size": drafter_dir.block_size,
         "max_new_tokens": max_new_tokens,
         "thinking": thinking,
+        "temperature": temperature,
         "kv_cache": kv_cache,
     }
     layers = getattr(drafter_dir, "layer_attention", None)
@@ -280,12 +287,21 @@ class _Run:
 
     def __init__(
         self, target: TargetModel, drafter: Drafter, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-        thinking: bool, kv_cache: bool, baseline: bool,
+        thinking: bool, kv_cache: bool, baseline: bool, temperature: float = 0.0, seed: int = 0,
     ):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.max_new_tokens, self.thinking, self.kv_cache, self.baseline = max_new_tokens, thinking, kv_cache, baseline
+        self.temperature, self.seed, self._decoded = temperature, seed, 0
+        self.greedy = TokenPicker(temperature).greedy
         self.stops = _stop_ids(tokenizer, target.model)
         self._warm = not baseline  # timings matter only with a baseline to compare against
+
+    def _picker(self, k: int) -> TokenPicker:
+        """The token picker of the k-th response (a fresh generator for each: the draws do not depend on how
+        many an earlier response, or another drafter, used)."""
+        if self.greedy:
+            return GREEDY
+        return TokenPicker(self.temperature, torch.Generator(self.target.device).manual_seed(self.seed + k))
 
     def suite(self, name: str, instances: list[Instance]) -> list[Response]:
         """Every turn of every instance of one suite, answers fed back."""
@@ -302,15 +318,16 @@ class _Run:
         return responses
 
     def _decode(self, suite: str, index: int, ids: torch.Tensor) -> tuple[Response, str]:
-        """One response: speculative decoding, and target-only greedy decoding when timing a baseline."""
+        """One response: speculative decoding, and target-only decoding when timing a baseline."""
         device = self.target.device
         if not self._warm:  # first-call costs (kernel selection, allocator growth) stay out of the timings
             speculative_generate(self.target, self.drafter, ids, 8, self.stops, self.kv_cache)
             greedy_generate(self.target, ids, 8, self.stops, kv_cache=True)
             self._warm = True
+        k, self._decoded = self._decoded, self._decoded + 1
         (out, lengths), seconds = _timed(
             lambda starts: speculative_generate(self.target, self.drafter, ids, self.max_new_tokens, self.stops,
-                                                self.kv_cache, decoding_starts=starts),
+                                                self.kv_cache, decoding_starts=starts, pick=self._picker(k)),
             device,
         )
         new = out[0, ids.shape[0]:]
@@ -318,9 +335,10 @@ class _Run:
         if self.baseline:
             ref, base_seconds = _timed(
                 lambda starts: greedy_generate(self.target, ids, self.max_new_tokens, self.stops, kv_cache=True,
-                                               decoding_starts=starts),
+                                               decoding_starts=starts, pick=self._picker(k)),
                 device,
             )
+            matches = torch.equal(ref, out) if self.greedy else None  # sampled outputs differ
             response = replace(response, baseline_tokens=ref.shape[1] - ids.shape[0], baseline_seconds=base_seconds,
-                               matches_baseline=torch.equal(ref, out))
+                               matches_baseline=matches)
         return response, str(self.tokenizer.decode(new.tolist(), skip_special_tokens=True))

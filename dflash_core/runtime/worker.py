@@ -48,10 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
+def mask_token(cfg: RunConfig, notes: bool = True) -> tuple[int, str | None]:
     """(id, text) of the mask token: model.mask_token_id, else the tokenizer's mask token. The text is the
     tokenizer's token at that id, None past the tokenizer's end (an unused embedding row, e.g. 151669 for Qwen3:
-    SGLang then adds its default "<|MASK|>" there)."""
+    SGLang releases that resolve the mask by its text add their default "<|MASK|>" at the tokenizer's end, so
+    an id further out is noted). `notes`: print those notes (the main rank)."""
     from transformers import AutoTokenizer
 
     if cfg.model.mask_token_id is not None:
@@ -62,9 +63,15 @@ def mask_token(cfg: RunConfig) -> tuple[int, str | None]:
         # is missing then: the id alone is what the drafter trains with, and the log says so
         except (OSError, ValueError) as exc:
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            print(f"note: the mask token {token_id} is exported without its text: tokenizer {cfg.data.tokenizer} "
-                  f"does not load ({first_line})", file=sys.stderr)
+            if notes:
+                print(f"note: the mask token {token_id} is exported without its text: tokenizer "
+                      f"{cfg.data.tokenizer} does not load ({first_line})", file=sys.stderr)
             return token_id, None
+        if token_id > len(tok) and notes:
+            print(f"note: model.mask_token_id {token_id} is past the tokenizer's end but not at it ({len(tok)} "
+                  f"tokens): SGLang releases that resolve the mask by its text put \"<|MASK|>\" at {len(tok)} and "
+                  f"would serve this drafter with the wrong mask; vLLM and newer SGLang read the id. Set "
+                  f"model.mask_token_id: {len(tok)} to serve on both", file=sys.stderr)
         text = tok.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tok) else None
         return token_id, text if isinstance(text, str) and text else None
     tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     reader = ShardReader(args.tokenized)
     plan = read_run_plan(args.plan, env.world_size, reader.fingerprint, args.tokenized, cfg.train.max_steps)
     faults = FaultPlan.from_env(env.rank)
-    token_id, token_text = mask_token(cfg)
+    token_id, token_text = mask_token(cfg, notes=env.rank == 0)
     trainer = Trainer(cfg, plan, reader, args.out, env, token_id, faults, read_val(args.plan, plan.meta), token_text)
     return trainer.setup().train()
 
