@@ -218,6 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                "sample_seed": args.sample_seed, "sample_shuffle": args.sample_shuffle,
                "max_new_tokens": args.max_new_tokens,
                "thinking": args.thinking == "on", "temperature": args.temperature, "seed": args.seed,
+               "block_size": args.block_size,
                "kv_cache": not args.no_kv_cache,
                "per_response": args.against is not None, "trust_remote_code": args.trust_remote_code}
     # loaded once for both drafters
@@ -293,6 +294,12 @@ def _add_config(p: argparse.ArgumentParser, default: str | None = "tiny-cpu") ->
 def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
+    return int(value)
+
+
+def _block_size(value: str) -> int:
+    if not value.isdigit() or int(value) < 2:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 2 (the anchor and a draft)")
     return int(value)
 
 
@@ -413,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "equals the sampled token (the public benchmark's --temperature; default 0: greedy)")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature: response k samples from a generator seeded seed + k")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="draft blocks of this size (anchor + N-1 drafts) instead of the drafter's own (the public "
+                        "benchmark's --block-size, for ablations)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence each step (reference)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="the target's dtype (auto: as its checkpoint stores it; match model.dtype of training)")

@@ -147,13 +147,13 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
 
     def draft(self, new_features, block_embeds, first_new: int, anchor: int, caches) -> torch.Tensor:
-        """Final-normed block states [1, B, H]. new_features [1, C, K*H] are positions first_new..anchor-1, the
+        """Final-normed block states [1, B, H] (B: the block's size, its own or another). new_features [1, C, K*H] are positions first_new..anchor-1, the
         cache (one [k, v] list per layer) holds positions 0..first_new-1; the block's keys are cropped after."""
-        ctx = self.hidden_norm(self.fc(new_features))
-        positions = torch.arange(first_new, anchor + self.block_size)[None]
-        assert positions.shape[1] == ctx.shape[1] + self.block_size
+        ctx, size = self.hidden_norm(self.fc(new_features)), block_embeds.shape[1]
+        positions = torch.arange(first_new, anchor + size)[None]
+        assert positions.shape[1] == ctx.shape[1] + size
         rope_new = self.rotary_emb(block_embeds, positions)
-        rope_block = tuple(t[:, -self.block_size :] for t in rope_new)
+        rope_block = tuple(t[:, -size:] for t in rope_new)
         x = block_embeds
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, ctx, rope_new, rope_block, cache)
@@ -177,10 +177,12 @@ def reference_generate(
     max_new_tokens: int,
     stop_token_ids: tuple[int, ...] = (),
     temperature: float = 0.0,
+    block_size: int | None = None,
 ) -> tuple[list[int], list[int], list[torch.Tensor]]:
     """(new tokens, acceptance lengths, the draft logits [B-1, V] of every step) by the published loop; at a
-    temperature the target's tokens are sampled, the drafts stay greedy."""
-    B, P = draft.block_size, prompt.numel()
+    temperature the target's tokens are sampled, the drafts stay greedy; `block_size` drafts blocks of that
+    size instead of the drafter's own."""
+    B, P = block_size or draft.block_size, prompt.numel()
     limit = P + max_new_tokens
     cache = DynamicCache(config=target.config)
     # transformers 5.24 renamed the forward's past_key_values to cache

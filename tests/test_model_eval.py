@@ -313,6 +313,9 @@ def test_evaluate_at_a_temperature_is_reproducible_by_seed(tmp_path, target):
     assert first["baseline_tokens_per_s"] > 0 and "baseline_matches" not in first
     with pytest.raises(ValueError, match="temperature -1"):
         run(temperature=-1)
+    resized = run(block_size=2)  # the benchmark's --block-size: blocks of 2 from a drafter trained with 4
+    assert (resized["block_size"], resized["trained_block_size"]) == (2, B) and list(resized["histogram"]) == ["1", "2"]
+    assert "trained_block_size" not in run(block_size=B)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss"])

@@ -13,7 +13,7 @@ from common.models import tiny_qwen3
 from reference_dflash import RefDFlashDraftModel, reference_generate
 
 from dflash_core.model.config import ModelConfig
-from dflash_core.model.decoding import TokenPicker, speculative_generate
+from dflash_core.model.decoding import ResizedBlocks, TokenPicker, speculative_generate
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import load_dflash, save_dflash
 from dflash_core.model.target import TargetModel
@@ -174,6 +174,22 @@ def test_sampling_at_a_temperature_decodes_like_the_published_loop(trained, temp
         greedy, _ = speculative_generate(target, drafter, prompt, NEW)
         differs += greedy[0, len(prompt):].tolist() != new
     assert differs  # the draws changed the output: the comparison is of sampled decoding
+
+
+@pytest.mark.parametrize("block", [2, 3, BLOCK + 2])
+def test_another_block_size_decodes_like_the_published_loop(trained, block):
+    """`--block-size`: blocks of the anchor and block - 1 mask slots at the positions after it, smaller or larger
+    than the trained size, as the published loop's block_size argument drafts them."""
+    target, fp32, _ = trained
+    ref = RefDFlashDraftModel.from_pretrained(str(fp32), dtype=torch.float32).eval()
+    drafter = ResizedBlocks(load_dflash(str(fp32), target).eval(), block)
+    seen = []
+    for prompt in _prompts(3, seed=4):
+        new, lengths, _ = reference_generate(target.model, ref, prompt, NEW, block_size=block)
+        out, ours = speculative_generate(target, drafter, prompt, NEW)
+        assert (out[0, len(prompt):].tolist(), ours) == (new, lengths)
+        seen += ours
+    assert max(seen) <= block and (block > BLOCK or max(seen) == block)  # whole blocks accepted where they can be
 
 
 def test_a_causal_sliding_window_layer_decodes_like_the_engines(target_and_data, tmp_path):

@@ -70,6 +70,20 @@ class TokenPicker:
 GREEDY = TokenPicker()
 
 
+class ResizedBlocks:
+    """A DFlash drafter drafting blocks of `block_size` (the anchor and block_size - 1 mask slots) instead of the
+    size it was trained with: the public benchmark's `--block-size`, for block-size ablations."""
+
+    def __init__(self, drafter: Any, block_size: int):
+        if block_size < 2:
+            raise ValueError(f"block size {block_size}: must be at least 2 (the anchor and one draft)")
+        self.drafter, self.block_size = drafter, int(block_size)
+        self.target_layer_ids = list(drafter.target_layer_ids)
+
+    def draft_block(self, context_features: torch.Tensor, anchor_token: int, position: int) -> torch.Tensor:
+        return self.drafter.draft_block(context_features, anchor_token, position, block_size=self.block_size)
+
+
 def _hf(target: TargetModel | PreTrainedModel) -> PreTrainedModel:
     return target.model if isinstance(target, TargetModel) else target
 

@@ -314,24 +314,29 @@ class DFlashDrafter(nn.Module):
     # ---- inference ---------------------------------------------------------------------------------------
 
     def draft_block(
-        self, context_features: torch.Tensor, anchor_token: int | torch.Tensor, position: int
+        self, context_features: torch.Tensor, anchor_token: int | torch.Tensor, position: int,
+        block_size: int | None = None,
     ) -> torch.Tensor:
-        """Block logits [B, V] for the anchor at `position`, given the features of positions 0..position-1."""
+        """Block logits [B, V] for the anchor at `position`, given the features of positions 0..position-1;
+        `block_size` drafts a block of another size than the trained one (the public benchmark's --block-size)."""
+        size = self.block_size if block_size is None else int(block_size)
+        if size < 2:
+            raise DrafterError(f"draft_block: block_size {size} must be at least 2 (the anchor and one draft)")
         feats = context_features if context_features.dim() == 3 else context_features[None]
         if feats.shape[0] != 1 or feats.shape[1] > position:
             raise DrafterError(
                 f"draft_block: context_features {tuple(context_features.shape)} must be one sequence of at "
                 f"most {position} positions (the anchor at position {position} sees only positions before it)"
             )
-        tokens = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long)
+        tokens = torch.full((1, size), self.mask_token_id, dtype=torch.long)
         tokens[0, 0] = int(anchor_token)
         block = self._embed(tokens)
         device = block.device
-        pos = (position + torch.arange(self.block_size, device=device))[None]
+        pos = (position + torch.arange(size, device=device))[None]
         # the original layer sees everything it is given: no mask; a windowed or causal one gets its own
         anchor, valid = torch.tensor([[position]], device=device), torch.ones(1, 1, dtype=torch.bool, device=device)
         masks = per_layer(self.layer_attention, lambda layer: None if layer.plain else dense_mask(
-            anchor, valid, None, feats.shape[1], self.block_size, layer))
+            anchor, valid, None, feats.shape[1], size, layer))
         hidden = self._run_layers(self._context(feats), block, pos, masks)
         return self.logits(hidden)[0]
 

@@ -23,7 +23,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_core.data.template import for_template
-from dflash_core.model.decoding import GREEDY, Drafter, TokenPicker, greedy_generate, speculative_generate
+from dflash_core.model.decoding import (
+    GREEDY,
+    Drafter,
+    ResizedBlocks,
+    TokenPicker,
+    greedy_generate,
+    speculative_generate,
+)
 from dflash_core.model.export import load_dflash
 from dflash_core.model.instances import (
     EvalDataError,
@@ -220,6 +227,7 @@ def evaluate(
     thinking: bool = False,
     temperature: float = 0.0,
     seed: int = 0,
+    block_size: int | None = None,
     kv_cache: bool = True,
     baseline: bool = False,
     device: str | None = None,
@@ -237,12 +245,16 @@ def evaluate(
     N the public benchmark's `--max-samples N` takes (sample_instances: `sample_shuffle` random for its current
     script, datasets for the paper's). `temperature` > 0 samples the target's tokens (the drafts stay greedy), the
     k-th response from a generator seeded `seed + k`, so two drafters' k-th responses start from the same draws.
+    `block_size` drafts blocks of that size instead of the drafter's own (the summary then adds
+    trained_block_size).
     With `baseline`, target-only decoding (KV cache, same temperature) is timed on the same prompts:
     baseline_tokens_per_s, speedup, and when greedy baseline_matches (responses whose output equals it). Several suites add "benchmarks": the same
     figures per suite.
     """
     suites = _suites(data, instances, benches, limit, sample, sample_seed, sample_shuffle)
-    TokenPicker(temperature)  # a bad temperature is refused before anything loads
+    TokenPicker(temperature)  # a bad temperature or block size is refused before anything loads
+    if block_size is not None and block_size < 2:
+        raise EvalDataError(f"block size {block_size}: must be at least 2 (the anchor and one draft)")
     if isinstance(target, str):
         target = eval_target(target, device, dtype, trust_remote_code)
     if isinstance(drafter_dir, str):
@@ -252,11 +264,16 @@ def evaluate(
     if len(tokenizer) > target.vocab_size:  # ids past the embedding would index out of range mid-decoding
         raise EvalDataError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary has "
                             f"{target.vocab_size}: pass the target's own tokenizer (--tokenizer)")
-    run = _Run(target, drafter_dir, tokenizer, max_new_tokens, thinking, kv_cache, baseline, temperature, seed)
+    trained_block = drafter_dir.block_size
+    drafter: Drafter = drafter_dir
+    if block_size is not None and block_size != trained_block:
+        drafter = ResizedBlocks(drafter_dir, block_size)
+    run = _Run(target, drafter, tokenizer, max_new_tokens, thinking, kv_cache, baseline, temperature, seed)
     responses = [r for name, items in suites.items() for r in run.suite(name, items)]
     summary = {
-        **summarize(responses, drafter_dir.block_size),
-        "block_size": drafter_dir.block_size,
+        **summarize(responses, drafter.block_size),
+        "block_size": drafter.block_size,
+        **({"trained_block_size": trained_block} if drafter.block_size != trained_block else {}),
         "max_new_tokens": max_new_tokens,
         "thinking": thinking,
         "temperature": temperature,
@@ -269,7 +286,7 @@ def evaluate(
         summary["per_response"] = [tau(r.lengths) if r.lengths else None for r in responses]
     if len(suites) > 1:
         summary["benchmarks"] = {
-            name: summarize([r for r in responses if r.suite == name], drafter_dir.block_size) for name in suites
+            name: summarize([r for r in responses if r.suite == name], drafter.block_size) for name in suites
         }
     return summary
 
