@@ -36,9 +36,11 @@ def test_the_section_has_defaults_and_names_bad_keys():
 def test_the_request_carries_sampling_and_the_reasoning_switch():
     cfg = load_config("tiny-cpu", {"data.thinking": "keep", "data.regenerate.top_p": 0.9}).data
     assert thinking_enabled(cfg)
-    body = sampling_body(cfg.regenerate, thinking_enabled(cfg))
+    body = sampling_body(cfg.regenerate, thinking_enabled(cfg), cfg.max_length)
     assert body == {"max_tokens": 256, "temperature": 0.0, "top_p": 0.9,
                     "chat_template_kwargs": {"enable_thinking": True}}
+    unset = cfg.regenerate.model_copy(update={"max_tokens": None})  # the default: the longest trainable sample
+    assert sampling_body(unset, False, 3072)["max_tokens"] == 3072
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), True) == "<think>\nadd them\n</think>\n\n42"
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"
 
@@ -173,18 +175,29 @@ def _scripted(replies: list[Reply], seen: list[list[dict]]):
     return send
 
 
-def test_a_greeting_stays_and_a_truncated_reply_drops_the_record_unless_kept():
+def test_a_greeting_stays_and_a_truncated_reply_ends_the_conversation_unless_kept():
+    """A later reply cut by max_tokens ends the conversation after the reply before it (those are whole); a first
+    one drops the record; keep_truncated keeps it."""
     convo = [{"role": "assistant", "content": "Hi! Ask me."}, {"role": "user", "content": "1+1?"},
              {"role": "assistant", "content": "old"}, {"role": "user", "content": "2+2?"},
              {"role": "assistant", "content": "old"}]
     seen: list = []
     cut = [Reply("2", "stop", 1), Reply("4 4 4", "length", 8)]
     result = asyncio.run(regenerate(convo, _scripted(cut, seen), keep_truncated=False, keep_thinking=False))
-    assert result.drop == Drop("truncated", result.drop.detail) and result.finish == ["stop", "length"]
+    assert result.drop is None and result.finish == ["stop", "length"] and result.tokens == 9
+    assert [m["content"] for m in result.messages] == ["Hi! Ask me.", "1+1?", "2"]
+    assert result.cut is not None and result.cut.startswith("ends after turn 2: truncated: reply to turn 4 reached")
     assert seen[0] == convo[:2] and seen[1][2] == {"role": "assistant", "content": "2"}
+    first = asyncio.run(regenerate(convo[:3], _scripted(cut[1:], []), keep_truncated=False, keep_thinking=False))
+    assert first.drop == Drop("truncated", first.drop.detail) and first.messages is None
     kept = asyncio.run(regenerate(convo, _scripted(cut, []), keep_truncated=True, keep_thinking=False))
     assert [m["content"] for m in kept.messages] == ["Hi! Ask me.", "1+1?", "2", "2+2?", "4 4 4"]
     assert kept.tokens == 9
+    for bad in (Reply("", "stop", 0), Reply("4 4", "repetition", 2)):  # empty, or ended other than at a stop
+        later = asyncio.run(regenerate(convo, _scripted([cut[0], bad], []), keep_truncated=False,
+                                       keep_thinking=False))
+        assert later.drop is None and [m["content"] for m in later.messages] == ["Hi! Ask me.", "1+1?", "2"]
+        assert ("empty_reply" if not bad.content else "unfinished_reply") in later.cut
 
 
 def test_kept_reasoning_is_written_but_not_sent_back_as_reply_text():
@@ -267,6 +280,39 @@ def test_busy_answers_are_retried_and_refusals_are_not():
     loop.run_until_complete(endpoint.chat({}))
     assert loop.time() - start >= 0.3 and seen == [429, 200]  # the server's wait, not the 0.01 s backoff
     loop.close()
+
+
+@pytest.mark.parametrize("message, room", [
+    ("'max_tokens' or 'max_completion_tokens' is too large: 3072. This model's maximum context length is 4096 "
+     "tokens and your request has 3000 input tokens (3072 > 4096 - 3000).", 1096),  # vLLM
+    ("This model's maximum context length is 4096 tokens. However, you requested 6072 tokens (3000 in the "
+     "messages, 3072 in the completion). Please reduce the length of the messages or completion.", 1096),  # vLLM
+    ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
+     "6072 tokens: 3000 tokens from the input messages and 3072 tokens for the completion.", 1096),  # SGLang
+    ("This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please "
+     "reduce the length of the input messages.", None),  # the prompt alone is too long: no room
+])
+def test_a_reply_budget_beyond_the_context_is_sent_again_with_the_room_left(message, room):
+    """vLLM and SGLang refuse prompt + max_tokens beyond their context: with room left for a reply, the request
+    is sent once more asking for that room; a prompt too long by itself stays a refusal, sent once."""
+    sent: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["max_tokens"])
+        if len(sent) == 1 or room is None:
+            return httpx.Response(400, json={"error": {"message": message, "type": "BadRequestError", "code": 400}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                                         "usage": {"completion_tokens": 1}})
+
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    if room is None:
+        with pytest.raises(Rejected, match="5000 input tokens"):
+            asyncio.run(endpoint.chat({"max_tokens": 3072}))
+        assert sent == [3072]
+    else:
+        assert asyncio.run(endpoint.chat({"max_tokens": 3072})) == Reply("hi", "stop", 1)
+        assert sent == [3072, room]
 
 
 def _completing(replies: list[dict], seen: list[httpx.Request] | None = None) -> Endpoint:
@@ -582,6 +628,47 @@ def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(
     summary = regenerate_dataset(mixed, str(tmp_path / "out-mixed"), data_config(mixed, endpoints=[scripted_server],
                                                                                  concurrency=1))
     assert summary["kept"] == 3 and summary["dropped"] == {"rejected_by_server": 9}
+
+
+def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dropping_the_rest(
+        scripted_server, tmp_path):
+    """A server restarted mid-run with other settings (vLLM's 404 for a --served-model-name it no longer
+    serves) refuses every request after replies were kept: after 8 refusals in a row the one-line question is
+    refused too and the run stops, the refused records not journaled; the rerun against the fixed server
+    regenerates them all, and the output is that of a run that never failed."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Restarted(_Scripted):
+        answered = 0
+
+        def do_POST(self) -> None:
+            if Restarted.answered >= 5:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self._send(404, {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError",
+                                           "code": 404}})
+                return
+            Restarted.answered += 1
+            super().do_POST()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                       for i in range(20)])
+        out = tmp_path / "out"
+        with pytest.raises(RegenerateError, match=r"refused the last (8|9|1\d) requests in a row, after replies "
+                                                  r"had been kept.*does not exist.*refused too"):
+            regenerate_dataset(source, str(out), data_config(source, endpoints=[url], concurrency=1))
+        journaled = "".join(p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
+        assert "rejected_by_server" not in journaled and journaled.count("\n") == 5
+    finally:
+        server.shutdown()
+    summary = regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
+    assert summary["complete"] and summary["kept"] == 20 and summary["dropped"] == {}
+    assert [r["source"]["record"] for r in output_records(out)] == list(range(20))
 
 
 def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(scripted_server, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,13 @@ TRANSIENT_4XX = frozenset({408, 429})
 # the server wants an API key (none sent, or the wrong one)
 AUTH_REFUSED = frozenset({401, 403})
 _RETRY_AFTER_MAX_S = 60.0
+# a refusal that says how much room the context leaves (vLLM's two wordings, SGLang's): (context, prompt tokens)
+_NO_ROOM = (
+    re.compile(r"maximum context length is (\d+) tokens and your request has (\d+) input tokens"),
+    re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
+    re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens from the "
+               r"input messages"),
+)
 # finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
 ABORTED = frozenset({"abort", "error"})
 # the finish reason of a completion that gives none
@@ -59,9 +67,11 @@ class Unavailable(Exception):
     """Every retry of a request failed with 5xx, a timeout or a connection error."""
 
 
-def sampling_body(cfg: RegenerateConfig, enable_thinking: bool) -> dict[str, Any]:
-    """The request fields that set sampling (the same in every request of a run)."""
-    body: dict[str, Any] = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+def sampling_body(cfg: RegenerateConfig, enable_thinking: bool, max_length: int) -> dict[str, Any]:
+    """The request fields that set sampling (the same in every request of a run); `max_length` (data.max_length)
+    is the reply budget when max_tokens is not set."""
+    max_tokens = cfg.max_tokens if cfg.max_tokens is not None else max_length
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": cfg.temperature,
                             "chat_template_kwargs": {"enable_thinking": enable_thinking}}
     if cfg.top_p is not None:
         body["top_p"] = cfg.top_p
@@ -139,7 +149,20 @@ class Endpoint:
             return False
 
     async def chat(self, body: dict[str, Any]) -> Reply:
-        """POST /chat/completions with retries; Rejected on 4xx, Unavailable when every try failed."""
+        """POST /chat/completions with retries; Rejected on 4xx, Unavailable when every try failed. A refusal
+        because prompt + max_tokens exceed the server's context, with room left for a reply, is sent once more
+        with max_tokens = that room (a reply longer than it could not be served either)."""
+        try:
+            return await self._chat(body)
+        except Rejected as exc:
+            room = context_room(exc.detail)
+            if room is None or not 0 < room < int(body.get("max_tokens") or 0):
+                raise
+            log.debug("%s: max_tokens %s leaves no room in the context; sent again with %d", self.url,
+                      body.get("max_tokens"), room)
+            return await self._chat({**body, "max_tokens": room})
+
+    async def _chat(self, body: dict[str, Any]) -> Reply:
         wait, last = 0.0, ""
         for attempt in range(self.cfg.retries + 1):
             if attempt:
@@ -163,6 +186,15 @@ class Endpoint:
                 continue
             return reply
         raise Unavailable(f"endpoint {self.url}: {self.cfg.retries + 1} tries failed, last: {last}")
+
+
+def context_room(message: str) -> int | None:
+    """Tokens a server's context-length refusal says are left for the reply (context - prompt), None when the
+    message is not one that says so."""
+    for pattern in _NO_ROOM:
+        if found := pattern.search(message):
+            return int(found[1]) - int(found[2])
+    return None
 
 
 def _retry_after(resp: httpx.Response) -> float:

@@ -34,7 +34,9 @@ class RegenerateConfig(StrictModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0,
                                 description="nucleus sampling threshold sent with each request; None = not sent (the "
                                 "server's default)")
-    max_tokens: PositiveInt = Field(1024, description="per reply; longer replies end with finish_reason=length")
+    max_tokens: PositiveInt | None = Field(
+        None, description="per reply; longer replies end with finish_reason=length. None = data.max_length: a "
+        "longer reply could not be trained whole anyway")
     keep_truncated: bool = Field(False, description="keep replies cut by max_tokens (counted either way)")
     send_tools: bool = Field(
         False, description="send a record's tool definitions with its requests (as `tools`, the server's default "

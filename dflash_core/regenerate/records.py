@@ -105,6 +105,13 @@ def reply_text(reply: Reply, keep_thinking: bool) -> str:
     return reply.content
 
 
+def _cut(result: Regenerated, out: Messages, last_reply: int, why: str) -> Regenerated:
+    """The conversation up to its last regenerated reply, and why it ends there."""
+    result.messages = out[: last_reply + 1]
+    result.cut = f"ends after turn {last_reply}: {why}"
+    return result
+
+
 async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_thinking: bool) -> Regenerated:
     """Replace every assistant turn by the target's reply to the conversation so far, whose earlier assistant
     turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
@@ -114,9 +121,10 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
     and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
     A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
-    the record as `unfinished_reply`. A later turn the server refuses (a 4xx: the conversation so far outgrew
-    its context) ends the conversation after the last reply it gave (`cut` says why); a refusal before any
-    reply raises Rejected."""
+    the record as `unfinished_reply`, one cut by max_tokens as `truncated` (unless kept), an empty one as
+    `empty_reply`; a refusal (a 4xx) raises Rejected. Any of these after a reply was kept (a later turn: the
+    conversation outgrew the context, or the reply the budget) ends the conversation after the last reply it
+    gave instead (`cut` says why): the replies before it are the target's own and whole."""
     # the record written, and what the server is sent: the earlier replies without their reasoning, as chat
     # templates render history (gpt-oss's would render an inline <think> block as reply text)
     out: Messages = []
@@ -136,26 +144,27 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
         except Rejected as exc:
             if last_reply is None:
                 raise
-            result.messages = out[: last_reply + 1]
-            result.cut = (f"ends after turn {last_reply}: the server refused the request for turn {len(out)} "
-                          f"({rejection(exc, history)})")
-            return result
+            return _cut(result, out, last_reply, f"the server refused the request for turn {len(out)} "
+                                                 f"({rejection(exc, history)})")
         result.finish.append(reply.finish_reason)
         result.tokens += reply.tokens
+        unusable = None
         if reply.finish_reason == "length" and not keep_truncated:
-            result.drop = Drop("truncated", f"reply to turn {len(out)} reached max_tokens ({reply.tokens} tokens)")
-            return result
-        if reply.finish_reason not in FINISHED | TOOL_CALLS | {"length"}:
-            result.drop = Drop("unfinished_reply", f"the server ended its reply to turn {len(out)} with "
-                                                   f"finish_reason {reply.finish_reason!r}, not at a stop")
-            return result
+            unusable = Drop("truncated", f"reply to turn {len(out)} reached max_tokens ({reply.tokens} tokens)")
+        elif reply.finish_reason not in FINISHED | TOOL_CALLS | {"length"}:
+            unusable = Drop("unfinished_reply", f"the server ended its reply to turn {len(out)} with "
+                                                f"finish_reason {reply.finish_reason!r}, not at a stop")
+        elif not reply.tool_calls and not reply.content.strip():
+            unusable = Drop("empty_reply", empty_reply(reply, len(out), keep_thinking))
+        if unusable is not None:
+            if last_reply is None:
+                result.drop = unusable
+                return result
+            return _cut(result, out, last_reply, f"{unusable.reason}: {unusable.detail}")
         if reply.tool_calls:
             out.append({"role": "assistant", "content": reply_text(reply, keep_thinking),
                         "tool_calls": reply.tool_calls})
             break
-        if not reply.content.strip():
-            result.drop = Drop("empty_reply", empty_reply(reply, len(out), keep_thinking))
-            return result
         last_reply = len(out)
         out.append({"role": "assistant", "content": reply_text(reply, keep_thinking)})
         history.append({"role": "assistant", "content": reply.content})

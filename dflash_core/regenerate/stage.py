@@ -108,7 +108,7 @@ def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
     # symlink) writes other replies (with endpoints the server's model is what answers: cfg.model names it)
     weights = None if cfg.endpoints else model_digest(target)
     return {"format": FORMAT, "target": target, "model": cfg.model, **({"target_weights": weights} if weights else {}),
-            "sampling": sampling_body(cfg, thinking_enabled(data)), "keep_truncated": cfg.keep_truncated,
+            "sampling": sampling_body(cfg, thinking_enabled(data), data.max_length), "keep_truncated": cfg.keep_truncated,
             "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader,
             # only when on: caches made before the setting existed stay valid
             **({"send_tools": True} if cfg.send_tools else {})}
@@ -236,7 +236,7 @@ class _Run:
         self.records = records  # in the whole input: the last shard holds the rest
         self.todo_records = sum(self.size(s) for s in todo)  # in the shards this run works on (the bar's 100%)
         self.keep_thinking = thinking_enabled(data)
-        self.body = sampling_body(self.cfg, self.keep_thinking)
+        self.body = sampling_body(self.cfg, self.keep_thinking, data.max_length)
         self.failing_limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)  # failures in a row: endpoint out
         self.journals: dict[int, ShardJournal] = {}
         # by shard: the server_error drops of an earlier run, and those of them sent again and not yet answered
@@ -386,14 +386,16 @@ class _Run:
         """Journal an outcome. Refusals and empty replies are held back until a reply is kept; when
         _SYSTEMIC_REFUSALS of them are held, the server is asked a one-line question with the run's settings: a
         refusal or an empty reply to that too stops the run with nothing journaled (a rerun after the fix sends
-        them again), a reply says they were the records' own (journaled as drops)."""
+        them again), a reply says they were the records' own (journaled as drops). So at the start of a run and
+        later alike: a server restarted mid-run with other settings (another --served-model-name: HTTP 404,
+        without its tool parser, another API key) stops the run instead of dropping the rest of the input."""
         drop = result.drop
-        if not self.trusted and drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
+        if drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
             self.held.append((item, result))
             if len(self.held) >= _SYSTEMIC_REFUSALS and not self.probing:
                 await self._probe(endpoint)
             return
-        if not self.trusted and drop is None:
+        if drop is None and (self.held or not self.trusted):
             self._trust()
         self._record(item, result)
 
@@ -429,12 +431,16 @@ class _Run:
 
     def _systemic(self, probe: str) -> RegenerateError:
         first = self.held[0][1].drop
+        which = (f"the last {len(self.held)} requests in a row, after replies had been kept (its settings changed: "
+                 f"a restart with another --served-model-name, without its tool parser, with an API key?)"
+                 if self.trusted else f"every one of the first {len(self.held)} requests, before a reply could be "
+                 f"kept")
         return RegenerateError(
-            f"the server refused every one of the first {len(self.held)} requests or answered them empty, before "
-            f"a reply could be kept (first: {first.detail if first else ''}), and {probe}: a setting fails "
-            f"them all, not the records (max_tokens beyond the server's context length, tools sent to a server "
-            f"without a tool parser, a reasoning parser that files the answer as reasoning, an API key): fix it "
-            f"and run again; none of these records was journaled, so they are sent again")
+            f"the server refused {which} or answered them empty (first: {first.detail if first else ''}), and "
+            f"{probe}: a setting fails them all, not the records (max_tokens beyond the server's context length, "
+            f"tools sent to a server without a tool parser, a reasoning parser that files the answer as reasoning, "
+            f"an API key, a model name it does not serve): fix it and run again; none of these records was "
+            f"journaled, so they are sent again")
 
     async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None):
         body = {"model": self.model, "messages": messages, **self.body}
