@@ -671,6 +671,27 @@ def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dr
     assert [r["source"]["record"] for r in output_records(out)] == list(range(20))
 
 
+def test_tool_definitions_that_were_not_sent_are_counted_and_said(scripted_server, tmp_path, caplog):
+    """send_tools: false writes a record's tools for tokenize although its replies were written without them: the
+    summary counts such records and the log says what to set."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tools = [{"type": "function", "function": {"name": "look_up", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": "Look 3 up."}], "tools": tools},
+        {"messages": [{"role": "user", "content": "Hi"}]}])
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[scripted_server]))
+    assert summary["kept"] == 2 and summary["tools_unsent"] == 1
+    assert "1 kept records carry tool definitions that were not sent" in caplog.text
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["tools_unsent"] == 1
+    summary = regenerate_dataset(source, str(tmp_path / "sent"), data_config(source, endpoints=[scripted_server],
+                                                                             send_tools=True))
+    assert summary["kept"] == 2 and summary["tools_unsent"] == 0
+
+
 def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(scripted_server, tmp_path):
     """Records the server failed on while it answered others are dropped as server_error; running the same command
     again sends those again (and only those), in finished shards and unfinished ones, and ends with the records

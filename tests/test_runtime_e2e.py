@@ -291,6 +291,38 @@ def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
         assert again[key] == summary[key], key  # not nulls
 
 
+def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_from_it(inputs, tmp_path):
+    """--out on an object store (memory:// here, which the ranks cannot see): the ranks train in a local folder
+    pushed to it; a run killed at step 5 leaves its step-3 checkpoint and metrics there, and the next launch
+    (its staging folder gone, as on a fresh pod) resumes from them and ends with the bytes of an uninterrupted
+    local run."""
+    one = build_inputs(inputs.root, world_size=1)
+    config = _config(tmp_path, one, "c")  # a checkpoint every 3 steps, 2 kept
+    base = tmp_path / "local"
+    launch_train(one.tokenized, one.plan, str(base), config, on_line=lambda _: None, timeout_s=600)
+    remote, fs = f"memory://runs-{tmp_path.name}/run", fsspec.filesystem("memory")
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed):
+        launch_train(one.tokenized, one.plan, remote, config, on_line=lines.append, timeout_s=600,
+                     env={"DFLASH_FAULT": "kill@5"})
+    staged = next(line for line in lines if "is on an object store" in line)
+    assert not Path(staged.split("the ranks write ", 1)[1].split(",", 1)[0]).exists()
+    assert fs.exists(f"{remote}/checkpoints/step-3/meta.json") and not fs.exists(f"{remote}/drafter")
+    assert fs.cat_file(f"{remote}/metrics.jsonl").count(b"\n") >= 3
+    summary = launch_train(one.tokenized, one.plan, remote, config, on_line=lines.append, timeout_s=600)
+    assert "resuming from its checkpoints/step-3" in lines[-1] or any("resuming from its checkpoints/step-3" in x
+                                                                         for x in lines)
+    assert summary["start_step"] == 3 and summary["drafter"] == f"{remote}/drafter"
+    assert summary["metrics"] == f"{remote}/metrics.jsonl"
+    records = [json.loads(x) for x in fs.cat_file(f"{remote}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in records] == [r["step"] for r in _metrics(base)]  # each step once
+    assert [r["loss"] for r in records] == [r["loss"] for r in _metrics(base)]
+    assert fs.cat_file(f"{remote}/drafter/model.safetensors") == (base / "drafter" / "model.safetensors").read_bytes()
+    steps = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{remote}/checkpoints", detail=False))
+    assert steps == sorted(p.name for p in (base / "checkpoints").iterdir())  # pruned as the run prunes
+    assert fs.cat_file(f"{remote}/train.log").decode().count("is on an object store") == 2  # both launches
+
+
 def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(inputs, tmp_path):
     one = build_inputs(inputs.root, world_size=1)
     tok = tmp_path / "tokenized"

@@ -188,9 +188,10 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str, Any]:
     """Counts over these shards' journals: read, kept (and of those, cut: ending after the last turn the server
-    answered), drops by reason (with examples), finish reasons, tokens."""
+    answered; tools_unsent: with tool definitions the requests did not carry), drops by reason (with examples),
+    finish reasons, tokens."""
     drops, finish = DropLog(max_examples), Counter[str]()
-    read = kept = cut = tokens = 0
+    read = kept = cut = tokens = tools_unsent = 0
     per_shard = []
     for shard in shards:
         lines = list(out.outcomes(shard).values())
@@ -200,11 +201,12 @@ def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str,
             read += 1
             kept += "messages" in line
             cut += "cut" in line
+            tools_unsent += "tools_unsent" in line
             tokens += line.get("tokens", 0)
             finish.update(line.get("finish", []))
             if "drop" in line:
                 src = line["source"]
                 drops.add(line["drop"], src["file"], src["record"], line.get("line"), line.get("id"), line["detail"])
-    return {"read": read, "kept": kept, "cut": cut, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
+    return {"read": read, "kept": kept, "cut": cut, "tools_unsent": tools_unsent, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
             "tokens_generated": tokens, "shards": per_shard,
             "drop_examples": {r: drops.examples[r] for r in sorted(drops.examples)}}

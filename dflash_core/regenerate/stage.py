@@ -188,7 +188,13 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
             model, seconds = asyncio.run(run.execute(read_items(files, data, todo), urls, key))
     counts = tally(output, covered, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
+    if counts["tools_unsent"]:
+        log.warning("%d kept records carry tool definitions that were not sent with their requests "
+                    "(data.regenerate.send_tools: false): the target wrote their replies without them, and training "
+                    "renders them; set send_tools: true (vLLM: --enable-auto-tool-choice --tool-call-parser ...) so "
+                    "the replies are the ones the target writes with its tools", counts["tools_unsent"])
     summary = {"read": counts["read"], "kept": counts["kept"], "cut": counts["cut"], "dropped": counts["dropped"],
+               "tools_unsent": counts["tools_unsent"],
                "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
                "model": model, "out": out, "complete": complete, "shards": total_shards,
                "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint,
@@ -490,6 +496,8 @@ class _Run:
                 line["cut"] = result.cut
             if isinstance(item.chat, Chat) and item.chat.tools:
                 line["tools"] = item.chat.tools  # tokenize renders them, as the serving prompts will have them
+                if not self.cfg.send_tools:
+                    line["tools_unsent"] = True  # ... but the replies were written without them
         else:
             line.update(drop=result.drop.reason, detail=result.drop.detail)
         self.journals[item.shard].add(line)

@@ -22,6 +22,7 @@ from dflash_core.io import is_local, join_uri
 from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, mark_stage, output_lock
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
+from dflash_core.runtime.run_mirror import staged_run
 from dflash_core.runtime.run_plan import check_plan
 
 
@@ -115,17 +116,27 @@ def launch_train(
     `config` is the path of the config file the workers read, or what writes it (`<out>/config.yaml`) and returns
     its path, called once the run folder is locked: a second launch into the same folder fails on the lock without
     touching the running one's config. Token shards on an object store are copied to this machine's disk
-    first (local_data)."""
+    first (local_data); a run folder on one is trained in a local folder mirrored to it (run_mirror)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     check_output(out, "train", ("config.yaml",), overwritable=False)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
-    with output_lock(out, "train"), RunLog(out) as log, contextlib.ExitStack() as stack:
+    with output_lock(out, "train"), contextlib.ExitStack() as stack:
         mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
         if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
             stack.enter_context(_kept_config(out))
         config_path = config if isinstance(config, str) else config()
         errors: list[str] = []
+        early: list[str] = []  # said before the log is open: written to it first
+        say: list[Callable[[str], None]] = [early.append]
+        # one train.log per run: on several nodes the first one's
+        run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line),
+                                                 push_log=str(nnodes) == "1" or node_rank == 0))
+        log = stack.enter_context(RunLog(run_dir))
+        config_fs = fsspec.core.url_to_fs(config_path)[0]
+        if run_dir != out and not is_local(config_fs):  # the ranks read a copy beside their run folder
+            config_fs.get_file(config_path, os.path.join(run_dir, "config.yaml"))
+            config_path = os.path.join(run_dir, "config.yaml")
 
         def collect(line: str) -> None:
             lines.append(line)
@@ -134,9 +145,13 @@ def launch_train(
                 errors.append(line)
             on_line(line)
 
+        say[0] = collect
+        for line in early:
+            collect(line)
         local = stack.enter_context(local_data(tokenized, collect))
         cmd = torchrun_command(
-            local, plan, out, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id
+            local, plan, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint,
+            rdzv_id,
         )
 
         try:
@@ -144,9 +159,13 @@ def launch_train(
         except ProcessFailed as exc:
             raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
     try:
-        return parse_summary(lines)
+        summary = parse_summary(lines)
     except ValueError as exc:
         raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+    if run_dir != out:  # the paths the ranks wrote, as the store names them
+        summary = {k: join_uri(out, v[len(run_dir) + 1:]) if isinstance(v, str) and v.startswith(run_dir + "/")
+                   else v for k, v in summary.items()}
+    return summary
 
 
 def check_inputs(tokenized: str, plan: str, world_size: int | None) -> None:

@@ -1,0 +1,229 @@
+"""A run folder on an object store, trained in a folder on this machine's disk and mirrored to the store.
+
+The ranks write their run folder with local file operations (checkpoints renamed into place, metrics.jsonl
+appended and flushed every step, the exported drafter swapped in): an object store has no rename and no append.
+So a launch whose `--out` is an s3:// / gs:// / ... URI trains into a local staging folder (under TMPDIR) and this
+mirror keeps the store up to date:
+
+- before the launch it pulls what a resume reads: metrics.jsonl, train.log, wandb_run_id and the newest complete
+  checkpoint (the older ones are not needed);
+- while training runs, every `every_s` seconds, and once more when the launch ends (failed or not), it pushes
+  what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
+  last, so a reader never takes a half-uploaded one for complete; checkpoints pruned locally are deleted from
+  the store; drafter/ and drafter-best/ swapped in whole (atomic_dir.replace_dir);
+- a pod that is killed loses at most the last `every_s` seconds of uploads: the checkpoints pushed before stay,
+  and the next launch (on any machine) resumes from the newest of them.
+
+The staging folder is deleted after the final push; if that push fails it is kept and named, so nothing the run
+wrote is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fsspec
+
+from dflash_core.atomic_dir import JOURNAL, OLD, STAGED, replace_dir
+from dflash_core.errors import DflashError
+from dflash_core.io import is_local, join_uri
+
+__all__ = ["RunMirror", "staged_run"]
+
+PUSH_EVERY_S = 30.0
+_STEP = re.compile(r"^step-(\d+)$")
+_PULLED = ("metrics.jsonl", "train.log", "wandb_run_id")  # what a resumed run reads back, besides its checkpoint
+_WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
+_NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-")  # debris and staging names of local swaps and saves
+
+
+class MirrorError(DflashError):
+    """The run folder could not be pushed to (or pulled from) its object store."""
+
+
+class RunMirror:
+    """Keeps the object-store run folder `remote` up to date with the local folder `local`."""
+
+    def __init__(self, remote: str, local: str, push_log: bool = True) -> None:
+        self.fs, self.root = fsspec.core.url_to_fs(remote)
+        self.remote, self.local, self.push_log = remote, Path(local), push_log
+        self._seen: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last pushed or pulled
+        self._lock = threading.Lock()
+
+    # ---- pull ----------------------------------------------------------------------------------------------
+
+    def pull(self) -> str | None:
+        """Copy what a resume reads from the store; returns the newest complete checkpoint's name, if any."""
+        for name in _PULLED:
+            src = join_uri(self.root, name)
+            if self.fs.isfile(src):
+                self._get(src, name)
+        newest = self._remote_steps()
+        if not newest:
+            return None
+        step = max(newest)
+        name = f"checkpoints/step-{step}"
+        for src in self.fs.find(join_uri(self.root, name)):
+            self._get(src, f"{name}/{src[len(join_uri(self.root, name)) + 1:]}")
+        return name
+
+    def _get(self, src: str, rel: str) -> None:
+        dst = self.local / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(src, str(dst))
+        self._seen[rel] = _signature(dst)
+
+    def _remote_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on the store (a folder with meta.json)."""
+        root = join_uri(self.root, "checkpoints")
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)]
+        except FileNotFoundError:
+            return []
+        return [int(m[1]) for n in names if (m := _STEP.match(n))
+                and self.fs.exists(join_uri(root, n, "meta.json"))]
+
+    # ---- push ----------------------------------------------------------------------------------------------
+
+    def push(self) -> int:
+        """Upload what changed since the last push; returns the number of files uploaded."""
+        with self._lock:
+            return self._push()
+
+    def _push(self) -> int:
+        pushed = 0
+        for rel in self._changed_files():
+            if rel.startswith("checkpoints/") or rel.split("/", 1)[0] in _WHOLE:
+                continue
+            pushed += self._put(rel)
+        pushed += self._push_checkpoints()
+        for folder in _WHOLE:
+            pushed += self._push_whole(folder)
+        return pushed
+
+    def _changed_files(self) -> list[str]:
+        out = []
+        for path in sorted(self.local.rglob("*")):
+            rel = path.relative_to(self.local).as_posix()
+            if not path.is_file() or any(mark in rel for mark in _NOT_MIRRORED):
+                continue
+            if rel == "train.log" and not self.push_log:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # removed while listing (a pruned checkpoint)
+                if self._seen.get(rel) != _signature(path):
+                    out.append(rel)
+        return out
+
+    def _put(self, rel: str) -> int:
+        path = self.local / rel
+        try:
+            signature = _signature(path)
+            self.fs.put_file(str(path), join_uri(self.root, rel))
+        except FileNotFoundError:  # pruned or swapped while uploading: the next push sees what replaced it
+            return 0
+        self._seen[rel] = signature
+        return 1
+
+    def _push_checkpoints(self) -> int:
+        """Complete local checkpoints not on the store yet, meta.json last; then the store's older ones that the
+        local folder pruned are deleted."""
+        local_root = self.local / "checkpoints"
+        steps = sorted(int(m[1]) for p in local_root.glob("step-*") if (m := _STEP.match(p.name))
+                       and (p / "meta.json").exists()) if local_root.exists() else []
+        pushed = 0
+        for step in steps:
+            folder = f"checkpoints/step-{step}"
+            files = [p for p in sorted((self.local / folder).rglob("*")) if p.is_file() and p.name != "meta.json"]
+            rels = [p.relative_to(self.local).as_posix() for p in files] + [f"{folder}/meta.json"]
+            if all(self._seen.get(rel) == _signature(self.local / rel) for rel in rels if (self.local / rel).exists()):
+                continue
+            try:
+                for rel in rels:  # meta.json last: the store's copy is complete only once it is there
+                    pushed += self._put(rel) if self._seen.get(rel) != _signature(self.local / rel) else 0
+            except FileNotFoundError:
+                continue  # pruned while uploading
+        if steps:
+            for old in self._remote_steps():
+                if old < steps[-1] and old not in steps:
+                    self.fs.rm(join_uri(self.root, "checkpoints", f"step-{old}"), recursive=True)
+        return pushed
+
+    def _push_whole(self, folder: str) -> int:
+        path = self.local / folder
+        if not path.is_dir():
+            return 0
+        files = {p.relative_to(self.local).as_posix(): _signature(p) for p in path.rglob("*") if p.is_file()}
+        if not files or all(self._seen.get(rel) == sig for rel, sig in files.items()):
+            return 0
+
+        def write(staged: str) -> None:
+            fs, target = fsspec.core.url_to_fs(staged)
+            for rel in files:
+                fs.put_file(str(self.local / rel), join_uri(target, rel[len(folder) + 1:]))
+
+        replace_dir(join_uri(self.remote, folder), write)
+        self._seen.update(files)
+        return len(files)
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@contextlib.contextmanager
+def staged_run(out: str, on_line: Callable[[str], None] = print, push_log: bool = True,
+               every_s: float = PUSH_EVERY_S) -> Iterator[str]:
+    """The run folder the ranks write: `out` itself on the local disk; for an object-store `out`, a local staging
+    folder pulled from it first and mirrored to it while the ranks run and once more at the end."""
+    fs, _ = fsspec.core.url_to_fs(out)
+    if is_local(fs):
+        yield out
+        return
+    local = tempfile.mkdtemp(prefix="dflash-run-")
+    mirror = RunMirror(out, local, push_log)
+    resumed = mirror.pull()
+    on_line(f"run folder {out} is on an object store: the ranks write {local}, pushed to it every "
+            f"{every_s:.0f} s and at the end" + (f" (resuming from its {resumed})" if resumed else ""))
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                mirror.push()
+            except Exception as exc:  # a store hiccup: said, and the next push (or the final one) tries again
+                if not failures:
+                    on_line(f"warning: pushing the run folder to {out} failed ({type(exc).__name__}: {exc}); "
+                            "trying again")
+                failures.append(exc)
+
+    thread = threading.Thread(target=loop, name="run-mirror", daemon=True)
+    thread.start()
+    failed: BaseException | None = None
+    try:
+        yield local
+    except BaseException as exc:
+        failed = exc
+        raise
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            mirror.push()
+        except Exception as exc:
+            kept = MirrorError(f"the final push of the run folder to {out} failed ({type(exc).__name__}: {exc}); "
+                               f"everything the run wrote is kept in {local}: copy it there, or run the same "
+                               f"command again once the store answers (it resumes from the newest checkpoint the "
+                               f"store holds)")
+            if failed is None:
+                raise kept from exc
+            on_line(f"error: {kept}")  # the run's own failure stays the error raised
+        else:
+            shutil.rmtree(local, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""A run folder on an object store (memory:// here): trained in a local staging folder that is pulled from it
+and pushed to it (dflash_core/runtime/run_mirror.py). The end-to-end launch is in tests/test_runtime_e2e.py."""
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from dflash_core.runtime.run_mirror import MirrorError, RunMirror, staged_run
+
+
+@pytest.fixture
+def remote():
+    uri = f"memory://runs-{uuid.uuid4().hex[:8]}/run"
+    yield uri
+    fs = fsspec.filesystem("memory")
+    if fs.exists(uri):
+        fs.rm(uri, recursive=True)
+
+
+def _checkpoint(root: Path, step: int, complete: bool = True) -> None:
+    folder = root / "checkpoints" / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * step)
+    (folder / "train_state.pt").write_bytes(b"s" * step)
+    if complete:
+        (folder / "meta.json").write_text(json.dumps({"step": step, "complete": True}))
+
+
+def _names(fs, uri: str) -> list[str]:
+    return sorted(p[len(fs._strip_protocol(uri)) + 1:] for p in fs.find(uri))
+
+
+def test_push_uploads_what_changed_complete_checkpoints_only_and_prunes_what_the_run_pruned(remote, tmp_path):
+    fs = fsspec.filesystem("memory")
+    local = tmp_path / "staging"
+    local.mkdir()
+    mirror = RunMirror(remote, str(local))
+    (local / "metrics.jsonl").write_text('{"step": 0}\n')
+    _checkpoint(local, 2)
+    _checkpoint(local, 4, complete=False)  # being written: not on the store until its meta.json is there
+    (local / "checkpoints" / ".tmp-step-6-123").mkdir()
+    (local / "checkpoints" / ".tmp-step-6-123" / "model.safetensors").write_bytes(b"x")
+    assert mirror.push() == 4
+    assert _names(fs, remote) == ["checkpoints/step-2/meta.json", "checkpoints/step-2/model.safetensors",
+                                  "checkpoints/step-2/train_state.pt", "metrics.jsonl"]
+    assert mirror.push() == 0  # nothing changed
+    (local / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (local / "checkpoints" / "step-4" / "meta.json").write_text("{}")
+    _checkpoint(local, 6)
+    for name in ("model.safetensors", "train_state.pt", "meta.json"):  # the run keeps 2: step-2 pruned
+        (local / "checkpoints" / "step-2" / name).unlink()
+    (local / "checkpoints" / "step-2").rmdir()
+    (local / "drafter").mkdir()
+    (local / "drafter" / "config.json").write_text("{}")
+    (local / "drafter.old-1234").mkdir()  # a local swap's debris: never mirrored
+    (local / "drafter.old-1234" / "config.json").write_text("{}")
+    assert mirror.push() == 8
+    assert fs.cat_file(f"{remote}/metrics.jsonl").count(b"\n") == 2
+    names = _names(fs, remote)
+    assert not any("step-2" in n or ".old-" in n or ".tmp-" in n for n in names)
+    assert {"checkpoints/step-4/meta.json", "checkpoints/step-6/meta.json", "drafter/config.json"} <= set(names)
+
+
+def test_pull_brings_back_what_a_resume_reads_and_the_newest_complete_checkpoint(remote, tmp_path):
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "metrics.jsonl").write_text('{"step": 0}\n')
+    (first / "wandb_run_id").write_text("abc")
+    _checkpoint(first, 2)
+    _checkpoint(first, 4)
+    RunMirror(remote, str(first)).push()
+    fs = fsspec.filesystem("memory")
+    fs.rm(f"{remote}/checkpoints/step-4/meta.json")  # a push cut off before its meta.json: not complete
+    second = tmp_path / "second"
+    second.mkdir()
+    mirror = RunMirror(remote, str(second))
+    assert mirror.pull() == "checkpoints/step-2"
+    assert sorted(p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file()) == [
+        "checkpoints/step-2/meta.json", "checkpoints/step-2/model.safetensors", "checkpoints/step-2/train_state.pt",
+        "metrics.jsonl", "wandb_run_id"]
+    assert mirror.push() == 0  # what was pulled is not sent back
+
+
+def test_a_local_run_folder_is_used_as_it_is_and_a_remote_one_is_staged_then_removed(remote, tmp_path):
+    with staged_run(str(tmp_path / "local")) as run_dir:
+        assert run_dir == str(tmp_path / "local")
+    lines: list[str] = []
+    with staged_run(remote, lines.append, every_s=0.05) as run_dir:
+        assert Path(run_dir).name.startswith("dflash-run-")
+        (Path(run_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
+        _checkpoint(Path(run_dir), 1)
+        fs = fsspec.filesystem("memory")
+        for _ in range(200):  # the periodic push, while the ranks still run
+            if fs.exists(f"{remote}/checkpoints/step-1/meta.json"):
+                break
+            time.sleep(0.05)
+        assert fs.exists(f"{remote}/checkpoints/step-1/meta.json")
+    assert not Path(run_dir).exists() and "is on an object store" in lines[0]
+
+
+def test_a_failed_final_push_keeps_the_staging_folder_and_says_where(remote, tmp_path, monkeypatch):
+    def broken(self) -> int:
+        raise OSError("the store is down")
+
+    with pytest.raises(MirrorError, match=r"final push .* failed \(OSError: the store is down\).*kept in"):
+        with staged_run(remote, lambda _: None, every_s=60) as run_dir:
+            (Path(run_dir) / "metrics.jsonl").write_text("{}\n")
+            monkeypatch.setattr(RunMirror, "push", broken)
+    assert (Path(run_dir) / "metrics.jsonl").exists()
+    lines: list[str] = []
+    with pytest.raises(RuntimeError, match="training failed"):  # the run's own error stays the error
+        with staged_run(remote, lines.append, every_s=60) as run_dir:
+            raise RuntimeError("training failed")
+    assert any("kept in" in line for line in lines) and Path(run_dir).exists()
