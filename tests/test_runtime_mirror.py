@@ -116,3 +116,14 @@ def test_a_failed_final_push_keeps_the_staging_folder_and_says_where(remote, tmp
         with staged_run(remote, lines.append, every_s=60) as run_dir:
             raise RuntimeError("training failed")
     assert any("kept in" in line for line in lines) and Path(run_dir).exists()
+
+
+def test_a_bare_worker_refuses_an_object_store_run_folder():
+    """torchrun -m dflash_core.runtime.worker --out s3://... would write a relative 's3:/...' folder on the local
+    disk: refused, naming the launcher that mirrors it."""
+    from dflash_core.errors import InputError
+    from dflash_core.runtime.worker import parse_args, run
+
+    args = parse_args(["--tokenized", "t", "--plan", "p", "--out", "s3://bucket/runs/x", "--config", "c.yaml"])
+    with pytest.raises(InputError, match="--out s3://bucket/runs/x: the ranks write .* launch with `dflash train`"):
+        run(args, None)

@@ -88,6 +88,10 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     from dflash_core.data.shards import ShardReader
     from dflash_core.plan.io import read_val
 
+    if "://" in args.out and not args.out.startswith("file://"):
+        raise InputError(f"--out {args.out}: the ranks write their run folder on the local disk (renames, "
+                         f"appends); launch with `dflash train` (or the flow), which trains an object-store run "
+                         f"folder in a local one and pushes it there, or give a local path")
     cfg = load_run_config(args.config)  # written by a launcher: URIs and train.init_from already resolved
     device = resolve_device(cfg.train.device, env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
