@@ -67,6 +67,10 @@ class TrainConfig(StrictModel):
     timeout_s: PositiveFloat | None = Field(
         None, description="wall-clock limit of the training launch in seconds: past it every rank is killed and the "
         "stage fails; None = no limit")
+    collective_timeout_s: PositiveFloat = Field(
+        1800.0, description="how long a rank waits in a collective (all-reduce, broadcast, barrier) before the run "
+        "fails: a rank that died on another node ends the others after this; raise it when loading the target "
+        "can take longer on one node than on another (the first collective follows the load)")
     torch_threads: PositiveInt | None = Field(
         None,
         description="intra-op threads per rank; None = OMP_NUM_THREADS, else the rank's share of the cores less one "
