@@ -165,7 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         tokenized=args.tokenized, plan=args.plan, out=args.out, config=lambda: write_run_config(cfg, args.out),
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,
         node_rank=args.node_rank, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s,
+        rdzv_id=args.rdzv_id, timeout_s=cfg.train.timeout_s, grace_s=cfg.train.stop_grace_s,
         on_line=lambda line: print(line, file=sys.stderr, flush=True),  # stdout keeps only the summary line
     )
     _print_summary(summary)

@@ -156,7 +156,7 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out,
                                config=lambda: write_run_config(resolved, out),  # written under the run's lock
                                nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
-                               timeout_s=config.train.timeout_s)
+                               timeout_s=config.train.timeout_s, grace_s=config.train.stop_grace_s)
     finally:
         stop.set()
         follower.join(timeout=10)

@@ -176,6 +176,53 @@ def test_kill_9_then_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
     assert _same_drafter(out, base_out)
 
 
+def test_sigterm_checkpoints_the_step_reached_and_the_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
+    """A preempted pod's ranks get SIGTERM (here rank 0 alone, before step 4): every rank finishes step 4, writes
+    the checkpoint step-5 together (not one of the every-3 schedule) and stops with a message saying so; the
+    rerun resumes there and ends with the bytes of the uninterrupted run."""
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    stopped = torchrun(inputs, out, config, fault="sigterm@4:0")
+    assert stopped.returncode != 0
+    assert "SIGTERM: checkpointing at the end of this step" in stopped.output
+    assert "stopped on SIGTERM after plan step 4 (5 of 7 steps done): checkpoint step-5 is written" in stopped.output
+    ckpts = CheckpointManager(out / "checkpoints", keep=2)
+    assert ckpts.latest().name == "step-5" and not (out / "drafter").exists()
+    resumed = torchrun(inputs, out, config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert _summary(resumed.output)["start_step"] == 5
+    assert [r["step"] for r in _metrics(out)] == list(range(7))
+    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(base_out)]
+    assert _same_drafter(out, base_out)
+
+
+def test_a_cancelled_launch_gives_the_ranks_time_to_checkpoint(inputs, tmp_path):
+    """Cancelling (a Prefect cancel, train.timeout_s) SIGTERMs the process group: the ranks checkpoint the step they
+    reached within the grace period, so the rerun does not start over (checkpoint_every is 100 here)."""
+    import threading
+
+    one = build_inputs(inputs.root, world_size=1)
+    config = _config(tmp_path, one, "c", checkpoint_every=100)
+    out = tmp_path / "out"
+    cancel = threading.Event()
+
+    def watch() -> None:  # cancel once two steps are logged
+        metrics = out / "metrics.jsonl"
+        while not cancel.wait(0.05):
+            if metrics.exists() and metrics.read_text().count("\n") >= 2:
+                cancel.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    with pytest.raises(TrainingFailed, match="stopped on SIGTERM after plan step"):
+        launch_train(one.tokenized, one.plan, str(out), config, on_line=lambda _: None, timeout_s=600,
+                     cancel=cancel, env={"DFLASH_FAULT": "slow@0"})
+    [step] = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]
+    done = int(step.split("-")[1])
+    assert done >= 2
+    resumed = launch_train(one.tokenized, one.plan, str(out), config, on_line=lambda _: None, timeout_s=600)
+    assert resumed["start_step"] == done and resumed["steps"] == resumed["num_steps"] - done
+
+
 def test_a_rerun_with_a_lower_lr_resumes_at_that_lr(inputs, baseline, tmp_path):
     """The non-finite abort says to lower train.lr: the rerun resumes from the newest checkpoint and trains on
     at the new lr from the schedule's position (a checkpoint used to bring back the lr it was written with)."""

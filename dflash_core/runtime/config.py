@@ -67,6 +67,10 @@ class TrainConfig(StrictModel):
     timeout_s: PositiveFloat | None = Field(
         None, description="wall-clock limit of the training launch in seconds: past it every rank is killed and the "
         "stage fails; None = no limit")
+    stop_grace_s: PositiveFloat = Field(
+        120.0, description="on timeout or cancellation the launcher sends the ranks SIGTERM, waits this long for them "
+        "to checkpoint the step they reached and stop, then kills them; keep it below the pod's "
+        "terminationGracePeriodSeconds")
     collective_timeout_s: PositiveFloat = Field(
         1800.0, description="how long a rank waits in a collective (all-reduce, broadcast, barrier) before the run "
         "fails: a rank that died on another node ends the others after this; raise it when loading the target "

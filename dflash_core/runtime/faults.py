@@ -4,6 +4,8 @@ DFLASH_FAULT is a comma-separated list of `kind@step` or `kind@step:rank` (rank 
 - `prefetch@N`, `target@N`, `drafter@N`: raise InjectedFault in that stage on the first micro-batch of plan step N;
 - `nan@N`: multiply the first micro-batch's loss of step N by NaN (the step must be skipped and counted);
 - `kill@N`: SIGKILL this process before step N starts (a rank dying without any cleanup);
+- `sigterm@N`: SIGTERM this process before step N starts (a preempted pod: it must checkpoint step N and stop);
+- `slow@N`: sleep 0.3 s before every step from N on (a run long enough to be cancelled mid-way);
 - `crash_in_checkpoint@N`: SIGKILL the writing rank halfway through writing the checkpoint of step N;
 - `hang_at_exit@0`: the rank's teardown after a finished run never returns (the exit watchdog must end it).
 Unset in production; nothing here runs unless the variable is set.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from dflash_core.errors import InputError
 
-KINDS = ("prefetch", "target", "drafter", "nan", "kill", "crash_in_checkpoint", "hang_at_exit")
+KINDS = ("prefetch", "target", "drafter", "nan", "kill", "sigterm", "slow", "crash_in_checkpoint", "hang_at_exit")
 
 
 class InjectedFault(RuntimeError):
@@ -77,6 +79,15 @@ class FaultPlan:
         if self.hit(kind, step):
             print(f"DFLASH_FAULT: {kind}@{step}: killing pid {os.getpid()} with SIGKILL", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+    def maybe_signal(self, step: int) -> None:
+        """SIGTERM this process if planned (`sigterm@N`), as a preempted pod's ranks get it; `slow@N`: sleep."""
+        if any(f.kind == "slow" and step >= f.step for f in self._faults):
+            time.sleep(0.3)
+        if self.hit("sigterm", step):
+            print(f"DFLASH_FAULT: sigterm@{step}: sending SIGTERM to pid {os.getpid()}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 NO_FAULTS = FaultPlan([], 0)

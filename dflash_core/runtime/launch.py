@@ -111,8 +111,10 @@ def launch_train(
     timeout_s: float | None = None,
     cancel: threading.Event | None = None,
     env: Mapping[str, str] | None = None,
+    grace_s: float = 120.0,
 ) -> dict:
     """Run torchrun to completion, streaming its lines; returns rank 0's summary, or raises ProcessFailed.
+    On timeout or `cancel` the ranks get SIGTERM and `grace_s` seconds to checkpoint and stop (runtime/stopping).
     `config` is the path of the config file the workers read, or what writes it (`<out>/config.yaml`) and returns
     its path, called once the run folder is locked: a second launch into the same folder fails on the lock without
     touching the running one's config. Token shards on an object store are copied to this machine's disk
@@ -155,7 +157,7 @@ def launch_train(
         )
 
         try:
-            run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel)
+            run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel, grace_s=grace_s)
         except ProcessFailed as exc:
             raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
     try:

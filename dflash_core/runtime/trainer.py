@@ -34,6 +34,7 @@ from dflash_core.runtime.checkpoint import (
 from dflash_core.runtime.config import RunConfig
 from dflash_core.runtime.distributed import (
     DistEnv,
+    any_rank,
     broadcast_int,
     gather_objects,
     init_process_group,
@@ -46,6 +47,7 @@ from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.run_plan import RunPlan
 from dflash_core.runtime.schedule import lr_factor, make_scheduler, warmup_steps
+from dflash_core.runtime.stopping import StoppedBySignal, StopRequest
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
 from dflash_core.runtime.validate import BestTracker, Validator
@@ -78,6 +80,7 @@ class Trainer:
         faults: FaultPlan = NO_FAULTS,
         val: pl.DataFrame | None = None,
         mask_token: str | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.plan, self.reader, self.env, self.faults = cfg, plan, reader, env, faults
         self.val = val  # the plan's validation batches (val.parquet), None without a val slice
@@ -89,6 +92,7 @@ class Trainer:
         self.identity = run_identity(plan.meta, cfg.model.model_dump(mode="json"))
         self.start_step = 0
         self.resumed_from: str | None = None
+        self.stop = stop or StopRequest(env.rank)  # a SIGTERM the worker's handler recorded
 
     # ---- set-up --------------------------------------------------------------------------------------------
 
@@ -235,8 +239,10 @@ class Trainer:
         try:
             prefetch.start()
             target.start()
+            self.stop.armed = True
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
+                self.faults.maybe_signal(step)
                 last = {**loop.train_step(step), "epoch": self.plan.epoch(step)}
                 tokens += last["n_tokens"]
                 steady.add(last)
@@ -244,10 +250,17 @@ class Trainer:
                 self._check_nonfinite(loop, step)
                 if self.validator and self._eval_due(step):
                     self._validate(step, sink)
-                if (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps:
+                due = (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps
+                stopping = step + 1 < self.plan.num_steps and any_rank(self.stop.requested, self.env, self.device)
+                if due or stopping:
                     saving = time.perf_counter()
                     self._save(step + 1, loop)
                     timings["checkpoint_s"] += time.perf_counter() - saving
+                if stopping:
+                    raise StoppedBySignal(
+                        f"stopped on {self.stop.signal_name} after plan step {step} ({step + 1} of "
+                        f"{self.plan.num_steps} steps done): checkpoint step-{step + 1} is written; run the same "
+                        f"command again to resume from it")
         except BaseException as exc:
             fail_all(channels, exc)  # wakes and stops every stage
             raise

@@ -27,6 +27,7 @@ from dflash_core.runtime.faults import FaultPlan
 from dflash_core.runtime.launch import asked_threads
 from dflash_core.runtime.process import die_with_parent, rank_error_line
 from dflash_core.runtime.run_plan import read_run_plan
+from dflash_core.runtime.stopping import StopRequest
 from dflash_core.runtime.trainer import Trainer, summary_line
 
 # After the summary, what is left (the process group's teardown, the log handlers) may take this long before the
@@ -83,8 +84,8 @@ def mask_token(cfg: RunConfig, notes: bool = True) -> tuple[int, str | None]:
     return int(tok.mask_token_id), str(tok.mask_token)
 
 
-def run(args: argparse.Namespace, env: DistEnv) -> dict:
-    """Check the inputs, then train this rank; returns the summary."""
+def run(args: argparse.Namespace, env: DistEnv, stop: StopRequest | None = None) -> dict:
+    """Check the inputs, then train this rank; returns the summary. `stop`: the SIGTERM handler's record."""
     from dflash_core.data.shards import ShardReader
     from dflash_core.plan.io import read_val
 
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict:
     plan = read_run_plan(args.plan, env.world_size, reader.fingerprint, args.tokenized, cfg.train.max_steps)
     faults = FaultPlan.from_env(env.rank)
     token_id, token_text = mask_token(cfg, notes=env.rank == 0)
-    trainer = Trainer(cfg, plan, reader, args.out, env, token_id, faults, read_val(args.plan, plan.meta), token_text)
+    trainer = Trainer(cfg, plan, reader, args.out, env, token_id, faults, read_val(args.plan, plan.meta), token_text,
+                      stop)
     return trainer.setup().train()
 
 
@@ -111,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent()  # a torchrun agent killed outright must not leave this rank running
     env = DistEnv.from_env()
+    stop = StopRequest(env.rank).install()  # SIGTERM: checkpoint the step reached, then stop
     transformers_logging.disable_progress_bar()  # one loading bar per rank and replica is noise in the log
     try:
-        summary = run(args, env)
+        summary = run(args, env, stop)
     except BaseException as exc:  # noqa: BLE001 - report and leave at once, whatever it was
         print(f"[rank {env.rank}] training failed:", file=sys.stderr)
         traceback.print_exc()

@@ -1,0 +1,52 @@
+"""Stopping on SIGTERM with a checkpoint: what a preempted pod, a cancelled flow run or `train.timeout_s` sends.
+
+The rank's handler only records the request (and says so); the training loop asks every rank at the end of each
+step whether any got one, and when one did every rank writes the checkpoint of that step together and stops
+with `StoppedBySignal` (exit status 1, its message the launcher's one-line answer). A rerun resumes there. A
+SIGTERM before the first step (nothing trained to keep) ends the rank at once, as it would without the handler.
+The launcher leaves the ranks `train.stop_grace_s` seconds between its SIGTERM and its SIGKILL for this.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+from dflash_core.errors import DflashError
+
+
+class StoppedBySignal(DflashError):
+    """Training stopped on SIGTERM after writing the checkpoint of the step it had reached."""
+
+
+class StopRequest:
+    """SIGTERM, recorded: `armed` once training steps run (before that a SIGTERM ends the process at once)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.event = threading.Event()
+        self.armed = False
+        self.signal_name = "SIGTERM"
+
+    def install(self) -> StopRequest:
+        """Handle SIGTERM in this process (the main thread must call it)."""
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.armed:  # nothing trained yet: the default, end now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not self.event.is_set():
+            print(f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step, "
+                  "then stopping", file=sys.stderr, flush=True)
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
