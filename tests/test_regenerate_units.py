@@ -233,6 +233,11 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_the_results_regene
                                     keep_truncated=False, keep_thinking=False))
     assert len(seen) == 1 and seen[0] == messages[:3]
     assert result.messages == [*messages[:3], {"role": "assistant", "content": "It is 21 degrees."}]
+    # non-ASCII arguments are sent as written (a template that renders the string shows "Zürich", not "\\u00fc")
+    zurich = messages_of({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
+                                        "tool_calls": [{"function": {"name": "w", "arguments": {"city": "Zürich"}}}]}]},
+                         Schema(), role_table({}))
+    assert zurich[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
     # what tokenize reads back: the call with its arguments
     conv = to_conversation({"messages": result.messages}, Schema(), role_table({}))
     assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}

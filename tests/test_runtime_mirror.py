@@ -58,10 +58,11 @@ def test_push_uploads_what_changed_complete_checkpoints_only_and_prunes_what_the
     (local / "drafter" / "config.json").write_text("{}")
     (local / "drafter.old-1234").mkdir()  # a local swap's debris: never mirrored
     (local / "drafter.old-1234" / "config.json").write_text("{}")
+    fs.pipe(f"{remote}/checkpoints/step-1/model.safetensors", b"cut")  # a push cut off before its meta.json
     assert mirror.push() == 8
     assert fs.cat_file(f"{remote}/metrics.jsonl").count(b"\n") == 2
     names = _names(fs, remote)
-    assert not any("step-2" in n or ".old-" in n or ".tmp-" in n for n in names)
+    assert not any("step-2" in n or "step-1" in n or ".old-" in n or ".tmp-" in n for n in names)
     assert {"checkpoints/step-4/meta.json", "checkpoints/step-6/meta.json", "drafter/config.json"} <= set(names)
 
 

@@ -51,7 +51,8 @@ def _plain(message: dict[str, Any]) -> dict[str, Any]:
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {"id": call.get("id") or f"call_{k}", "type": "function",
-             "function": {"name": call["function"]["name"], "arguments": json.dumps(call["function"]["arguments"])}}
+             "function": {"name": call["function"]["name"],
+                          "arguments": json.dumps(call["function"]["arguments"], ensure_ascii=False)}}
             for k, call in enumerate(message["tool_calls"])]
     return out
 

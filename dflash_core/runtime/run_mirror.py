@@ -79,15 +79,15 @@ class RunMirror:
         self.fs.get_file(src, str(dst))
         self._seen[rel] = _signature(dst)
 
-    def _remote_steps(self) -> list[int]:
-        """Steps of the complete checkpoints on the store (a folder with meta.json)."""
+    def _remote_steps(self, complete: bool = True) -> list[int]:
+        """Steps of the checkpoints on the store: the complete ones (a folder with meta.json), or all."""
         root = join_uri(self.root, "checkpoints")
         try:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False)]
         except FileNotFoundError:
             return []
         return [int(m[1]) for n in names if (m := _STEP.match(n))
-                and self.fs.exists(join_uri(root, n, "meta.json"))]
+                and (not complete or self.fs.exists(join_uri(root, n, "meta.json")))]
 
     # ---- push ----------------------------------------------------------------------------------------------
 
@@ -148,8 +148,8 @@ class RunMirror:
                     pushed += self._put(rel) if self._seen.get(rel) != _signature(self.local / rel) else 0
             except FileNotFoundError:
                 continue  # pruned while uploading
-        if steps:
-            for old in self._remote_steps():
+        if steps:  # the run's pruned ones, and pushes cut off before their meta.json
+            for old in self._remote_steps(complete=False):
                 if old < steps[-1] and old not in steps:
                     self.fs.rm(join_uri(self.root, "checkpoints", f"step-{old}"), recursive=True)
         return pushed
