@@ -674,6 +674,21 @@ def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dr
     summary = regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
     assert summary["complete"] and summary["kept"] == 20 and summary["dropped"] == {}
     assert [r["source"]["record"] for r in output_records(out)] == list(range(20))
+    # one of two endpoints restarted so: the other's replies do not clear its refusals, and the run stops
+    Restarted.answered = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        many = write_jsonl(tmp_path / "many.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                     for i in range(60)])
+        with pytest.raises(RegenerateError, match=rf"server {url} refused the last"):
+            regenerate_dataset(many, str(tmp_path / "two"), data_config(many, endpoints=[scripted_server, url],
+                                                                        concurrency=1))
+        journaled = "".join(p.read_text() for p in (tmp_path / "two" / ".work").glob("*.journal.jsonl"))
+        assert "rejected_by_server" not in journaled
+    finally:
+        server.shutdown()
 
 
 def test_tool_definitions_that_were_not_sent_are_counted_and_said(scripted_server, tmp_path, caplog):

@@ -223,6 +223,38 @@ def test_a_cancelled_launch_gives_the_ranks_time_to_checkpoint(inputs, tmp_path)
     assert resumed["start_step"] == done and resumed["steps"] == resumed["num_steps"] - done
 
 
+def test_a_sigterm_to_the_launcher_lets_the_ranks_checkpoint_before_it_ends(inputs, tmp_path):
+    """Kubernetes stops a pod by SIGTERM to its first process, the launcher (here `dflash train` run the way the
+    flow's task runs it): the ranks get their grace, write the step they reached, and the launcher then ends by
+    the signal as it would have; the checkpoint is there for the next pod."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time as clock
+
+    from common.runs import REPO
+
+    one = build_inputs(inputs.root, world_size=1)
+    config = _config(tmp_path, one, "c", checkpoint_every=100)
+    out = tmp_path / "out"
+    code = ("import sys; from dflash_core.runtime.launch import launch_train; "
+            f"launch_train({one.tokenized!r}, {one.plan!r}, {str(out)!r}, {config!r}, timeout_s=600)")
+    env = {**os.environ, "DFLASH_FAULT": "slow@0", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = clock.monotonic() + 300
+    while clock.monotonic() < deadline and not (
+            (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        clock.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGTERM, output[-3000:]
+    assert "stopped on SIGTERM after plan step" in output
+    [step] = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert int(step.split("-")[1]) >= 2
+
+
 def test_a_rerun_with_a_lower_lr_resumes_at_that_lr(inputs, baseline, tmp_path):
     """The non-finite abort says to lower train.lr: the rerun resumes from the newest checkpoint and trains on
     at the new lr from the schedule's position (a checkpoint used to bring back the lr it was written with)."""

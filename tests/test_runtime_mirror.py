@@ -84,6 +84,14 @@ def test_pull_brings_back_what_a_resume_reads_and_the_newest_complete_checkpoint
         "checkpoints/step-2/meta.json", "checkpoints/step-2/model.safetensors", "checkpoints/step-2/train_state.pt",
         "metrics.jsonl", "wandb_run_id"]
     assert mirror.push() == 0  # what was pulled is not sent back
+    _checkpoint(first, 6)
+    RunMirror(remote, str(first)).push()  # now step-2, step-6 complete on the store
+    third = tmp_path / "third"
+    third.mkdir()
+    assert RunMirror(remote, str(third)).pull() == "checkpoints/step-6"
+    # the older one as its meta.json alone: the run prunes it as one of its own (keep_checkpoints), the store too
+    assert sorted(p.name for p in (third / "checkpoints" / "step-2").iterdir()) == ["meta.json"]
+    assert len(list((third / "checkpoints" / "step-6").iterdir())) == 3
 
 
 def test_a_local_run_folder_is_used_as_it_is_and_a_remote_one_is_staged_then_removed(remote, tmp_path):

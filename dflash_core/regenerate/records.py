@@ -80,6 +80,7 @@ class Regenerated:
     finish: list[str] = field(default_factory=list)
     tokens: int = 0
     cut: str | None = None  # kept, but only up to its last reply: why the server did not answer the turn after it
+    refused: bool = False  # cut because the server refused a later turn (held back as refusals are)
 
 
 # finish reasons of a reply that ended where the model stopped: OpenAI's, vLLM's and SGLang's "stop", TGI's
@@ -145,6 +146,7 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
         except Rejected as exc:
             if last_reply is None:
                 raise
+            result.refused = True
             return _cut(result, out, last_reply, f"the server refused the request for turn {len(out)} "
                                                  f"({rejection(exc, history)})")
         result.finish.append(reply.finish_reason)

@@ -207,6 +207,11 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     return summary
 
 
+def _why(result: Regenerated) -> str:
+    """What a held outcome says: its drop's detail, or why its conversation was cut."""
+    return result.drop.detail if result.drop is not None else result.cut or ""
+
+
 async def _answers_within(endpoint: Endpoint, seconds: float) -> bool:
     """Poll GET /models every few seconds until it answers (True) or `seconds` have passed (False)."""
     deadline = time.monotonic() + seconds
@@ -253,9 +258,10 @@ class _Run:
         self.last_shard = -1
         self.done = self.tokens = self.total = self.retried = self.resumed = 0
         # a reply was kept, or the probe was answered: refusals and empty replies before that are held back
-        self.trusted = False
-        self.probing = False
-        self.held: list[tuple[Item, Regenerated]] = []
+        # by endpoint URL: refusals and empty replies held back until it keeps a reply or answers the probe
+        self.trusted: set[str] = set()
+        self.probing: set[str] = set()
+        self.held: dict[str, list[tuple[Item, Regenerated]]] = {}
         self.failure: BaseException | None = None
         self.start = self.last_progress = time.monotonic()
 
@@ -302,11 +308,12 @@ class _Run:
             while self.pending and self.failure is None:
                 await self.idle.wait()
             self._raise_failure()
-            if self.held:  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
-                await self._probe(next((e for e in endpoints if e.alive), endpoints[0]))
-                self._raise_failure()
-                if self.held:
-                    raise self._systemic("the one-line question could not be sent to tell")
+            for endpoint in endpoints:  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
+                if self.held.get(endpoint.url):  # one taken out since is asked through a live one
+                    await self._probe(endpoint, next((e for e in endpoints if e.alive), endpoint))
+                    self._raise_failure()
+                    if held := self.held.get(endpoint.url):
+                        raise self._systemic(endpoint, held, "the one-line question could not be sent to tell")
         finally:
             for w in workers:
                 w.cancel()
@@ -389,60 +396,65 @@ class _Run:
             raise
 
     async def _settle(self, item: Item, result: Regenerated, endpoint: Endpoint) -> None:
-        """Journal an outcome. Refusals and empty replies are held back until a reply is kept; when
-        _SYSTEMIC_REFUSALS of them are held, the server is asked a one-line question with the run's settings: a
-        refusal or an empty reply to that too stops the run with nothing journaled (a rerun after the fix sends
-        them again), a reply says they were the records' own (journaled as drops). So at the start of a run and
-        later alike: a server restarted mid-run with other settings (another --served-model-name: HTTP 404,
-        without its tool parser, another API key) stops the run instead of dropping the rest of the input."""
-        drop = result.drop
-        if drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
-            self.held.append((item, result))
-            if len(self.held) >= _SYSTEMIC_REFUSALS and not self.probing:
+        """Journal an outcome. An endpoint's refusals and empty replies (and conversations cut by a refusal) are
+        held back until it keeps a reply; when _SYSTEMIC_REFUSALS of them are held, it is asked a one-line
+        question with the run's settings: a refusal or an empty reply to that too stops the run with nothing
+        journaled (a rerun after the fix sends them again), a reply says they were the records' own (journaled
+        as drops). So at the start of a run and later alike, endpoint by endpoint: a server restarted mid-run
+        with other settings (another --served-model-name: HTTP 404, without its tool parser, another API key)
+        stops the run instead of dropping the rest of the input, even while other endpoints answer."""
+        drop, key = result.drop, endpoint.url
+        if result.refused or drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
+            held = self.held.setdefault(key, [])
+            held.append((item, result))
+            if len(held) >= _SYSTEMIC_REFUSALS and key not in self.probing:
                 await self._probe(endpoint)
             return
-        if drop is None and (self.held or not self.trusted):
-            self._trust()
+        if drop is None and (self.held.get(key) or key not in self.trusted):
+            self._trust(endpoint)
         self._record(item, result)
 
-    async def _probe(self, endpoint: Endpoint) -> None:
-        """Ask the one-line question (with the tools of a held record when tools are sent): trust the server
-        when it answers, stop the run when it refuses or answers empty, hold on when it cannot be reached."""
-        self.probing = True
-        tools = next((it.chat.tools for it, _ in self.held if isinstance(it.chat, Chat) and it.chat.tools), None)
+    async def _probe(self, endpoint: Endpoint, ask: Endpoint | None = None) -> None:
+        """Ask the one-line question (with the tools of a held record when tools are sent) of `endpoint` (or
+        `ask`): trust it when it answers, stop the run when it refuses or answers empty, hold on when it cannot
+        be reached."""
+        key = endpoint.url
+        held = list(self.held.get(key, []))
+        if not held:
+            return
+        self.probing.add(key)
+        tools = next((it.chat.tools for it, _ in held if isinstance(it.chat, Chat) and it.chat.tools), None)
         try:
-            reply = await self._send(endpoint, _PROBE, tools)
+            reply = await self._send(ask or endpoint, _PROBE, tools)
         except Rejected as exc:
-            first = self.held[0][1].drop
-            same = first is not None and first.detail.startswith(str(exc))
-            self._fail(self._systemic("a one-line question with the same settings was refused too"
+            same = _why(held[0][1]).startswith(str(exc))
+            self._fail(self._systemic(endpoint, held, "a one-line question with the same settings was refused too"
                                       + ("" if same else f" ({exc})")))
             return
         except Unavailable:  # cannot tell now: the next held outcome (or the end of the input) asks again
             return
         finally:
-            self.probing = False
+            self.probing.discard(key)
         if not reply.content.strip() and not reply.tool_calls and reply.finish_reason in FINISHED:
-            self._fail(self._systemic("a one-line question with the same settings was answered empty too ("
-                                      f"{empty_reply(reply, 1, self.keep_thinking)})"))
+            self._fail(self._systemic(endpoint, held, "a one-line question with the same settings was answered "
+                                      f"empty too ({empty_reply(reply, 1, self.keep_thinking)})"))
             return
-        self._trust()
+        self._trust(endpoint)
 
-    def _trust(self) -> None:
-        """The server answers: the held outcomes are the records' own."""
-        self.trusted = True
-        held, self.held = self.held, []
-        for item, result in held:
+    def _trust(self, endpoint: Endpoint) -> None:
+        """The endpoint answers: the outcomes held for it are the records' own."""
+        self.trusted.add(endpoint.url)
+        for item, result in self.held.pop(endpoint.url, []):
             self._record(item, result)
 
-    def _systemic(self, probe: str) -> RegenerateError:
-        first = self.held[0][1].drop
-        which = (f"the last {len(self.held)} requests in a row, after replies had been kept (its settings changed: "
-                 f"a restart with another --served-model-name, without its tool parser, with an API key?)"
-                 if self.trusted else f"every one of the first {len(self.held)} requests, before a reply could be "
-                 f"kept")
+    def _systemic(self, endpoint: Endpoint, held: list[tuple[Item, Regenerated]], probe: str) -> RegenerateError:
+        n = len(held)
+        which = (f"the last {n} requests in a row, after replies had been kept (its settings changed: a restart "
+                 f"with another --served-model-name, without its tool parser, with an API key?)"
+                 if endpoint.url in self.trusted else f"every one of the first {n} requests, before a reply could "
+                 f"be kept")
         return RegenerateError(
-            f"the server refused {which} or answered them empty (first: {first.detail if first else ''}), and "
+            f"the server {endpoint.url} refused {which} or answered them empty (first: {_why(held[0][1])}), and "
             f"{probe}: a setting fails them all, not the records (max_tokens beyond the server's context length, "
             f"tools sent to a server without a tool parser, a reasoning parser that files the answer as reasoning, "
             f"an API key, a model name it does not serve): fix it and run again; none of these records was "

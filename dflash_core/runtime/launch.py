@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -121,9 +122,16 @@ def launch_train(
     first (local_data); a run folder on one is trained in a local folder mirrored to it (run_mirror)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
+    # torchrun's own SIGTERM-to-SIGKILL wait (30 s by default) within ours
+    full_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(int(grace_s) - 5, 1)))
     check_output(out, "train", ("config.yaml",), overwritable=False)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
-    with output_lock(out, "train"), contextlib.ExitStack() as stack:
+    first_node = str(nnodes) == "1" or node_rank == 0  # the other nodes of a run neither lock nor push its log
+    cancel = cancel or threading.Event()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_sigterm_cancels(cancel))  # the launcher's own SIGTERM: the ranks checkpoint first
+        if first_node:
+            stack.enter_context(output_lock(out, "train"))
         mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
         if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
             stack.enter_context(_kept_config(out))
@@ -132,8 +140,7 @@ def launch_train(
         early: list[str] = []  # said before the log is open: written to it first
         say: list[Callable[[str], None]] = [early.append]
         # one train.log per run: on several nodes the first one's
-        run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line),
-                                                 push_log=str(nnodes) == "1" or node_rank == 0))
+        run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line), push_log=first_node))
         log = stack.enter_context(RunLog(run_dir))
         config_fs = fsspec.core.url_to_fs(config_path)[0]
         if run_dir != out and not is_local(config_fs):  # the ranks read a copy beside their run folder
@@ -159,7 +166,8 @@ def launch_train(
         try:
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel, grace_s=grace_s)
         except ProcessFailed as exc:
-            raise TrainingFailed.from_process(exc, first_rank_error(errors), log.path) from None
+            kept_log = log.path if run_dir == out else join_uri(out, "train.log")  # the staging folder goes
+            raise TrainingFailed.from_process(exc, first_rank_error(errors), kept_log) from None
     try:
         summary = parse_summary(lines)
     except ValueError as exc:
@@ -168,6 +176,33 @@ def launch_train(
         summary = {k: join_uri(out, v[len(run_dir) + 1:]) if isinstance(v, str) and v.startswith(run_dir + "/")
                    else v for k, v in summary.items()}
     return summary
+
+
+@contextlib.contextmanager
+def _sigterm_cancels(cancel: threading.Event) -> Iterator[None]:
+    """While the block runs, SIGTERM to this process (a pod being stopped: Kubernetes signals the container's
+    first process) sets `cancel`, so the ranks get their grace to checkpoint and the run folder its final push;
+    the signal then goes on to the handler that was there before (Prefect's, or the default: the process ends).
+    Only from the main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def handle(signum: int, frame: object) -> None:
+        got.append(signum)
+        cancel.set()
+
+    before = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if got:
+            if callable(before):
+                before(signal.SIGTERM, None)
+            elif before == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_inputs(tokenized: str, plan: str, world_size: int | None) -> None:

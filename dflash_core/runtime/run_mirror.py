@@ -6,7 +6,7 @@ So a launch whose `--out` is an s3:// / gs:// / ... URI trains into a local stag
 mirror keeps the store up to date:
 
 - before the launch it pulls what a resume reads: metrics.jsonl, train.log, wandb_run_id and the newest complete
-  checkpoint (the older ones are not needed);
+  checkpoint (of the older ones only their meta.json: the run prunes them as its own, and the store with it);
 - while training runs, every `every_s` seconds, and once more when the launch ends (failed or not), it pushes
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
   last, so a reader never takes a half-uploaded one for complete; checkpoints pruned locally are deleted from
@@ -37,6 +37,7 @@ from dflash_core.io import is_local, join_uri
 __all__ = ["RunMirror", "staged_run"]
 
 PUSH_EVERY_S = 30.0
+_JOIN_S = 600.0  # how long the end of a launch waits for a push in flight
 _STEP = re.compile(r"^step-(\d+)$")
 _PULLED = ("metrics.jsonl", "train.log", "wandb_run_id")  # what a resumed run reads back, besides its checkpoint
 _WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
@@ -59,16 +60,20 @@ class RunMirror:
     # ---- pull ----------------------------------------------------------------------------------------------
 
     def pull(self) -> str | None:
-        """Copy what a resume reads from the store; returns the newest complete checkpoint's name, if any."""
+        """Copy what a resume reads from the store; returns the newest complete checkpoint's name, if any. The
+        older complete checkpoints come as their meta.json alone: the run counts them when it prunes to
+        keep_checkpoints, and what it prunes the next push deletes from the store."""
         for name in _PULLED:
             src = join_uri(self.root, name)
             if self.fs.isfile(src):
                 self._get(src, name)
-        newest = self._remote_steps()
-        if not newest:
+        steps = sorted(self._remote_steps())
+        for step in steps[:-1]:
+            self._get(join_uri(self.root, "checkpoints", f"step-{step}", "meta.json"),
+                      f"checkpoints/step-{step}/meta.json")
+        if not steps:
             return None
-        step = max(newest)
-        name = f"checkpoints/step-{step}"
+        name = f"checkpoints/step-{steps[-1]}"
         for src in self.fs.find(join_uri(self.root, name)):
             self._get(src, f"{name}/{src[len(join_uri(self.root, name)) + 1:]}")
         return name
@@ -120,12 +125,15 @@ class RunMirror:
                     out.append(rel)
         return out
 
-    def _put(self, rel: str) -> int:
+    def _put(self, rel: str, strict: bool = False) -> int:
+        """Upload one file (1) or nothing when it is gone (0; `strict`: FileNotFoundError)."""
         path = self.local / rel
         try:
             signature = _signature(path)
             self.fs.put_file(str(path), join_uri(self.root, rel))
         except FileNotFoundError:  # pruned or swapped while uploading: the next push sees what replaced it
+            if strict:
+                raise
             return 0
         self._seen[rel] = signature
         return 1
@@ -145,9 +153,10 @@ class RunMirror:
                 continue
             try:
                 for rel in rels:  # meta.json last: the store's copy is complete only once it is there
-                    pushed += self._put(rel) if self._seen.get(rel) != _signature(self.local / rel) else 0
+                    if self._seen.get(rel) != _signature(self.local / rel):
+                        pushed += self._put(rel, strict=True)
             except FileNotFoundError:
-                continue  # pruned while uploading
+                continue  # pruned while uploading: its meta.json is not sent
         if steps:  # the run's pruned ones, and pushes cut off before their meta.json
             for old in self._remote_steps(complete=False):
                 if old < steps[-1] and old not in steps:
@@ -184,7 +193,7 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, push_log: bool 
     folder pulled from it first and mirrored to it while the ranks run and once more at the end."""
     fs, _ = fsspec.core.url_to_fs(out)
     if is_local(fs):
-        yield out
+        yield out.removeprefix("file://")  # the ranks take it as a path
         return
     local = tempfile.mkdtemp(prefix="dflash-run-")
     mirror = RunMirror(out, local, push_log)
@@ -214,8 +223,10 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, push_log: bool 
         raise
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=_JOIN_S)
         try:
+            if thread.is_alive():  # a store call that never returns: the final push would wait on it too
+                raise TimeoutError(f"a push still runs after {_JOIN_S:.0f} s")
             mirror.push()
         except Exception as exc:
             kept = MirrorError(f"the final push of the run folder to {out} failed ({type(exc).__name__}: {exc}); "

@@ -257,6 +257,7 @@ class Trainer:
                     self._save(step + 1, loop)
                     timings["checkpoint_s"] += time.perf_counter() - saving
                 if stopping:
+                    wait_for_all(self.env)  # rank 0's checkpoint is whole before any rank exits
                     raise StoppedBySignal(
                         f"stopped on {self.stop.signal_name} after plan step {step} ({step + 1} of "
                         f"{self.plan.num_steps} steps done): checkpoint step-{step + 1} is written; run the same "
@@ -265,6 +266,7 @@ class Trainer:
             fail_all(channels, exc)  # wakes and stops every stage
             raise
         finally:
+            self.stop.armed = False  # past the steps: a SIGTERM ends the rank at once again
             sink.close()
         prefetch.join(timeout=10)
         target.join(timeout=10)

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace, env: DistEnv, stop: StopRequest | None = None)
     from dflash_core.data.shards import ShardReader
     from dflash_core.plan.io import read_val
 
-    if "://" in args.out and not args.out.startswith("file://"):
+    args.out = args.out.removeprefix("file://")
+    if "://" in args.out:
         raise InputError(f"--out {args.out}: the ranks write their run folder on the local disk (renames, "
                          f"appends); launch with `dflash train` (or the flow), which trains an object-store run "
                          f"folder in a local one and pushes it there, or give a local path")
