@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -657,36 +659,36 @@ def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dr
             Restarted.answered += 1
             super().do_POST()
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarted)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
-                                                       for i in range(20)])
-        out = tmp_path / "out"
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                   for i in range(20)])
+    out = tmp_path / "out"
+    with _serving(Restarted) as url:
         with pytest.raises(RegenerateError, match=r"refused the last (8|9|1\d) requests in a row, after replies "
                                                   r"had been kept.*does not exist.*refused too"):
             regenerate_dataset(source, str(out), data_config(source, endpoints=[url], concurrency=1))
-        journaled = "".join(p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
-        assert "rejected_by_server" not in journaled and journaled.count("\n") == 5
-    finally:
-        server.shutdown()
+    journaled = "".join(p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
+    assert "rejected_by_server" not in journaled and journaled.count("\n") == 5
     summary = regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server]))
     assert summary["complete"] and summary["kept"] == 20 and summary["dropped"] == {}
     assert [r["source"]["record"] for r in output_records(out)] == list(range(20))
     # one of two endpoints restarted so: the other's replies do not clear its refusals, and the run stops
     Restarted.answered = 0
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarted)
+    many = write_jsonl(tmp_path / "many.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                 for i in range(60)])
+    with _serving(Restarted) as url, pytest.raises(RegenerateError, match=rf"server {url} refused the last"):
+        regenerate_dataset(many, str(tmp_path / "two"), data_config(many, endpoints=[scripted_server, url],
+                                                                    concurrency=1))
+    journaled = "".join(p.read_text() for p in (tmp_path / "two" / ".work").glob("*.journal.jsonl"))
+    assert "rejected_by_server" not in journaled
+
+
+@contextlib.contextmanager
+def _serving(handler: type) -> Iterator[str]:
+    """An OpenAI-compatible server with this handler on loopback, for the block: its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        many = write_jsonl(tmp_path / "many.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
-                                                     for i in range(60)])
-        with pytest.raises(RegenerateError, match=rf"server {url} refused the last"):
-            regenerate_dataset(many, str(tmp_path / "two"), data_config(many, endpoints=[scripted_server, url],
-                                                                        concurrency=1))
-        journaled = "".join(p.read_text() for p in (tmp_path / "two" / ".work").glob("*.journal.jsonl"))
-        assert "rejected_by_server" not in journaled
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     finally:
         server.shutdown()
 
