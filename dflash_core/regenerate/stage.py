@@ -257,7 +257,6 @@ class _Run:
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
         self.done = self.tokens = self.total = self.retried = self.resumed = 0
-        # a reply was kept, or the probe was answered: refusals and empty replies before that are held back
         # by endpoint URL: refusals and empty replies held back until it keeps a reply or answers the probe
         self.trusted: set[str] = set()
         self.probing: set[str] = set()

@@ -80,9 +80,9 @@ class FaultPlan:
             print(f"DFLASH_FAULT: {kind}@{step}: killing pid {os.getpid()} with SIGKILL", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-
-    def maybe_signal(self, step: int) -> None:
-        """SIGTERM this process if planned (`sigterm@N`), as a preempted pod's ranks get it; `slow@N`: sleep."""
+    def before_step(self, step: int) -> None:
+        """What is planned before plan step N starts besides a kill: `slow@N` sleeps (from N on), `sigterm@N`
+        SIGTERMs this process as a preempted pod's ranks get it."""
         if any(f.kind == "slow" and step >= f.step for f in self._faults):
             time.sleep(0.3)
         if self.hit("sigterm", step):

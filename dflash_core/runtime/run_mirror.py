@@ -102,20 +102,19 @@ class RunMirror:
             return self._push()
 
     def _push(self) -> int:
-        pushed = 0
-        for rel in self._changed_files():
-            if rel.startswith("checkpoints/") or rel.split("/", 1)[0] in _WHOLE:
-                continue
-            pushed += self._put(rel)
+        pushed = sum(self._put(rel) for rel in self._changed_files())
         pushed += self._push_checkpoints()
         for folder in _WHOLE:
             pushed += self._push_whole(folder)
         return pushed
 
     def _changed_files(self) -> list[str]:
+        """The files pushed one by one that changed: all but checkpoints and the folders swapped in whole."""
         out = []
         for path in sorted(self.local.rglob("*")):
             rel = path.relative_to(self.local).as_posix()
+            if rel.split("/", 1)[0] in ("checkpoints", *_WHOLE):
+                continue
             if not path.is_file() or any(mark in rel for mark in _NOT_MIRRORED):
                 continue
             if rel == "train.log" and not self.push_log:
@@ -149,8 +148,6 @@ class RunMirror:
             folder = f"checkpoints/step-{step}"
             files = [p for p in sorted((self.local / folder).rglob("*")) if p.is_file() and p.name != "meta.json"]
             rels = [p.relative_to(self.local).as_posix() for p in files] + [f"{folder}/meta.json"]
-            if all(self._seen.get(rel) == _signature(self.local / rel) for rel in rels if (self.local / rel).exists()):
-                continue
             try:
                 for rel in rels:  # meta.json last: the store's copy is complete only once it is there
                     if self._seen.get(rel) != _signature(self.local / rel):

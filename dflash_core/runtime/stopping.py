@@ -29,7 +29,6 @@ class StopRequest:
         self.rank = rank
         self.event = threading.Event()
         self.armed = False
-        self.signal_name = "SIGTERM"
 
     def install(self) -> StopRequest:
         """Handle SIGTERM in this process (the main thread must call it)."""
@@ -44,7 +43,6 @@ class StopRequest:
         if not self.event.is_set():
             print(f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step, "
                   "then stopping", file=sys.stderr, flush=True)
-        self.signal_name = signal.Signals(signum).name
         self.event.set()
 
     @property

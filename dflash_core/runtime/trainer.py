@@ -242,7 +242,7 @@ class Trainer:
             self.stop.armed = True
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
-                self.faults.maybe_signal(step)
+                self.faults.before_step(step)
                 last = {**loop.train_step(step), "epoch": self.plan.epoch(step)}
                 tokens += last["n_tokens"]
                 steady.add(last)
@@ -259,7 +259,7 @@ class Trainer:
                 if stopping:
                     wait_for_all(self.env)  # rank 0's checkpoint is whole before any rank exits
                     raise StoppedBySignal(
-                        f"stopped on {self.stop.signal_name} after plan step {step} ({step + 1} of "
+                        f"stopped on SIGTERM after plan step {step} ({step + 1} of "
                         f"{self.plan.num_steps} steps done): checkpoint step-{step + 1} is written; run the same "
                         f"command again to resume from it")
         except BaseException as exc:
