@@ -9,6 +9,7 @@ from common.runs import build_inputs, torchrun, write_config
 from dflash_core.model.export import load_dflash
 from dflash_core.model.target import load_target
 from dflash_core.monitor.sources import record_kind
+from dflash_core.runtime.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +91,23 @@ def test_warm_start_shape_mismatch_fails_before_training(inputs, baseline, tmp_p
     assert run.returncode != 0
     assert "WarmStartError: train.init_from" in run.output  # the unit tests pin the exact wording
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_failed_validation_loses_no_step_and_the_resume_runs_it_first(inputs, baseline, tmp_path):
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    failed = torchrun(inputs, out, config, fault="validation@5:1")  # step 5 is due for a checkpoint and validation
+    assert failed.returncode != 0 and "injected fault in stage 'validation' at plan step 5" in failed.output
+    assert CheckpointManager(out / "checkpoints", keep=3).latest().name == "step-6"  # written before validating
+    assert not (out / "drafter").exists()
+    resumed = torchrun(inputs, out, config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    summary, base = _summary(resumed.output), _summary(baseline[2].output)
+    assert summary["start_step"] == 6 and summary["steps"] == 0  # no step re-trained, the validation re-run
+    (train, val), (_, base_val) = _records(out), _records(base_out)
+    assert [r["step"] for r in train] == list(range(6)) and [r["step"] for r in val] == [1, 3, 5]
+    assert [r["val_loss"] for r in val] == [r["val_loss"] for r in base_val]
+    assert (summary["best_step"], summary["val_accept_len"]) == (base["best_step"], base["val_accept_len"])
+    for folder in ("drafter", "drafter-best"):
+        assert (out / folder / "model.safetensors").read_bytes() == \
+            (base_out / folder / "model.safetensors").read_bytes()

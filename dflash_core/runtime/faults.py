@@ -2,6 +2,7 @@
 
 DFLASH_FAULT is a comma-separated list of `kind@step` or `kind@step:rank` (rank omitted = every rank):
 - `prefetch@N`, `target@N`, `drafter@N`: raise InjectedFault in that stage on the first micro-batch of plan step N;
+- `validation@N`: raise InjectedFault in the validation after plan step N (a validation that runs out of memory);
 - `nan@N`: multiply the first micro-batch's loss of step N by NaN (the step must be skipped and counted);
 - `kill@N`: SIGKILL this process before step N starts (a rank dying without any cleanup);
 - `sigterm@N`: SIGTERM this process before step N starts (a preempted pod: it must checkpoint step N and stop);
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from dflash_core.errors import InputError
 
-KINDS = ("prefetch", "target", "drafter", "nan", "kill", "sigterm", "slow", "crash_in_checkpoint", "hang_at_exit")
+KINDS = ("prefetch", "target", "drafter", "validation", "nan", "kill", "sigterm", "slow", "crash_in_checkpoint", "hang_at_exit")
 
 
 class InjectedFault(RuntimeError):

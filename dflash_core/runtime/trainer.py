@@ -111,6 +111,7 @@ class Trainer:
         )
         self.scheduler = make_scheduler(self.optimizer, self.plan.num_steps, t.warmup_ratio, t.schedule, t.min_lr_ratio)
         self.loop_state: dict[str, Any] | None = None
+        self.val_pending: int | None = None  # a plan step whose validation its checkpoint did not see
         self._resume()
         self.model = wrap_ddp(self.drafter, self.device) if self.env.world_size > 1 else self.drafter
         return self
@@ -142,6 +143,7 @@ class Trainer:
         self._note_schedule(step, ckpt.state.get("schedule_steps"))
         self.loop_state = ckpt.state["loop"]
         self.best.load_state_dict(ckpt.state.get("best"))
+        self.val_pending = ckpt.state.get("val_pending")
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
 
@@ -240,6 +242,8 @@ class Trainer:
             prefetch.start()
             target.start()
             self.stop.armed = True
+            if self.val_pending is not None:  # the checkpoint was written before its step's validation ran
+                self._validate(self.val_pending, sink)
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
@@ -248,20 +252,21 @@ class Trainer:
                 steady.add(last)
                 sink.log(last)
                 self._check_nonfinite(loop, step)
-                if self.validator and self._eval_due(step):
-                    self._validate(step, sink)
+                validating = self.validator is not None and self._eval_due(step)
                 due = (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps
                 stopping = step + 1 < self.plan.num_steps and any_rank(self.stop.requested, self.env, self.device)
-                if due or stopping:
+                if due or stopping:  # before validating: a validation that fails (OOM) loses no training step
                     saving = time.perf_counter()
-                    self._save(step + 1, loop)
+                    self._save(step + 1, loop, val_pending=step if validating else None)
                     timings["checkpoint_s"] += time.perf_counter() - saving
-                if stopping:
+                if stopping:  # the grace period goes to the checkpoint; the resume runs the pending validation
                     wait_for_all(self.env)  # rank 0's checkpoint is whole before any rank exits
                     raise StoppedBySignal(
                         f"stopped on SIGTERM after plan step {step} ({step + 1} of "
                         f"{self.plan.num_steps} steps done): checkpoint step-{step + 1} is written; run the same "
                         f"command again to resume from it")
+                if validating:
+                    self._validate(step, sink)
         except BaseException as exc:
             fail_all(channels, exc)  # wakes and stops every stage
             raise
@@ -272,7 +277,8 @@ class Trainer:
         target.join(timeout=10)
         if self.start_step >= self.plan.num_steps and self._history is not None:
             # a launch that resumed a finished run trained nothing: it reports the run's last figures, not nulls
-            last, self.last_val = self._history.kept_record("train"), self._history.kept_record("val")
+            last = self._history.kept_record("train")
+            self.last_val = self.last_val or self._history.kept_record("val")  # or the pending one it just ran
         exporting = time.perf_counter()
         self._export()
         timings["export_s"] = time.perf_counter() - exporting
@@ -294,12 +300,15 @@ class Trainer:
         """Score the val slice; a new best validation acceptance length is exported as drafter-best/."""
         if self.validator is None:  # no validation slice in this plan
             return
+        self.faults.maybe_raise("validation", step)
         self.last_val = self.validator.run(step)
         sink.log(self.last_val)
         if self.best.offer(self.last_val) and self.env.is_main:
             replace_dir(str(self.out / "drafter-best"), lambda staged: save_dflash(self.drafter, staged))
 
-    def _save(self, step: int, loop: DrafterTrainLoop) -> None:
+    def _save(self, step: int, loop: DrafterTrainLoop, val_pending: int | None = None) -> None:
+        """Checkpoint `step` (the step to run next); `val_pending`: the plan step whose validation runs after this
+        save (a resume from it runs that validation first, so drafter-best/ and the best step come out the same)."""
         rngs = gather_objects(rng_state(), self.env)
         if not self.env.is_main:
             return
@@ -310,6 +319,7 @@ class Trainer:
             "loop": loop.state_dict(),
             "rng": rngs,
             "best": self.best.state_dict(),
+            "val_pending": val_pending,
             "schedule_steps": self.plan.num_steps,  # what the lr schedule spans (train.max_steps may change it)
         }
         self.ckpts.save(step, self.drafter.state_dict(), state, self.identity)
