@@ -58,6 +58,40 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         mgr.load(path)
 
 
+def test_the_newest_loadable_checkpoint_is_resumed_and_damaged_newer_ones_moved_aside(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=3)
+    for step in (2, 4, 6):
+        mgr.save(step, *_state(step))
+    assert mgr.newest_loadable().step == 6
+    (tmp_path / "step-6" / "train_state.pt").write_bytes(b"")  # cut short
+    model, state = _state(4)  # a meta.json that promises a tensor the weights file lacks
+    del model["norm.weight"]
+    (tmp_path / "step-4" / "model.safetensors").unlink()
+    from safetensors.torch import save_file
+
+    save_file(model, str(tmp_path / "step-4" / "model.safetensors"))
+    notes: list[str] = []
+    ckpt = mgr.newest_loadable(notes.append)
+    assert ckpt.step == 2 and torch.equal(ckpt.model["fc.weight"], torch.full((3, 4), 2.0))
+    assert [s for s, _ in mgr.complete()] == [2]
+    assert sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.glob("damaged-*")) == ["damaged-step-4", "damaged-step-6"]
+    assert "step-6 cannot be loaded" in notes[0] and "resuming from step-2" in notes[0]
+    assert "holds 1 tensors, meta.json says 2" in notes[1]
+    mgr.save(4, *_state(4))  # the run goes on past the damaged steps: pruning never counts them
+    assert [s for s, _ in mgr.complete()] == [2, 4]
+
+
+def test_no_loadable_checkpoint_is_an_error_that_moves_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=3)
+    for step in (2, 4):
+        (mgr.save(step, *_state(step)) / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"step-4 cannot be loaded .*no older checkpoint in .* loads either "
+                                              r"\(2 tried\): restore the folder, or delete it"):
+        mgr.newest_loadable()
+    assert [s for s, _ in mgr.complete()] == [2, 4] and not list(tmp_path.glob("damaged-*"))
+    assert CheckpointManager(tmp_path / "none", keep=3).newest_loadable() is None
+
+
 def test_rng_state_round_trip():
     state = rng_state()
     a = (torch.rand(3), np.random.rand(3), random.random())

@@ -306,6 +306,28 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(inputs, baselin
     assert _same_drafter(out, base_out)
 
 
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_resumed(inputs, baseline, tmp_path):
+    """A bucket mounted with gcsfuse renames a folder by copying it file by file, meta.json first: a pod killed
+    mid-rename leaves a newest checkpoint that looks complete and does not load. The rerun says so, keeps it aside
+    and resumes from the one before, ending with the bytes of the uninterrupted run."""
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    shutil.copytree(base_out / "checkpoints", out / "checkpoints")
+    shutil.copy(base_out / "metrics.jsonl", out / "metrics.jsonl")
+    weights = out / "checkpoints" / "step-7" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    run = torchrun(inputs, out, config)
+    assert run.returncode == 0, run.output[-4000:]
+    assert re.search(r"warning: checkpoint \S+step-7 cannot be loaded \(\w+: .*\): moved to \S+damaged-step-7-\d+T\d+; "
+                     r"resuming from step-6", run.output), run.output[-3000:]
+    assert _summary(run.output)["start_step"] == 6
+    assert [r["step"] for r in _metrics(out)] == list(range(7))
+    assert _same_drafter(out, base_out)
+    ckpts = CheckpointManager(out / "checkpoints", keep=2)
+    assert [p.name for _, p in ckpts.complete()] == ["step-6", "step-7"]  # step 7 written again, whole
+    assert len(list((out / "checkpoints").glob("damaged-step-7-*/model.safetensors"))) == 1
+
+
 def test_checkpoints_of_another_run_are_not_resumed(inputs, baseline, tmp_path):
     """A run folder reused by a run of another plan or target (a flow retried after its data changed, a reused
     --run-name) must not continue those weights on its own data and export them as its drafter: it stops, naming

@@ -8,7 +8,9 @@ Layout of `<out>/checkpoints/step-N/` (N = optimizer steps completed = the plan 
   resume from it (it would continue those weights on other data, and export them as its own).
 A folder only ever gets its final name by an atomic rename of a fully written and fsynced temporary folder,
 so a crash in the middle of a save leaves `.tmp-*` debris (removed at the next start) and the previous
-checkpoint intact.
+checkpoint intact. Where that does not hold (a bucket mounted with gcsfuse or s3fs copies a folder file by file
+to rename it, meta.json first; a disk that fails), a newest checkpoint that does not load is moved aside to
+`damaged-step-N` and the resume takes the newest one that does (`newest_loadable`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -126,6 +129,30 @@ class CheckpointManager:
         found = self.complete()
         return found[-1][1] if found else None
 
+    def newest_loadable(self, note: Callable[[str], None] = print) -> Checkpoint | None:
+        """The newest checkpoint that loads (None: there is none). Newer ones that do not load are moved aside
+        to `damaged-step-N` (kept for a look, never pruned or resumed) and said; when none loads at all, nothing
+        is moved and the newest one's CheckpointError is raised."""
+        failed: list[tuple[Path, CheckpointError]] = []
+        for _, path in reversed(self.complete()):
+            try:
+                ckpt = self.load(path)
+            except CheckpointError as exc:
+                failed.append((path, exc))
+                continue
+            for bad, exc in failed:
+                aside = self.root / f"damaged-{bad.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+                os.rename(bad, aside)
+                note(f"warning: {exc}: moved to {aside}; resuming from {path.name}, the newest checkpoint that "
+                     f"loads (delete {aside.name} once looked at)")
+            return ckpt
+        if failed:
+            newest = failed[0][1]
+            raise CheckpointError(
+                f"{newest}; no older checkpoint in {self.root} loads either ({len(failed)} tried): restore the "
+                "folder, or delete it to train this run from scratch") from newest.__cause__
+        return None
+
     def save(self, step: int, model: dict[str, torch.Tensor], state: dict[str, Any],
              identity: str | None = None) -> Path:
         """Write checkpoint `step-<step>` atomically and prune old ones; returns its path."""
@@ -171,9 +198,9 @@ class CheckpointManager:
             meta = json.loads((path / "meta.json").read_text())
             model = load_file(str(path / "model.safetensors"))
             state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+            if len(model) != meta.get("tensors", len(model)):
+                raise ValueError(f"model.safetensors holds {len(model)} tensors, meta.json says {meta['tensors']}")
         except Exception as exc:  # noqa: BLE001 - safetensors and pickle raise their own error types
             raise CheckpointError(
-                f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); delete the folder to resume "
-                "from the previous checkpoint"
-            ) from exc
+                f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
         return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state, identity=meta.get("identity"))

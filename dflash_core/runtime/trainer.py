@@ -125,11 +125,12 @@ class Trainer:
     def _resume(self) -> None:
         if self.env.is_main:
             self.ckpts.clean_debris()
-        latest = self.ckpts.latest() if self.env.is_main else None
-        step = broadcast_int(-1 if latest is None else int(latest.name.split("-")[1]), self.env, self.device)
+        # rank 0 finds the newest checkpoint that loads (moving damaged ones aside); the others load that one
+        newest = self.ckpts.newest_loadable() if self.env.is_main else None
+        step = broadcast_int(-1 if newest is None else newest.step, self.env, self.device)
         if step < 0:
             return
-        ckpt = self.ckpts.load(self.ckpts.root / f"step-{step}")
+        ckpt = newest or self.ckpts.load(self.ckpts.root / f"step-{step}")
         if ckpt.identity is not None and ckpt.identity != self.identity:
             raise CheckpointError(
                 f"{self.ckpts.root} holds the checkpoints of another run (another plan, so other data or batches, "
