@@ -140,10 +140,10 @@ class CheckpointManager:
             except CheckpointError as exc:
                 failed.append((path, exc))
                 continue
-            for bad, exc in failed:
+            for bad, error in failed:
                 aside = self.root / f"damaged-{bad.name}-{time.strftime('%Y%m%dT%H%M%S')}"
                 os.rename(bad, aside)
-                note(f"warning: {exc}: moved to {aside}; resuming from {path.name}, the newest checkpoint that "
+                note(f"warning: {error}: moved to {aside}; resuming from {path.name}, the newest checkpoint that "
                      f"loads (delete {aside.name} once looked at)")
             return ckpt
         if failed:
