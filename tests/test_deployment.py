@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from common.flows import EXPECTED_ARTIFACTS, fast_config
+from common.flows import EXPECTED_ARTIFACTS, fast_config, worker_processes
+
+from dflash_core.runtime.checkpoint import CheckpointManager
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -116,6 +119,8 @@ def test_deploy_run_and_trigger_on_a_real_server(stack, tmp_path, example_assets
     limit = deployment["global_concurrency_limit"]  # one run at a time; the next one queues
     assert limit["limit"] == 1 and deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
 
+    _cancel_mid_training(stack, tmp_path)
+
     # New data lands: the event creates a flow run of the deployment with the new URI as its data source.
     stack.stop(worker)
     uri = str(tmp_path / "fresh-data.jsonl")
@@ -129,3 +134,34 @@ def test_deploy_run_and_trigger_on_a_real_server(stack, tmp_path, example_assets
         time.sleep(2)
     else:
         pytest.fail("the dataset-updated event did not create a flow run")
+
+
+def _cancel_mid_training(stack: Stack, tmp_path: Path) -> None:
+    """Cancelling a flow run from the UI while it trains: Prefect SIGTERMs the flow run's process, whose wait for
+    torchrun gives the ranks their grace; they checkpoint the step they reached and stop, and the flow run ends
+    Cancelled (not Crashed: Prefect acknowledges the cancellation only while its own SIGTERM handler is in place)."""
+    config = fast_config(tmp_path / "store", **{"train.max_steps": 400, "train.checkpoint_every": 100})
+    params = {"config": config.model_dump(mode="json"), "run_name": "cancelled"}
+    started = stack.run("deployment", "run", "retrain-drafter/nightly", "--params", json.dumps(params),
+                        "--job-variable", 'env={"DFLASH_FAULT": "slow@0"}')  # 0.3 s a step: time to cancel
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    run_dir = tmp_path / "store" / "runs" / "cancelled"
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.monotonic() < deadline, (stack.logs / "worker.log").read_text()[-3000:]
+        time.sleep(1)
+    run = next(r for r in _flow_runs(stack) if r["parameters"].get("run_name") == "cancelled")
+    cancelled = stack.run("flow-run", "cancel", run["id"])
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    deadline = time.monotonic() + 120
+    while (state := next(r for r in _flow_runs(stack) if r["id"] == run["id"])["state_type"]) in (
+            "RUNNING", "CANCELLING"):
+        assert time.monotonic() < deadline, (stack.logs / "worker.log").read_text()[-3000:]
+        time.sleep(2)
+    assert state == "CANCELLED", (stack.logs / "worker.log").read_text()[-3000:]
+    log = (run_dir / "train.log").read_text()
+    stopped = re.search(r"stopped on SIGTERM after plan step (\d+) .*: checkpoint step-(\d+) is written", log)
+    assert stopped, log[-3000:]
+    newest = CheckpointManager(run_dir / "checkpoints", keep=2).newest_loadable()
+    assert newest is not None and newest.step == int(stopped[2]) == int(stopped[1]) + 1 < 100
+    assert not worker_processes(tmp_path)

@@ -182,9 +182,12 @@ def launch_train(
 def _sigterm_cancels(cancel: threading.Event) -> Iterator[None]:
     """While the block runs, SIGTERM to this process (a pod being stopped: Kubernetes signals the container's
     first process) sets `cancel`, so the ranks get their grace to checkpoint and the run folder its final push;
-    the signal then goes on to the handler that was there before (Prefect's, or the default: the process ends).
-    Only from the main thread, where Python runs signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
+    the process then ends by the signal, as it would have. Only where the signal would end the process at once
+    (the default disposition) and from the main thread, where Python runs signal handlers: a handler already in
+    place is left alone. Prefect's flow engine has one that raises TerminationSignal, which the wait for torchrun
+    answers the same way (SIGTERM to the ranks, `grace_s` to stop), and Prefect only acknowledges a cancellation
+    from the UI (the flow run ends Cancelled, not Crashed) while its own handler is the one installed."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
     got: list[int] = []
@@ -199,10 +202,7 @@ def _sigterm_cancels(cancel: threading.Event) -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, before)
         if got:
-            if callable(before):
-                before(signal.SIGTERM, None)
-            elif before == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_inputs(tokenized: str, plan: str, world_size: int | None) -> None:
