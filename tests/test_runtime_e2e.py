@@ -4,8 +4,12 @@ Each launch pays Python + torch + transformers start-up per rank, so these are m
 """
 
 import json
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -326,6 +330,32 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_resumed
     ckpts = CheckpointManager(out / "checkpoints", keep=2)
     assert [p.name for _, p in ckpts.complete()] == ["step-6", "step-7"]  # step 7 written again, whole
     assert len(list((out / "checkpoints").glob("damaged-step-7-*/model.safetensors"))) == 1
+
+
+def test_two_nodes_train_one_run_and_each_launcher_ends_with_a_summary(inputs, baseline, tmp_path):
+    """Two `dflash train` launches as the two nodes of one run (1 rank each, c10d rendezvous on loopback, the run
+    folder shared): both exit 0 with a summary (rank 0's and rank 1's; the rendezvous, not --node-rank, decides
+    which node gets rank 0), each node keeps its own log, and the weights are the 2-rank single-node run's."""
+    base_out, config, _ = baseline
+    out = tmp_path / "out"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("DFLASH_FAULT", None)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "dflash_app.cli", "train", "--tokenized", inputs.tokenized, "--plan", inputs.plan,
+         "--out", str(out), "--config", config, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(k),
+         "--rdzv-endpoint", f"127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k in (0, 1)]
+    ended = [node.communicate(timeout=400) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in ended)
+    summaries = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in ended]
+    assert sorted(s["rank"] for s in summaries) == [0, 1]
+    assert summaries[0]["final_loss"] == summaries[1]["final_loss"] == _summary(baseline[2].output)["final_loss"]
+    assert (out / "train.log").exists() and (out / "train.node-1.log").exists()
+    assert "no node holds the lock" not in ended[0][1]
+    assert _same_drafter(out, base_out)
 
 
 def test_checkpoints_of_another_run_are_not_resumed(inputs, baseline, tmp_path):

@@ -136,3 +136,19 @@ def test_a_bare_worker_refuses_an_object_store_run_folder():
     args = parse_args(["--tokenized", "t", "--plan", "p", "--out", "s3://bucket/runs/x", "--config", "c.yaml"])
     with pytest.raises(InputError, match="--out s3://bucket/runs/x: the ranks write .* launch with `dflash train`"):
         run(args, None)
+
+
+def test_each_node_pulls_and_pushes_its_own_log(remote, tmp_path):
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{remote}/train.log", b"node 0 before\n")
+    fs.pipe(f"{remote}/train.node-1.log", b"node 1 before\n")
+    second = tmp_path / "node-1"
+    second.mkdir()
+    mirror = RunMirror(remote, str(second), "train.node-1.log")
+    mirror.pull()
+    assert sorted(p.name for p in second.iterdir()) == ["train.node-1.log"]  # not the first node's log
+    with open(second / "train.node-1.log", "a") as fh:
+        fh.write("node 1 now\n")
+    assert mirror.push() == 1
+    assert fs.cat_file(f"{remote}/train.node-1.log") == b"node 1 before\nnode 1 now\n"
+    assert fs.cat_file(f"{remote}/train.log") == b"node 0 before\n"

@@ -142,3 +142,12 @@ def test_token_shards_on_an_object_store_are_copied_for_the_run_and_a_full_disk_
     with pytest.raises(DflashError, match="no token shards there"):
         with launch.local_data(f"memory://bucket-{uuid.uuid4().hex}/empty", lines.append):
             pass
+
+
+def test_each_node_of_a_run_logs_to_its_own_file(monkeypatch):
+    from dflash_core.runtime.launch import node_log_name
+
+    assert node_log_name(1, None) == node_log_name("2", 0) == "train.log"
+    assert node_log_name(2, 1) == "train.node-1.log"
+    monkeypatch.setattr("socket.gethostname", lambda: "pod-b")
+    assert node_log_name("1:4", None) == "train.pod-b.log"  # elastic: only the rendezvous knows its place

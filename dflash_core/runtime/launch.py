@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -126,7 +127,8 @@ def launch_train(
     full_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(int(grace_s) - 5, 1)))
     check_output(out, "train", ("config.yaml",), overwritable=False)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
-    first_node = str(nnodes) == "1" or node_rank == 0  # the other nodes of a run neither lock nor push its log
+    first_node = str(nnodes) == "1" or node_rank == 0  # the other nodes of a run do not lock it
+    log_name = node_log_name(nnodes, node_rank)
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_cancels(cancel))  # the launcher's own SIGTERM: the ranks checkpoint first
@@ -139,9 +141,11 @@ def launch_train(
         errors: list[str] = []
         early: list[str] = []  # said before the log is open: written to it first
         say: list[Callable[[str], None]] = [early.append]
-        # one train.log per run: on several nodes the first one's
-        run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line), push_log=first_node))
-        log = stack.enter_context(RunLog(run_dir))
+        if str(nnodes) != "1" and node_rank is None:
+            say[0](f"warning: --nnodes {nnodes} without --node-rank: no node holds the lock on {out}, so a second "
+                   "launch into it is not refused; give each node's launch its --node-rank (0 on the first node)")
+        run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line), log_name=log_name))
+        log = stack.enter_context(RunLog(run_dir, log_name))
         config_fs = fsspec.core.url_to_fs(config_path)[0]
         if run_dir != out and not is_local(config_fs):  # the ranks read a copy beside their run folder
             config_fs.get_file(config_path, os.path.join(run_dir, "config.yaml"))
@@ -166,7 +170,7 @@ def launch_train(
         try:
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel, grace_s=grace_s)
         except ProcessFailed as exc:
-            kept_log = log.path if run_dir == out else join_uri(out, "train.log")  # the staging folder goes
+            kept_log = log.path if run_dir == out else join_uri(out, log_name)  # the staging folder goes
             raise TrainingFailed.from_process(exc, first_rank_error(errors), kept_log) from None
     try:
         summary = parse_summary(lines)
@@ -292,12 +296,22 @@ class TrainingFailed(DflashError):
         return failed
 
 
-class RunLog:
-    """train.log in the run folder: every line torchrun and the ranks printed, appended across resumes."""
+def node_log_name(nnodes: int | str, node_rank: int | None) -> str:
+    """The launcher's log in the run folder: train.log on the only or first node; on the others (whose folder is
+    shared with it, or mirrored to the same store) one of their own, by node rank, or by host name where the
+    rendezvous alone knows the node's place."""
+    if str(nnodes) == "1" or node_rank == 0:
+        return "train.log"
+    return f"train.node-{node_rank}.log" if node_rank is not None else f"train.{socket.gethostname()}.log"
 
-    def __init__(self, out: str) -> None:
+
+class RunLog:
+    """The launcher's log in the run folder (train.log; node_log_name): every line torchrun and this node's ranks
+    printed, appended across resumes."""
+
+    def __init__(self, out: str, name: str = "train.log") -> None:
         fs, root = fsspec.core.url_to_fs(out)
-        self.path = join_uri(root, "train.log") if is_local(fs) else None
+        self.path = join_uri(root, name) if is_local(fs) else None
         self.fh: TextIO | None = None
 
     def __enter__(self) -> RunLog:

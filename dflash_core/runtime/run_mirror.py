@@ -5,7 +5,8 @@ appended and flushed every step, the exported drafter swapped in): an object sto
 So a launch whose `--out` is an s3:// / gs:// / ... URI trains into a local staging folder (under TMPDIR) and this
 mirror keeps the store up to date:
 
-- before the launch it pulls what a resume reads: metrics.jsonl, train.log, wandb_run_id and the newest complete
+- before the launch it pulls what a resume reads: metrics.jsonl, this node's log (train.log on the first or only
+  node), wandb_run_id and the newest complete
   checkpoint (of the older ones only their meta.json: the run prunes them as its own, and the store with it);
 - while training runs, every `every_s` seconds, and once more when the launch ends (failed or not), it pushes
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
@@ -39,7 +40,7 @@ __all__ = ["RunMirror", "staged_run"]
 PUSH_EVERY_S = 30.0
 _JOIN_S = 600.0  # how long the end of a launch waits for a push in flight
 _STEP = re.compile(r"^step-(\d+)$")
-_PULLED = ("metrics.jsonl", "train.log", "wandb_run_id")  # what a resumed run reads back, besides its checkpoint
+_PULLED = ("metrics.jsonl", "wandb_run_id")  # what a resumed run reads back, besides its checkpoint and log
 _WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
 _NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-")  # debris and staging names of local swaps and saves
 
@@ -51,9 +52,9 @@ class MirrorError(DflashError):
 class RunMirror:
     """Keeps the object-store run folder `remote` up to date with the local folder `local`."""
 
-    def __init__(self, remote: str, local: str, push_log: bool = True) -> None:
+    def __init__(self, remote: str, local: str, log_name: str = "train.log") -> None:
         self.fs, self.root = fsspec.core.url_to_fs(remote)
-        self.remote, self.local, self.push_log = remote, Path(local), push_log
+        self.remote, self.local, self.log_name = remote, Path(local), log_name
         self._seen: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last pushed or pulled
         self._lock = threading.Lock()
 
@@ -63,7 +64,7 @@ class RunMirror:
         """Copy what a resume reads from the store; returns the newest complete checkpoint's name, if any. The
         older complete checkpoints come as their meta.json alone: the run counts them when it prunes to
         keep_checkpoints, and what it prunes the next push deletes from the store."""
-        for name in _PULLED:
+        for name in (*_PULLED, self.log_name):
             src = join_uri(self.root, name)
             if self.fs.isfile(src):
                 self._get(src, name)
@@ -116,8 +117,6 @@ class RunMirror:
             if rel.split("/", 1)[0] in ("checkpoints", *_WHOLE):
                 continue
             if not path.is_file() or any(mark in rel for mark in _NOT_MIRRORED):
-                continue
-            if rel == "train.log" and not self.push_log:
                 continue
             with contextlib.suppress(FileNotFoundError):  # removed while listing (a pruned checkpoint)
                 if self._seen.get(rel) != _signature(path):
@@ -184,7 +183,7 @@ def _signature(path: Path) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def staged_run(out: str, on_line: Callable[[str], None] = print, push_log: bool = True,
+def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str = "train.log",
                every_s: float = PUSH_EVERY_S) -> Iterator[str]:
     """The run folder the ranks write: `out` itself on the local disk; for an object-store `out`, a local staging
     folder pulled from it first and mirrored to it while the ranks run and once more at the end."""
@@ -193,7 +192,7 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, push_log: bool 
         yield out.removeprefix("file://")  # the ranks take it as a path
         return
     local = tempfile.mkdtemp(prefix="dflash-run-")
-    mirror = RunMirror(out, local, push_log)
+    mirror = RunMirror(out, local, log_name)
     resumed = mirror.pull()
     on_line(f"run folder {out} is on an object store: the ranks write {local}, pushed to it every "
             f"{every_s:.0f} s and at the end" + (f" (resuming from its {resumed})" if resumed else ""))

@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if env.is_main:
-        print(summary_line(summary), flush=True)
+    if env.local_rank == 0:  # one summary per node: each node's launcher ends with one (rank 0's is the run's)
+        print(summary_line({**summary, "rank": env.rank}), flush=True)
     # Everything is written (checkpoints, drafter, metrics, the W&B run finished) and every rank is past the final
     # barrier. Seen twice in CI on a loaded machine: the summary printed, a rank never exited, and torchrun waited
     # out the test's 400 s. So the teardown (process group, log handlers) gets EXIT_GRACE_S, then a watchdog ends
