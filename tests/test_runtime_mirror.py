@@ -152,3 +152,23 @@ def test_each_node_pulls_and_pushes_its_own_log(remote, tmp_path):
     assert mirror.push() == 1
     assert fs.cat_file(f"{remote}/train.node-1.log") == b"node 1 before\nnode 1 now\n"
     assert fs.cat_file(f"{remote}/train.log") == b"node 0 before\n"
+
+
+def test_a_signal_during_the_final_push_lets_it_finish_first(remote, tmp_path, monkeypatch):
+    fs = fsspec.filesystem("memory")
+    calls, lines = [], []
+    real = RunMirror.push
+
+    def interrupted_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # what Prefect's TerminationSignal is too: a BaseException from a handler
+        return real(self)
+
+    with pytest.raises(KeyboardInterrupt):
+        with staged_run(remote, lines.append, every_s=60) as run_dir:
+            (Path(run_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
+            monkeypatch.setattr(RunMirror, "push", interrupted_once)
+    assert len(calls) == 2 and fs.cat_file(f"{remote}/metrics.jsonl") == b'{"step": 0}\n'
+    assert any("KeyboardInterrupt during the final push" in line and "finishing it first" in line for line in lines)
+    assert not Path(run_dir).exists()  # pushed whole: the staging folder goes as after any final push

@@ -200,6 +200,8 @@ class CheckpointManager:
             state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
             if len(model) != meta.get("tensors", len(model)):
                 raise ValueError(f"model.safetensors holds {len(model)} tensors, meta.json says {meta['tensors']}")
+        except MemoryError:  # not the checkpoint's fault: never taken for damage
+            raise
         except Exception as exc:  # noqa: BLE001 - safetensors and pickle raise their own error types
             raise CheckpointError(
                 f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc

@@ -223,7 +223,7 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
         try:
             if thread.is_alive():  # a store call that never returns: the final push would wait on it too
                 raise TimeoutError(f"a push still runs after {_JOIN_S:.0f} s")
-            mirror.push()
+            interrupted = _final_push(mirror, on_line)
         except Exception as exc:
             kept = MirrorError(f"the final push of the run folder to {out} failed ({type(exc).__name__}: {exc}); "
                                f"everything the run wrote is kept in {local}: copy it there, or run the same "
@@ -234,3 +234,20 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
             on_line(f"error: {kept}")  # the run's own failure stays the error raised
         else:
             shutil.rmtree(local, ignore_errors=True)
+            if interrupted is not None:
+                raise interrupted
+
+
+def _final_push(mirror: RunMirror, on_line: Callable[[str], None]) -> BaseException | None:
+    """The last push, finished even when a signal's exception (Prefect's TerminationSignal on a cancel, a Ctrl-C)
+    lands in the middle of it: pushes are idempotent, so it runs once more; the interruption is returned, for the
+    caller to raise once the staging folder is dealt with."""
+    try:
+        mirror.push()
+    except Exception:
+        raise
+    except BaseException as interrupted:
+        on_line(f"{type(interrupted).__name__} during the final push to {mirror.remote}: finishing it first")
+        mirror.push()
+        return interrupted
+    return None

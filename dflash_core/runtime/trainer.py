@@ -127,7 +127,7 @@ class Trainer:
             self.ckpts.clean_debris()
         # rank 0 finds the newest checkpoint that loads (moving damaged ones aside); the others load that one
         newest = self.ckpts.newest_loadable() if self.env.is_main else None
-        step = broadcast_int(-1 if newest is None else newest.step, self.env, self.device)
+        step = broadcast_int(-1 if newest is None else int(newest.path.name.split("-")[1]), self.env, self.device)
         if step < 0:
             return
         ckpt = newest or self.ckpts.load(self.ckpts.root / f"step-{step}")
