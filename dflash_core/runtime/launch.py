@@ -127,7 +127,7 @@ def launch_train(
     full_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(int(grace_s) - 5, 1)))
     check_output(out, "train", ("config.yaml",), overwritable=False)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
-    first_node = str(nnodes) == "1" or node_rank == 0  # the other nodes of a run do not lock it
+    first_node = is_first_node(nnodes, node_rank)  # the other nodes of a run do not lock it
     log_name = node_log_name(nnodes, node_rank)
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as stack:
@@ -141,7 +141,7 @@ def launch_train(
         errors: list[str] = []
         early: list[str] = []  # said before the log is open: written to it first
         say: list[Callable[[str], None]] = [early.append]
-        if str(nnodes) != "1" and node_rank is None:
+        if not first_node and node_rank is None:
             say[0](f"warning: --nnodes {nnodes} without --node-rank: no node holds the lock on {out}, so a second "
                    "launch into it is not refused; give each node's launch its --node-rank (0 on the first node)")
         run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line), log_name=log_name))
@@ -296,11 +296,16 @@ class TrainingFailed(DflashError):
         return failed
 
 
+def is_first_node(nnodes: int | str, node_rank: int | None) -> bool:
+    """The launch of the only node, or of the one given --node-rank 0: it locks the run folder, logs to train.log."""
+    return str(nnodes) == "1" or node_rank == 0
+
+
 def node_log_name(nnodes: int | str, node_rank: int | None) -> str:
     """The launcher's log in the run folder: train.log on the only or first node; on the others (whose folder is
     shared with it, or mirrored to the same store) one of their own, by node rank, or by host name where the
     rendezvous alone knows the node's place."""
-    if str(nnodes) == "1" or node_rank == 0:
+    if is_first_node(nnodes, node_rank):
         return "train.log"
     return f"train.node-{node_rank}.log" if node_rank is not None else f"train.{socket.gethostname()}.log"
 
