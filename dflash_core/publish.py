@@ -66,17 +66,19 @@ def stage_of(out: str) -> str | None:
 
 
 def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrite: bool = False,
-                 overwritable: bool = True, inputs: dict[str, str] | None = None) -> None:
+                 overwritable: bool = True, inputs: dict[str, str] | None = None, locking: bool = True) -> None:
     """Refuse an existing `out` that is a file, a non-empty folder that this stage did not write
-    (`overwritable`: the stage has an --overwrite flag to offer), or the folder of one of the stage's `inputs`
-    ({flag: uri}; publishing `out` would replace it, even with --overwrite)."""
+    (`overwritable`: the stage has an --overwrite flag to offer), the folder of one of the stage's `inputs`
+    ({flag: uri}; publishing `out` would replace it, even with --overwrite), or, when this writer will lock it
+    (`locking`), one another live process holds the lock on (a node joining a multi-node run does not lock:
+    the first node's lock is its run's, not a rival's)."""
     fs, root = fsspec.core.url_to_fs(out)
     root = root.rstrip("/")
     for flag, uri in (inputs or {}).items():
         if _within(uri, out):
             raise OutputError(f"--out {out} holds this stage's input {flag} {uri}: publishing the output would "
                               "replace it; pick another --out")
-    if fs.exists(root + ".lock"):  # a live writer: fail at once, before any slow set-up
+    if locking and fs.exists(root + ".lock"):  # a live writer: fail at once, before any slow set-up
         holder = _read_lock(fs, root + ".lock")
         if not _is_stale(holder):
             raise OutputLockedError(_locked_message(out, root + ".lock", holder))

@@ -180,6 +180,25 @@ def test_a_second_training_launch_into_a_running_folder_leaves_its_config_alone(
     assert not written and (out / "config.yaml").read_text() == "train: {lr: 0.001}\n"
 
 
+def test_a_node_joining_a_multi_node_run_is_not_refused_by_the_first_nodes_lock(tmp_path: Path) -> None:
+    """Node 0 of a multi-node run locks the shared run folder before node 1 is started (the usual order on a
+    cluster): node 1's launch joins that run, so the lock must not turn it away as a rival writer (it did, and
+    node 0 then waited on the rendezvous for a node that had already exited); node 0's own relaunch still is."""
+    from dflash_core.runtime.launch import launch_train
+
+    out = tmp_path / "run"
+    with output_lock(str(out), "train"):
+        with pytest.raises(OutputLockedError):
+            check_output(str(out), "train", overwritable=False)
+        check_output(str(out), "train", overwritable=False, locking=False)
+        multi = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "on_line": lambda _: None}
+        with pytest.raises(OutputLockedError):
+            launch_train("tokenized", "plan", str(out), "config.yaml", node_rank=0, **multi)
+        with pytest.raises(Exception) as joined:  # past the lock: refused on its (missing) inputs instead
+            launch_train(str(tmp_path / "tokenized"), "plan", str(out), "config.yaml", node_rank=1, **multi)
+        assert not isinstance(joined.value, OutputLockedError) and "tokenized" in str(joined.value), joined.value
+
+
 def test_a_launch_that_trains_nothing_puts_the_run_folders_config_back(tmp_path: Path) -> None:
     """A launch refused by its workers (another plan's checkpoints in the folder, a bad setting) must not leave its
     config.yaml as the record of a finished run it never touched; one that logged steps keeps its own."""

@@ -7,9 +7,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -332,12 +334,12 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_one_resumed
     assert len(list((out / "checkpoints").glob("damaged-step-7-*/model.safetensors"))) == 1
 
 
-@pytest.mark.skip(reason="passed on its own, but hung past 400 s once in a loaded clean-clone make test (two launchers "
-                         "sharing one loopback rendezvous); run by hand until that is understood")
 def test_two_nodes_train_one_run_and_each_launcher_ends_with_a_summary(inputs, baseline, tmp_path):
     """Two `dflash train` launches as the two nodes of one run (1 rank each, c10d rendezvous on loopback, the run
-    folder shared): both exit 0 with a summary (rank 0's and rank 1's; the rendezvous, not --node-rank, decides
-    which node gets rank 0), each node keeps its own log, and the weights are the 2-rank single-node run's."""
+    folder shared), the second started once the first holds the run folder's lock (as on a cluster, where node 0
+    is up first; the second node joins that run, it is not refused as a rival writer): both exit 0 with a summary
+    (rank 0's and rank 1's; the rendezvous, not --node-rank, decides which node gets rank 0), each node keeps its
+    own log, and the weights are the 2-rank single-node run's."""
     base_out, config, _ = baseline
     out = tmp_path / "out"
     with socket.socket() as sock:
@@ -345,13 +347,30 @@ def test_two_nodes_train_one_run_and_each_launcher_ends_with_a_summary(inputs, b
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DFLASH_FAULT", None)
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "dflash_app.cli", "train", "--tokenized", inputs.tokenized, "--plan", inputs.plan,
-         "--out", str(out), "--config", config, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(k),
-         "--rdzv-endpoint", f"127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for k in (0, 1)]
-    ended = [node.communicate(timeout=400) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in ended)
+
+    def node(k: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dflash_app.cli", "train", "--tokenized", inputs.tokenized, "--plan", inputs.plan,
+             "--out", str(out), "--config", config, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(k),
+             "--rdzv-endpoint", f"127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)  # its own group: a failed test stops the node's torchrun too
+
+    nodes = [node(0)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "out.lock").exists() and nodes[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "out.lock").exists(), "node 0 never locked the run folder"
+        nodes.append(node(1))
+        second = nodes[1].communicate(timeout=400)  # first: a refused node 1 fails at once, node 0 would wait on it
+        assert nodes[1].returncode == 0, second[1][-3000:]
+        ended = [nodes[0].communicate(timeout=400), second]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in ended)
     summaries = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in ended]
     assert sorted(s["rank"] for s in summaries) == [0, 1]
     assert summaries[0]["final_loss"] == summaries[1]["final_loss"] == _summary(baseline[2].output)["final_loss"]

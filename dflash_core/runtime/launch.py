@@ -125,9 +125,9 @@ def launch_train(
     full_env = worker_env({**os.environ, **(env or {})})
     # torchrun's own SIGTERM-to-SIGKILL wait (30 s by default) within ours
     full_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(int(grace_s) - 5, 1)))
-    check_output(out, "train", ("config.yaml",), overwritable=False)
-    check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
     first_node = is_first_node(nnodes, node_rank)  # the other nodes of a run do not lock it
+    check_output(out, "train", ("config.yaml",), overwritable=False, locking=first_node)
+    check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
     log_name = node_log_name(nnodes, node_rank)
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as stack:
