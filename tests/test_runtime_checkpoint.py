@@ -92,6 +92,42 @@ def test_no_loadable_checkpoint_is_an_error_that_moves_nothing(tmp_path):
     assert CheckpointManager(tmp_path / "none", keep=3).newest_loadable() is None
 
 
+def test_an_io_error_while_reading_a_checkpoint_is_tried_again_before_it_counts_as_damage(tmp_path, monkeypatch):
+    """A network filesystem's hiccup (EIO) on the newest checkpoint must not move a good checkpoint aside and
+    resume from the one before (losing the steps between): the read is tried again. An error that stays is
+    damage, as before; a missing file is damage at once (no retry)."""
+    import errno
+
+    from dflash_core.runtime import checkpoint
+
+    monkeypatch.setattr(checkpoint, "LOAD_RETRY_WAIT_S", 0.0)
+    mgr = CheckpointManager(tmp_path, keep=3)
+    for step in (2, 4):
+        mgr.save(step, *_state(step))
+    real = checkpoint.load_file
+    fails = {"left": 2}
+
+    def flaky(path):
+        if "step-4" in path and fails["left"]:
+            fails["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "load_file", flaky)
+    notes: list[str] = []
+    assert mgr.newest_loadable(notes.append).step == 4  # the third read works
+    assert len(notes) == 2 and "Input/output error" in notes[0] and "attempt 2 of 3" in notes[0], notes
+    assert not list(tmp_path.glob("damaged-*"))
+    fails["left"] = 3  # it stays: damage
+    notes.clear()
+    assert mgr.newest_loadable(notes.append).step == 2
+    assert "attempt 3 of 3" in notes[1] and "moved to" in notes[2] and "Input/output error" in notes[2], notes
+    mgr.save(4, *_state(4))
+    (tmp_path / "step-4" / "train_state.pt").unlink()  # half-copied: no retry
+    notes.clear()
+    assert mgr.newest_loadable(notes.append).step == 2 and len(notes) == 1 and "FileNotFoundError" in notes[0]
+
+
 def test_rng_state_round_trip():
     state = rng_state()
     a = (torch.rand(3), np.random.rand(3), random.random())

@@ -41,6 +41,16 @@ class CheckpointError(InputError):
     """A checkpoint folder that cannot be loaded; the message names it."""
 
 
+LOAD_ATTEMPTS = 3  # reads of a checkpoint that fail with an I/O error, before it counts as damaged
+LOAD_RETRY_WAIT_S = 2.0  # before the second attempt; doubled before each further one
+
+
+def _transient(exc: BaseException) -> bool:
+    """An I/O error that a second read may not hit (EIO, ESTALE, a timeout on a network filesystem), unlike a
+    missing file (a half-copied folder), a path that is not what it should be, or bytes that do not parse."""
+    return isinstance(exc, OSError) and not isinstance(
+        exc, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError)
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the step to continue at, drafter weights and the training state, and the identity of
@@ -136,12 +146,16 @@ class CheckpointManager:
         failed: list[tuple[Path, CheckpointError]] = []
         for _, path in reversed(self.complete()):
             try:
-                ckpt = self.load(path)
+                ckpt = self.load(path, note)
             except CheckpointError as exc:
                 failed.append((path, exc))
                 continue
             for bad, error in failed:
                 aside = self.root / f"damaged-{bad.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+                for n in range(2, 1000):  # the same step moved aside before, within this second
+                    if not aside.exists():
+                        break
+                    aside = aside.with_name(f"{aside.name.split('.')[0]}.{n}")
                 os.rename(bad, aside)
                 note(f"warning: {error}: moved to {aside}; resuming from {path.name}, the newest checkpoint that "
                      f"loads (delete {aside.name} once looked at)")
@@ -191,18 +205,29 @@ class CheckpointManager:
         for _, path in self.complete()[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: str | Path) -> Checkpoint:
-        """Load a checkpoint folder; CheckpointError names the folder and what is wrong."""
+    def load(self, path: str | Path, note: Callable[[str], None] = print) -> Checkpoint:
+        """Load a checkpoint folder; CheckpointError names the folder and what is wrong. A read that fails with
+        an I/O error (a network filesystem's hiccup: EIO, ESTALE, a timeout) is tried again, LOAD_ATTEMPTS in
+        all, before it counts as damage: a good checkpoint moved aside would cost the steps since the one before."""
         path = Path(path)
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-            model = load_file(str(path / "model.safetensors"))
-            state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
-            if len(model) != meta.get("tensors", len(model)):
-                raise ValueError(f"model.safetensors holds {len(model)} tensors, meta.json says {meta['tensors']}")
-        except MemoryError:  # not the checkpoint's fault: never taken for damage
-            raise
-        except Exception as exc:  # noqa: BLE001 - safetensors and pickle raise their own error types
-            raise CheckpointError(
-                f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
-        return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state, identity=meta.get("identity"))
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            try:
+                meta = json.loads((path / "meta.json").read_text())
+                model = load_file(str(path / "model.safetensors"))
+                state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+                if len(model) != meta.get("tensors", len(model)):
+                    raise ValueError(f"model.safetensors holds {len(model)} tensors, meta.json says {meta['tensors']}")
+            except MemoryError:  # not the checkpoint's fault: never taken for damage
+                raise
+            except Exception as exc:  # noqa: BLE001 - safetensors and pickle raise their own error types
+                if attempt < LOAD_ATTEMPTS and _transient(exc):
+                    wait = LOAD_RETRY_WAIT_S * 2 ** (attempt - 1)
+                    note(f"warning: reading checkpoint {path} failed ({type(exc).__name__}: {exc}); trying again in "
+                         f"{wait:g} s (attempt {attempt + 1} of {LOAD_ATTEMPTS})")
+                    time.sleep(wait)
+                    continue
+                raise CheckpointError(
+                    f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
+            return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state,
+                              identity=meta.get("identity"))
+        raise AssertionError("unreachable: the last attempt returns or raises")
