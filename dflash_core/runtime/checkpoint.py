@@ -51,6 +51,7 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and not isinstance(
         exc, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError)
 
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the step to continue at, drafter weights and the training state, and the identity of
