@@ -383,7 +383,26 @@ def _train_line(train: dict[str, Any], val: list[dict[str, Any]]) -> str:
     if val:
         line += (f"; validation at step {val[-1].get('step')}: loss {_fmt(val[-1].get('val_loss'))}, "
                  f"accept length {_fmt(val[-1].get('val_accept_len'))}")
+    if train.get("cost"):
+        line += "; " + cost_phrase(train["cost"])
     return line
+
+
+def cost_phrase(cost: dict[str, Any]) -> str:
+    """The run's training cost over all its launches (runtime/ledger.py run_cost), as the summary page says it."""
+    n, failed = cost["launches"], cost.get("failed_launches") or 0
+    launches = f"{n} launch{'es' if n != 1 else ''}" + (f", {failed} failed" if failed else "")
+    if cost.get("gpus") == 0:
+        text = f"no GPU time (CPU): {duration(cost.get('wall_s'))} over {launches}"
+    elif cost.get("gpu_hours") is None:
+        text = f"{duration(cost.get('wall_s'))} over {launches} (GPU count unknown)"
+    else:
+        text = f"cost **{cost['gpu_hours']:,.2f} GPU-hours** on {cost['gpus']} GPUs over {launches}"
+        if failed and cost.get("failed_gpu_hours") is not None:
+            text += f" ({cost['failed_gpu_hours']:,.2f} GPU-hours in {'it' if failed == 1 else 'them'})"
+    if cost.get("steps_redone"):
+        text += f"; {cost['steps_redone']} steps trained again after resumes"
+    return text
 
 
 def _verdict_line(report: dict[str, Any]) -> str:

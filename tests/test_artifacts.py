@@ -151,6 +151,23 @@ def test_summary_training_line_gives_the_steady_model_flops_rate(failed_run):
     assert "5,322 tokens/s (398.3 TFLOP/s per rank in steady state)" in page
 
 
+def test_summary_training_line_says_what_the_run_cost_over_its_launches(failed_run):
+    run, records, report = failed_run
+    inputs = _synthetic_inputs(run, records)
+    cost = {"gpus": 8, "launch_gpu_hours": 8.0, "launches": 3, "failed_launches": 1, "wall_s": 6300.0,
+            "gpu_hours": 14.0, "failed_gpu_hours": 4.0, "steps_redone": 41}
+    inputs["train"] |= {"cost": cost}
+    [line] = [x for x in artifacts.summary_markdown(report=report, **inputs).splitlines() if "**Training**" in x]
+    assert line.endswith("; cost **14.00 GPU-hours** on 8 GPUs over 3 launches, 1 failed (4.00 GPU-hours in it); "
+                         "41 steps trained again after resumes")
+    assert artifacts.cost_phrase({**cost, "failed_launches": 0, "steps_redone": 0, "launches": 1}) == (
+        "cost **14.00 GPU-hours** on 8 GPUs over 1 launch")
+    assert artifacts.cost_phrase({**cost, "gpus": 0, "gpu_hours": 0.0, "failed_launches": 0, "steps_redone": 0}) == (
+        "no GPU time (CPU): 1 h 45 min over 3 launches")
+    assert artifacts.cost_phrase({**cost, "gpus": None, "gpu_hours": None, "steps_redone": 0}) == (
+        "1 h 45 min over 3 launches, 1 failed (GPU count unknown)")
+
+
 def test_summary_shows_validation_and_promotion_when_they_exist(failed_run, tmp_path):
     run, records, report = failed_run
     val = [{"kind": "val", "step": s, "val_loss": 2.0 - s / 1000, "val_accept_len": 1 + s / 800}

@@ -12,6 +12,7 @@ import yaml
 from common.flows import (
     EXPECTED_ARTIFACTS,
     artifact_keys,
+    artifact_text,
     fast_config,
     kill_all,
     task_states,
@@ -20,6 +21,7 @@ from common.flows import (
 
 from dflash_app.config import load_config
 from dflash_core.config import parse_config
+from dflash_core.runtime.ledger import read_launches
 from flows.retrain import retrain_drafter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +40,10 @@ def test_flow_end_to_end_then_cached(tmp_path, example_assets):
         assert (run / path).exists(), path
     assert (tmp_path / "store" / "plans").is_dir() and (tmp_path / "store" / "tokenized").is_dir()
     assert EXPECTED_ARTIFACTS <= artifact_keys(state.state_details.flow_run_id)
+    [launch] = read_launches(str(run))  # the run's cost, on its page
+    assert launch["outcome"] == "completed" and launch["gpus"] == 0 and launch["steps"] == 4
+    summary = artifact_text(state.state_details.flow_run_id, "run-summary")
+    assert "; no GPU time (CPU): " in summary and " over 1 launch" in summary
 
     again = retrain_drafter(config=cfg, run_name="second", return_state=True)
     assert again.is_completed(), again.message

@@ -28,6 +28,7 @@ from dflash_core.model.export import load_dflash
 from dflash_core.model.target import load_target
 from dflash_core.runtime.checkpoint import CheckpointManager
 from dflash_core.runtime.launch import TrainingFailed, launch_train
+from dflash_core.runtime.ledger import read_launches
 
 pytestmark = pytest.mark.slow
 
@@ -174,6 +175,7 @@ def test_kill_9_then_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
     resumed = torchrun(inputs, out, config)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert _summary(resumed.output)["start_step"] == 3
+    assert _summary(resumed.output)["steps_redone"] == 2  # steps 3 and 4 were logged before the kill
     records = _metrics(out)
     assert [r["step"] for r in records] == list(range(7))  # each step exactly once
     base = _metrics(base_out)
@@ -441,6 +443,13 @@ def test_launch_train_streams_lines_and_returns_the_summary(inputs, tmp_path):
     assert again["steps"] == 0 and again["start_step"] == summary["num_steps"]
     for key in ("final_loss", "final_acc", "accept_len", "val_loss", "val_accept_len"):
         assert again[key] == summary[key], key  # not nulls
+    # both launches are in the run's ledger; on this CPU machine they held no GPU
+    ledger = read_launches(str(tmp_path / "out"))
+    assert [(r["outcome"], r["start_step"], r["steps"], r["gpus"]) for r in ledger] == [
+        ("completed", 0, summary["num_steps"], 0), ("completed", summary["num_steps"], 0, 0)]
+    assert summary["cost"]["launches"] == 1 and again["cost"]["launches"] == 2
+    assert again["cost"]["gpu_hours"] == 0 and again["cost"]["steps_redone"] == 0
+    assert again["cost"]["wall_s"] == pytest.approx(sum(r["wall_s"] for r in ledger))
 
 
 def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_from_it(inputs, tmp_path):
@@ -465,6 +474,12 @@ def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_fr
     assert "resuming from its checkpoints/step-3" in lines[-1] or any("resuming from its checkpoints/step-3" in x
                                                                          for x in lines)
     assert summary["start_step"] == 3 and summary["drafter"] == f"{remote}/drafter"
+    # the ledger on the store holds both launches: the killed one (pushed at its end), then the resume
+    ledger = [json.loads(x) for x in fs.cat_file(f"{remote}/launches.jsonl").decode().splitlines()]
+    assert [r["outcome"] for r in ledger] == ["failed", "completed"]
+    assert ledger[0]["error"].startswith("training ") and ledger[1]["steps_redone"] == 2
+    assert summary["cost"]["launches"] == 2 and summary["cost"]["failed_launches"] == 1
+    assert summary["cost"]["steps_redone"] == 2
     assert summary["metrics"] == f"{remote}/metrics.jsonl"
     records = [json.loads(x) for x in fs.cat_file(f"{remote}/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in records] == [r["step"] for r in _metrics(base)]  # each step once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -23,6 +24,15 @@ from dflash_core.errors import DflashError, UsageError
 from dflash_core.io import is_local, join_uri
 from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, mark_stage, output_lock
+from dflash_core.runtime.ledger import (
+    LEDGER,
+    append_launch,
+    job_gpus,
+    launch_nodes,
+    launch_record,
+    read_launches,
+    run_cost,
+)
 from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
 from dflash_core.runtime.run_mirror import staged_run
 from dflash_core.runtime.run_plan import check_plan
@@ -134,6 +144,7 @@ def launch_train(
         stack.enter_context(_sigterm_cancels(cancel))  # the launcher's own SIGTERM: the ranks checkpoint first
         if first_node:
             stack.enter_context(output_lock(out, "train"))
+        started, clock = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), time.monotonic()
         mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
         if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
             stack.enter_context(_kept_config(out))
@@ -167,19 +178,45 @@ def launch_train(
             rdzv_id,
         )
 
+        summary: dict | None = None
+        error: str | None = "interrupted"
         try:
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel, grace_s=grace_s)
+            try:
+                summary = parse_summary(lines)
+            except ValueError as exc:
+                raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+            error = None
         except ProcessFailed as exc:
             kept_log = log.path if run_dir == out else join_uri(out, log_name)  # the staging folder goes
-            raise TrainingFailed.from_process(exc, first_rank_error(errors), kept_log) from None
-    try:
-        summary = parse_summary(lines)
-    except ValueError as exc:
-        raise ProcessFailed(cmd, str(exc), 0, list(lines)[-60:]) from None
+            failed = TrainingFailed.from_process(exc, first_rank_error(errors), kept_log)
+            error = str(failed).split("; full log:", 1)[0]
+            raise failed from None
+        finally:
+            if first_node:  # one record per launch of the run, in the folder the mirror pushes
+                summary = _record_launch(run_dir, started, time.monotonic() - clock, nnodes, nproc_per_node,
+                                         config_path, summary, error, collect)
+    assert summary is not None
     if run_dir != out:  # the paths the ranks wrote, as the store names them
         summary = {k: join_uri(out, v[len(run_dir) + 1:]) if isinstance(v, str) and v.startswith(run_dir + "/")
                    else v for k, v in summary.items()}
     return summary
+
+
+def _record_launch(run_dir: str, started: str, wall_s: float, nnodes: int | str, nproc_per_node: int,
+                   config_path: str, summary: dict | None, error: str | None,
+                   say: Callable[[str], None]) -> dict | None:
+    """Append this launch to the run's ledger (runtime/ledger.py); the summary gains `cost`: the run's so far."""
+    nodes = launch_nodes(nnodes, summary, nproc_per_node)
+    record = launch_record(started=started, wall_s=wall_s, nodes=nodes, nproc_per_node=nproc_per_node,
+                           gpus=job_gpus(config_path, nproc_per_node, nodes), summary=summary, error=error)
+    try:
+        append_launch(run_dir, record)
+        launches = read_launches(run_dir)
+    except OSError as exc:  # the ledger is an account, not the run: a full disk here must not hide the outcome
+        say(f"warning: could not append this launch to {join_uri(run_dir, LEDGER)}: {exc}")
+        return summary
+    return None if summary is None else {**summary, "cost": run_cost(launches)}
 
 
 @contextlib.contextmanager

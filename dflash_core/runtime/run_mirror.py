@@ -6,7 +6,7 @@ So a launch whose `--out` is an s3:// / gs:// / ... URI trains into a local stag
 mirror keeps the store up to date:
 
 - before the launch it pulls what a resume reads: metrics.jsonl, this node's log (train.log on the first or only
-  node), wandb_run_id and the newest complete
+  node), wandb_run_id, the launch ledger (launches.jsonl) and the newest complete
   checkpoint (of the older ones only their meta.json: the run prunes them as its own, and the store with it);
 - while training runs, every `every_s` seconds, and once more when the launch ends (failed or not), it pushes
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
@@ -40,7 +40,8 @@ __all__ = ["RunMirror", "staged_run"]
 PUSH_EVERY_S = 30.0
 _JOIN_S = 600.0  # how long the end of a launch waits for a push in flight
 _STEP = re.compile(r"^step-(\d+)$")
-_PULLED = ("metrics.jsonl", "wandb_run_id")  # what a resumed run reads back, besides its checkpoint and log
+# what a resumed run reads back, besides its checkpoint and log (launches.jsonl: the launcher appends to it)
+_PULLED = ("metrics.jsonl", "wandb_run_id", "launches.jsonl")
 _WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
 _NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-")  # debris and staging names of local swaps and saves
 

@@ -91,6 +91,7 @@ class Trainer:
         self.ckpts = CheckpointManager(self.out / "checkpoints", cfg.train.keep_checkpoints, faults)
         self.identity = run_identity(plan.meta, cfg.model.model_dump(mode="json"))
         self.start_step = 0
+        self.steps_redone = 0  # set by train(): see there
         self.resumed_from: str | None = None
         self.stop = stop or StopRequest(env.rank)  # a SIGTERM the worker's handler recorded
 
@@ -233,6 +234,9 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         prefetch, target, loop, channels = self._build_loops()
         sink = self._sink()
+        # the steps an interrupted launch trained after the checkpoint this one resumes from: trained again
+        reached = self._history.last_steps().get("train", -1) if self._history is not None else -1
+        self.steps_redone = max(0, reached + 1 - self.start_step)
         started = time.perf_counter()
         last: dict[str, Any] = {}
         self.last_val: dict[str, Any] = {}
@@ -338,6 +342,7 @@ class Trainer:
         return {
             "steps": max(0, self.plan.num_steps - self.start_step),
             "start_step": self.start_step,
+            "steps_redone": self.steps_redone,
             "num_steps": self.plan.num_steps,
             "resumed_from": self.resumed_from,
             "world_size": self.env.world_size,

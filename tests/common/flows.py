@@ -39,6 +39,15 @@ def artifact_keys(flow_run_id: UUID) -> set[str]:
     return {a.key for a in artifacts if a.key}
 
 
+def artifact_text(flow_run_id: UUID, key: str) -> str:
+    """The content of a flow run's newest artifact with that key (markdown, as the UI renders it)."""
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    [newest] = sorted((a for a in artifacts if a.key == key), key=lambda a: a.created)[-1:]
+    return str(newest.data)
+
+
 def task_states(flow_run_id: UUID) -> dict[str, str]:
     """Task name -> state name of a flow run's task runs."""
     with get_client(sync_client=True) as client:

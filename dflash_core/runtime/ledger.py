@@ -1,0 +1,134 @@
+"""The run folder's launch ledger, `launches.jsonl`: what each training launch of a run cost, and how it ended.
+
+A run is often more than one launch: a crash or a preempted pod is resumed by the next launch, a Prefect retry
+launches again, a relaunch of a finished run trains nothing. The first (or only) node's launcher appends one
+record per launch once torchrun has ended, whatever the outcome, so the run's GPU time includes its failed
+launches; the steps a resume ran again (those the interrupted launch trained after its last checkpoint) are
+counted by the trainer (`steps_redone` in its summary) and kept here.
+
+A record: `started` (UTC), `wall_s` (from the run folder's lock to torchrun's end: model loading, the data copy
+and the export included, as the nodes were held for them), `nodes`, `nproc_per_node`, `gpus` (every node's: the
+ranks' own devices and the target replicas' `train.target_devices`; 0 on CPU; null when the config could not be
+read), `gpu_hours`, `outcome` (`completed` | `failed`), `error` (the failure's first line), and from a completed
+launch's summary `start_step`, `steps`, `steps_redone`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from dflash_core.errors import DflashError
+from dflash_core.schema import read_yaml, validate_mapping
+
+LEDGER = "launches.jsonl"
+
+
+def node_gpus(device: str, target_devices: list[str] | None, nproc_per_node: int, cuda_count: int) -> int:
+    """The GPUs one node's ranks use: each rank's own (cuda:<local rank>, unless `train.device` is cpu) and those
+    of the target replicas (`train.target_devices`; none of their own when unset). 0 on a machine without CUDA."""
+    if cuda_count == 0:
+        return 0
+    used = set() if device == "cpu" else {f"cuda:{i}" for i in range(nproc_per_node)}
+    for name in target_devices or []:
+        kind, _, index = name.partition(":")
+        if kind == "cuda":
+            used.add(f"cuda:{index or 0}")
+    return len(used)
+
+
+def job_gpus(config_path: str, nproc_per_node: int, nodes: int) -> int | None:
+    """The GPUs a launch holds (nodes x node_gpus), from the train section of the config the ranks read and this
+    node's CUDA devices; None when that cannot be read (the ranks then fail on it, with their own message)."""
+    import torch
+
+    from dflash_core.runtime.config import TrainConfig
+
+    try:
+        raw = read_yaml(config_path)
+        section = raw.get("train") if isinstance(raw, dict) else None
+        train = validate_mapping(TrainConfig, section or {}, config_path)
+    except (DflashError, OSError):
+        return None
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return nodes * node_gpus(train.device, train.target_devices, nproc_per_node, cuda)
+
+
+def launch_nodes(nnodes: int | str, summary: dict[str, Any] | None, nproc_per_node: int) -> int:
+    """How many nodes a launch ran on: --nnodes, or for an elastic range (`1:4`) the world size the rendezvous
+    gave over the ranks per node (its lower bound when the launch ended without a summary)."""
+    if str(nnodes).isdigit():
+        return int(nnodes)
+    if summary and isinstance(summary.get("world_size"), int):
+        return max(1, summary["world_size"] // max(1, nproc_per_node))
+    return int(str(nnodes).split(":", 1)[0])
+
+
+def launch_record(*, started: str, wall_s: float, nodes: int, nproc_per_node: int, gpus: int | None,
+                  summary: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    """One ledger line (see the module doc): `summary` is the worker's, None when the launch failed."""
+    record: dict[str, Any] = {
+        "started": started,
+        "wall_s": round(wall_s, 3),
+        "nodes": nodes,
+        "nproc_per_node": nproc_per_node,
+        "gpus": gpus,
+        "gpu_hours": None if gpus is None else round(gpus * wall_s / 3600, 4),
+        "outcome": "failed" if error is not None or summary is None else "completed",
+        "error": error,
+    }
+    for key in ("start_step", "steps", "steps_redone"):
+        record[key] = (summary or {}).get(key)
+    return record
+
+
+def append_launch(run_dir: str, record: dict[str, Any]) -> None:
+    """Append one record to `<run_dir>/launches.jsonl` (a local folder: the launcher's staging one on a store)."""
+    path = os.path.join(run_dir, LEDGER)
+    with open(path, "a+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        cut = fh.tell() > 0 and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n"  # a line a crash cut short
+        fh.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_launches(run_dir: str) -> list[dict[str, Any]]:
+    """The ledger's records, oldest first; [] when there is none. A line cut short by a crash is left out."""
+    path = os.path.join(run_dir, LEDGER)
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def run_cost(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run has cost so far, over every launch of the ledger: `launches`, `failed_launches`, `wall_s`,
+    `gpu_hours` and `failed_gpu_hours` (null when a launch's GPU count is unknown), `steps_redone`; and this
+    launch's (the last record's) `gpus` and `launch_gpu_hours`."""
+    failed = [r for r in records if r.get("outcome") != "completed"]
+
+    def hours(rs: list[dict[str, Any]]) -> float | None:
+        values: list[float] = [r["gpu_hours"] for r in rs if r.get("gpu_hours") is not None]
+        return None if len(values) < len(rs) else round(sum(values), 4)
+
+    last = records[-1] if records else {}
+    return {
+        "gpus": last.get("gpus"),
+        "launch_gpu_hours": last.get("gpu_hours"),
+        "launches": len(records),
+        "failed_launches": len(failed),
+        "wall_s": round(sum(float(r.get("wall_s") or 0) for r in records), 3),
+        "gpu_hours": hours(records),
+        "failed_gpu_hours": hours(failed),
+        "steps_redone": sum(int(r.get("steps_redone") or 0) for r in records),
+    }

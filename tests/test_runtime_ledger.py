@@ -1,0 +1,79 @@
+"""The launch ledger (launches.jsonl): GPUs a launch holds, records that survive a crash mid-line, the run's cost
+over its launches. The launches themselves (a killed one, its resume) are in test_runtime_e2e.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_core.runtime.ledger import (
+    LEDGER,
+    append_launch,
+    job_gpus,
+    launch_nodes,
+    launch_record,
+    node_gpus,
+    read_launches,
+    run_cost,
+)
+
+
+@pytest.mark.parametrize(("device", "targets", "nproc", "cuda", "expected"), [
+    ("auto", None, 8, 8, 8),  # one GPU a rank, the target replica on it
+    ("auto", None, 8, 0, 0),  # a CPU machine
+    ("cuda", ["cuda:4", "cuda:5", "cuda:6", "cuda:7"], 4, 8, 8),  # replicas on GPUs of their own
+    ("auto", ["cuda:0", "cuda:1"], 2, 2, 2),  # replicas on the ranks' own GPUs: counted once
+    ("cpu", ["cuda:0", "cuda:1"], 2, 2, 2),  # drafter on the CPU, the target on GPUs
+    ("cpu", None, 4, 8, 0),
+    ("auto", ["cuda", "cpu"], 1, 1, 1),  # bare "cuda" is cuda:0
+])
+def test_a_node_counts_the_ranks_gpus_and_the_target_replicas_gpus_once(device, targets, nproc, cuda, expected):
+    assert node_gpus(device, targets, nproc, cuda) == expected
+
+
+def test_a_launch_on_this_cpu_machine_holds_no_gpu_and_an_unreadable_config_leaves_the_count_unknown(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("train:\n  nproc_per_node: 2\n")
+    assert job_gpus(str(config), 2, 3) == 0
+    assert job_gpus(str(tmp_path / "missing.yaml"), 2, 3) is None
+    config.write_text("train:\n  no_such_key: 1\n")
+    assert job_gpus(str(config), 2, 3) is None
+
+
+def test_nodes_of_an_elastic_launch_come_from_the_world_size_it_got():
+    assert launch_nodes(2, None, 8) == 2
+    assert launch_nodes("1:4", {"world_size": 24}, 8) == 3
+    assert launch_nodes("2:4", None, 8) == 2  # failed before a summary: the lower bound
+
+
+def test_records_are_appended_and_a_line_cut_by_a_crash_costs_only_itself(tmp_path):
+    done = launch_record(started="2026-12-04T02:00:00+00:00", wall_s=5400.0, nodes=1, nproc_per_node=8, gpus=8,
+                         summary={"start_step": 300, "steps": 700, "steps_redone": 41, "loss": 1.0}, error=None)
+    assert done == {"started": "2026-12-04T02:00:00+00:00", "wall_s": 5400.0, "nodes": 1, "nproc_per_node": 8,
+                    "gpus": 8, "gpu_hours": 12.0, "outcome": "completed", "error": None, "start_step": 300,
+                    "steps": 700, "steps_redone": 41}
+    (tmp_path / LEDGER).write_text('{"started": "2026-12-04T01:00:00+00:00", "wall_s": 36')  # killed mid-write
+    append_launch(str(tmp_path), done)
+    append_launch(str(tmp_path), done)
+    assert read_launches(str(tmp_path)) == [done, done]
+    assert (tmp_path / LEDGER).read_text().count("\n") == 3
+    assert read_launches(str(tmp_path / "nowhere")) == []
+
+
+def test_the_run_cost_adds_every_launch_failed_ones_included():
+    def record(wall_s: float, gpus: int | None, summary: dict | None, error: str | None = None) -> dict:
+        return launch_record(started="t", wall_s=wall_s, nodes=1, nproc_per_node=8, gpus=gpus, summary=summary,
+                             error=error)
+
+    killed = record(1800.0, 8, None, "training failed on rank 3: OutOfMemoryError: CUDA out of memory")
+    resumed = record(3600.0, 8, {"start_step": 300, "steps": 700, "steps_redone": 41})
+    again = record(60.0, 8, {"start_step": 1000, "steps": 0, "steps_redone": 0})
+    assert killed["outcome"] == "failed" and killed["start_step"] is None
+    cost = run_cost([killed, resumed, again])
+    assert cost == {"gpus": 8, "launch_gpu_hours": round(8 * 60 / 3600, 4), "launches": 3, "failed_launches": 1,
+                    "wall_s": 5460.0, "gpu_hours": 12.1333, "failed_gpu_hours": 4.0, "steps_redone": 41}
+    unknown = run_cost([record(60.0, None, None, "interrupted"), resumed])
+    assert unknown["gpu_hours"] is None and unknown["failed_gpu_hours"] is None and unknown["launches"] == 2
+    assert run_cost([])["launches"] == 0
+    assert json.loads(json.dumps(cost)) == cost  # it travels in the summary line
