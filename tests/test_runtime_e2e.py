@@ -378,6 +378,8 @@ def test_two_nodes_train_one_run_and_each_launcher_ends_with_a_summary(inputs, b
     assert summaries[0]["final_loss"] == summaries[1]["final_loss"] == _summary(baseline[2].output)["final_loss"]
     assert (out / "train.log").exists() and (out / "train.node-1.log").exists()
     assert "no node holds the lock" not in ended[0][1]
+    [launch] = read_launches(str(out))  # one record for the run's launch, by the node that holds the lock
+    assert launch["nodes"] == 2 and launch["outcome"] == "completed" and launch["gpus"] == 0
     assert _same_drafter(out, base_out)
 
 
