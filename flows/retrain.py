@@ -15,7 +15,8 @@ from flows import storage, tasks
 from flows.artifacts import publish_summary
 
 # what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
-TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from")
+TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from",
+                     "cost")  # the run's GPU-hours over its launches (README: "Files a run writes", launches.jsonl)
 
 
 def _run_name(explicit: str | None, plan_fp: str) -> str:

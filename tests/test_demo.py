@@ -35,6 +35,7 @@ def test_demo_on_a_fresh_machine_completes_with_verdict_pass(tmp_path: Path, exa
     assert (cache / "prefect-home").is_dir()
     assert summary["regenerated"]["read"] == 1000 and summary["promoted"] and summary["tau"] > 1.5, summary
     assert (work / summary["drafter"] / "model.safetensors").exists()  # relative paths resolve from the cwd
+    assert summary["cost"]["launches"] == 1 and summary["cost"]["gpus"] == 0, summary  # one launch, on the CPU
     # the preset's data.regenerate.replicas: 2 -> two servers side by side, each answered real requests (its
     # warm-up is one) and was stopped
     logs = [(work / summary["regenerated"]["out"] / ".work" / name).read_text() for name in ("server.log",

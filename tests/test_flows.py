@@ -40,7 +40,8 @@ def test_flow_end_to_end_then_cached(tmp_path, example_assets):
         assert (run / path).exists(), path
     assert (tmp_path / "store" / "plans").is_dir() and (tmp_path / "store" / "tokenized").is_dir()
     assert EXPECTED_ARTIFACTS <= artifact_keys(state.state_details.flow_run_id)
-    [launch] = read_launches(str(run))  # the run's cost, on its page
+    [launch] = read_launches(str(run))  # the run's cost, in its result and on its page
+    assert result["cost"]["launches"] == 1 and result["cost"]["gpu_hours"] == 0
     assert launch["outcome"] == "completed" and launch["gpus"] == 0 and launch["steps"] == 4
     summary = artifact_text(state.state_details.flow_run_id, "run-summary")
     assert "; no GPU time (CPU): " in summary and " over 1 launch" in summary
