@@ -482,6 +482,8 @@ def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_fr
     assert ledger[0]["error"].startswith("training ") and ledger[1]["steps_redone"] == 2
     assert summary["cost"]["launches"] == 2 and summary["cost"]["failed_launches"] == 1
     assert summary["cost"]["steps_redone"] == 2
+    assert any(x.startswith("this run was launched 1 time(s) before (1 failed; the last failed: training ")
+               for x in lines)  # the resume says so first
     assert summary["metrics"] == f"{remote}/metrics.jsonl"
     records = [json.loads(x) for x in fs.cat_file(f"{remote}/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in records] == [r["step"] for r in _metrics(base)]  # each step once

@@ -10,6 +10,7 @@ import pytest
 from dflash_core.runtime.ledger import (
     LEDGER,
     append_launch,
+    earlier_launches_line,
     job_gpus,
     launch_nodes,
     launch_record,
@@ -76,4 +77,10 @@ def test_the_run_cost_adds_every_launch_failed_ones_included():
     unknown = run_cost([record(60.0, None, None, "interrupted"), resumed])
     assert unknown["gpu_hours"] is None and unknown["failed_gpu_hours"] is None and unknown["launches"] == 2
     assert run_cost([])["launches"] == 0
+    assert earlier_launches_line([killed, resumed]) == (
+        "this run was launched 2 time(s) before (1 failed; the last completed); GPU-hours so far: 12.00, wall time "
+        "1.50 h (launches.jsonl)")
+    assert earlier_launches_line([resumed, killed]).startswith(
+        "this run was launched 2 time(s) before (1 failed; the last failed: training failed on rank 3: "
+        "OutOfMemoryError: CUDA out of memory); GPU-hours so far: 12.00")
     assert json.loads(json.dumps(cost)) == cost  # it travels in the summary line

@@ -27,6 +27,7 @@ from dflash_core.publish import check_output, mark_stage, output_lock
 from dflash_core.runtime.ledger import (
     LEDGER,
     append_launch,
+    earlier_launches_line,
     job_gpus,
     launch_nodes,
     launch_record,
@@ -172,6 +173,8 @@ def launch_train(
         say[0] = collect
         for line in early:
             collect(line)
+        if first_node and (earlier := read_launches(run_dir)):
+            collect(earlier_launches_line(earlier))
         local = stack.enter_context(local_data(tokenized, collect))
         cmd = torchrun_command(
             local, plan, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint,

@@ -132,3 +132,15 @@ def run_cost(records: list[dict[str, Any]]) -> dict[str, Any]:
         "failed_gpu_hours": hours(failed),
         "steps_redone": sum(int(r.get("steps_redone") or 0) for r in records),
     }
+
+
+def earlier_launches_line(records: list[dict[str, Any]]) -> str:
+    """What a launch says first when the run has been launched before: how many times, how the last one ended,
+    and the GPU time so far (a retry loop that keeps failing the same way shows at once)."""
+    cost = run_cost(records)
+    last = records[-1]
+    ended = ("completed" if last.get("outcome") == "completed"
+             else f"failed: {last.get('error') or 'no error recorded'}")
+    hours = "unknown" if cost["gpu_hours"] is None else f"{cost['gpu_hours']:.2f}"
+    return (f"this run was launched {cost['launches']} time(s) before ({cost['failed_launches']} failed; the last "
+            f"{ended}); GPU-hours so far: {hours}, wall time {cost['wall_s'] / 3600:.2f} h ({LEDGER})")
