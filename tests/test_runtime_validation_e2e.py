@@ -1,6 +1,7 @@
 """Validation, drafter-best/ and warm start through `torchrun -m dflash_core.runtime.worker` (2 CPU processes)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,23 @@ def test_a_failed_validation_loses_no_step_and_the_resume_runs_it_first(inputs, 
     for folder in ("drafter", "drafter-best"):
         assert (out / folder / "model.safetensors").read_bytes() == \
             (base_out / folder / "model.safetensors").read_bytes()
+
+
+def test_a_relaunch_of_a_finished_run_takes_its_last_validation_from_the_log(inputs, baseline, tmp_path):
+    """The final checkpoint is written before the final validation (so a failing one loses no step); a relaunch
+    of the finished run (a retried flow run) takes that validation from metrics.jsonl instead of computing it
+    again: a fault injected into it never fires, and the summary and drafter-best/ are the run's."""
+    base_out, config, run = baseline
+    out = tmp_path / "out"
+    shutil.copytree(base_out, out)
+    again = torchrun(inputs, out, config, fault="validation@5:1")
+    assert again.returncode == 0, again.output[-4000:]
+    assert ("validation of plan step 5: taken from metrics.jsonl, where the launch that wrote checkpoint step-6 "
+            "logged it (not computed again)") in again.output
+    summary, base = _summary(again.output), _summary(run.output)
+    assert summary["steps"] == 0 and summary["start_step"] == 6
+    for key in ("best_step", "best_val_accept_len", "val_loss", "val_accept_len", "final_loss"):
+        assert summary[key] == base[key], key
+    assert _records(out) == _records(base_out)  # nothing logged twice
+    assert (out / "drafter-best" / "model.safetensors").read_bytes() == \
+        (base_out / "drafter-best" / "model.safetensors").read_bytes()

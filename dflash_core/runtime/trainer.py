@@ -248,7 +248,7 @@ class Trainer:
             target.start()
             self.stop.armed = True
             if self.val_pending is not None:  # the checkpoint was written before its step's validation ran
-                self._validate(self.val_pending, sink)
+                self._pending_validation(self.val_pending, sink)
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
@@ -302,14 +302,35 @@ class Trainer:
         return (step + 1) % self.cfg.train.eval_every == 0 or step + 1 == self.plan.num_steps
 
     def _validate(self, step: int, sink: MetricSink) -> None:
-        """Score the val slice; a new best validation acceptance length is exported as drafter-best/."""
+        """Score the val slice, log the record and take it (see _take_validation)."""
         if self.validator is None:  # no validation slice in this plan
             return
         self.faults.maybe_raise("validation", step)
-        self.last_val = self.validator.run(step)
-        sink.log(self.last_val)
-        if self.best.offer(self.last_val) and self.env.is_main:
+        record = self.validator.run(step)
+        sink.log(record)
+        self._take_validation(record)
+
+    def _take_validation(self, record: dict[str, Any]) -> None:
+        """The latest validation; a new best validation acceptance length is exported as drafter-best/."""
+        self.last_val = record
+        if self.best.offer(record) and self.env.is_main:
             replace_dir(str(self.out / "drafter-best"), lambda staged: save_dflash(self.drafter, staged))
+
+    def _pending_validation(self, step: int, sink: MetricSink) -> None:
+        """The validation of plan step `step`, which the resumed checkpoint was written before. When the launch
+        that wrote it got as far as logging that validation (a run relaunched after it finished, a crash after
+        the validation), the record is taken from metrics.jsonl instead of being computed again: validation
+        is deterministic and touches no RNG stream, so it is the same record, and drafter-best/ is exported
+        from the same weights. Otherwise (a validation that failed or was cut off) it runs now."""
+        logged = self._history.kept_record("val") if self._history is not None else {}
+        logged = gather_objects(logged if logged.get("step") == step else None, self.env)[0]  # rank 0's, on all
+        if logged is None or self.validator is None:
+            self._validate(step, sink)
+            return
+        if self.env.is_main:
+            print(f"validation of plan step {step}: taken from metrics.jsonl, where the launch that wrote "
+                  f"checkpoint step-{step + 1} logged it (not computed again)", flush=True)
+        self._take_validation(logged)
 
     def _save(self, step: int, loop: DrafterTrainLoop, val_pending: int | None = None) -> None:
         """Checkpoint `step` (the step to run next); `val_pending`: the plan step whose validation runs after this
