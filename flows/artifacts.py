@@ -204,8 +204,14 @@ def _plan_buckets(plan_dir: str) -> np.ndarray:
 class TrainingProgress:
     """The progress bar and a live page (figures, curves, validation) that follow a growing metrics.jsonl."""
 
-    def __init__(self, num_steps: int, metrics_uri: str, plot_every_s: float = 60.0) -> None:
+    def __init__(self, num_steps: int, metrics_uri: str, plot_every_s: float = 60.0, gpus: int | None = None,
+                 earlier_gpu_hours: float = 0.0, started: float | None = None) -> None:
+        """`gpus`: what this launch holds (the page then shows the run's GPU-hours so far and projected to the
+        finish); `earlier_gpu_hours`: the run's earlier launches' (launches.jsonl); `started`: this launch's
+        start (epoch seconds; now by default)."""
         self.num_steps, self.plot_every_s = max(1, num_steps), plot_every_s
+        self.gpus, self.earlier_gpu_hours = gpus, earlier_gpu_hours
+        self.started = time.time() if started is None else started
         self.tail = MetricsTail(metrics_uri)
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
@@ -238,18 +244,24 @@ class TrainingProgress:
         (MFU "-" where the GPU's peak is unknown, and on CPU), ETA (from the records' times)."""
         last = self.train[-1] if self.train else {}
         done = int(last["step"]) + 1 if last else 0
-        return {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
-                "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
-                "tokens/s": _rate(last.get("tokens_per_s")), "TFLOP/s": _tflops(last.get("tflops")),
-                "MFU": _percent(last.get("mfu")),
-                "ETA": "finished" if self.finished else duration(self._eta_s(done))}
+        eta = None if self.finished else self._eta_s(done)
+        figures = {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
+                   "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
+                   "tokens/s": _rate(last.get("tokens_per_s")), "TFLOP/s": _tflops(last.get("tflops")),
+                   "MFU": _percent(last.get("mfu")), "ETA": "finished" if self.finished else duration(eta)}
+        if self.gpus:  # the run's cost (all its launches) by the newest record, and at this pace to the finish
+            elapsed = max(0.0, float(last.get("time") or self.started) - self.started)
+            now = self.earlier_gpu_hours + self.gpus * elapsed / 3600
+            finish = "" if eta is None else f" (at finish ~{now + self.gpus * eta / 3600:,.1f})"
+            figures["GPU-hours"] = f"{now:,.1f}{finish}"
+        return figures
 
     def line(self) -> str:
         """The figures in one line, for the progress bar."""
         f = self.figures()
         return (f"step {f['step']} · loss {_fmt(f['loss'])} · grad norm {_fmt(f['grad norm (pre-clip)'])} "
                 f"(clip {_fmt(f['clip'])}) · {f['tokens/s']} tokens/s · {f['TFLOP/s']} TFLOP/s (MFU {f['MFU']}) "
-                f"· ETA {f['ETA']}")
+                f"· ETA {f['ETA']}" + (f" · GPU-hours {f['GPU-hours']}" if "GPU-hours" in f else ""))
 
     def page(self) -> str:
         """The live page: the figures table, the latest validation, the curves."""

@@ -143,12 +143,16 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     """torchrun in its own process group: logs streamed, progress artifact, killed on timeout/cancel."""
     from dflash_core.promotion.store import resolve_init_from
     from dflash_core.runtime.launch import launch_train
+    from dflash_core.runtime.ledger import read_launches, run_cost, train_gpus
 
     logger = get_run_logger()
     resolved = resolve_init_from(config)  # init_from: promoted -> a path, for the workers
     # The trainer stops at train.max_steps when set (runtime/run_plan.py load_run_plan): the bar counts to that.
     total = min(num_steps, config.train.max_steps or num_steps)
-    progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"))
+    earlier = run_cost(read_launches(out))  # a retry or resume: the run's launches so far
+    progress = TrainingProgress(total, storage.join(out, "metrics.jsonl"),
+                                gpus=train_gpus(resolved.train, config.train.nproc_per_node, 1),
+                                earlier_gpu_hours=earlier["gpu_hours"] or 0.0)
     stop = threading.Event()
     follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()

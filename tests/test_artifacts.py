@@ -219,6 +219,15 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     assert bar.data == pytest.approx(100 * 400 / len(records))
     assert bar.description.startswith(f"step 400 / {len(records)} · loss ")
     assert "4,200 tokens/s · 412.3 TFLOP/s (MFU 41.7%) · ETA" in bar.description
+    assert "GPU-hours" not in bar.description  # a CPU launch (gpus 0 or unknown): no GPU time to show
+
+    # On 8 GPUs, resumed after launches that cost 2.0 GPU-hours, started 100 s before the first record: by step
+    # 400 (record time start + 199.5 s) the run has cost 2 + 8 x 299.5 s; 800 steps at 2 steps/s are left.
+    gpu = artifacts.TrainingProgress(len(records), str(path), plot_every_s=3600.0, gpus=8, earlier_gpu_hours=2.0,
+                                     started=start - 100)
+    gpu.poll()
+    assert gpu.figures()["GPU-hours"] == f"{2 + 8 * 299.5 / 3600:,.1f} (at finish ~{2 + 8 * 699.5 / 3600:,.1f})"
+    assert gpu.line().endswith(" · GPU-hours 2.7 (at finish ~3.6)")
 
 
 def test_the_samples_page_shows_the_first_samples_as_training_reads_them(tmp_path):

@@ -19,7 +19,11 @@ import json
 import os
 from typing import Any
 
+import fsspec
+
 from dflash_core.errors import DflashError
+from dflash_core.io import join_uri
+from dflash_core.runtime.config import TrainConfig
 from dflash_core.schema import read_yaml, validate_mapping
 
 LEDGER = "launches.jsonl"
@@ -38,21 +42,24 @@ def node_gpus(device: str, target_devices: list[str] | None, nproc_per_node: int
     return len(used)
 
 
-def job_gpus(config_path: str, nproc_per_node: int, nodes: int) -> int | None:
-    """The GPUs a launch holds (nodes x node_gpus), from the train section of the config the ranks read and this
-    node's CUDA devices; None when that cannot be read (the ranks then fail on it, with their own message)."""
+def train_gpus(train: TrainConfig, nproc_per_node: int, nodes: int) -> int:
+    """The GPUs a launch with these train settings holds: nodes x node_gpus, with this node's CUDA devices."""
     import torch
 
-    from dflash_core.runtime.config import TrainConfig
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return nodes * node_gpus(train.device, train.target_devices, nproc_per_node, cuda)
 
+
+def job_gpus(config_path: str, nproc_per_node: int, nodes: int) -> int | None:
+    """train_gpus from the train section of the config file the ranks read; None when that cannot be read (the
+    ranks then fail on it, with their own message)."""
     try:
         raw = read_yaml(config_path)
         section = raw.get("train") if isinstance(raw, dict) else None
         train = validate_mapping(TrainConfig, section or {}, config_path)
     except (DflashError, OSError):
         return None
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return nodes * node_gpus(train.device, train.target_devices, nproc_per_node, cuda)
+    return train_gpus(train, nproc_per_node, nodes)
 
 
 def launch_nodes(nnodes: int | str, summary: dict[str, Any] | None, nproc_per_node: int) -> int:
@@ -95,12 +102,14 @@ def append_launch(run_dir: str, record: dict[str, Any]) -> None:
 
 
 def read_launches(run_dir: str) -> list[dict[str, Any]]:
-    """The ledger's records, oldest first; [] when there is none. A line cut short by a crash is left out."""
-    path = os.path.join(run_dir, LEDGER)
-    if not os.path.exists(path):
+    """The ledger's records, oldest first (run_dir: a path or fsspec URI); [] when there is none. A line cut short
+    by a crash is left out."""
+    fs, root = fsspec.core.url_to_fs(run_dir)
+    path = join_uri(root, LEDGER)
+    if not fs.exists(path):
         return []
     records = []
-    with open(path, encoding="utf-8") as fh:
+    with fs.open(path, "r", encoding="utf-8") as fh:
         for line in fh:
             try:
                 record = json.loads(line)
