@@ -77,6 +77,7 @@ def test_the_run_cost_adds_every_launch_failed_ones_included():
     unknown = run_cost([record(60.0, None, None, "interrupted"), resumed])
     assert unknown["gpu_hours"] is None and unknown["failed_gpu_hours"] is None and unknown["launches"] == 2
     assert run_cost([])["launches"] == 0
+    assert run_cost([resumed])["failed_gpu_hours"] == 0.0 and isinstance(run_cost([resumed])["failed_gpu_hours"], float)
     assert earlier_launches_line([killed, resumed]) == (
         "this run was launched 2 time(s) before (1 failed; the last completed); GPU-hours so far: 12.00, wall time "
         "1.50 h (launches.jsonl)")

@@ -128,7 +128,7 @@ def run_cost(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     def hours(rs: list[dict[str, Any]]) -> float | None:
         values: list[float] = [r["gpu_hours"] for r in rs if r.get("gpu_hours") is not None]
-        return None if len(values) < len(rs) else round(sum(values), 4)
+        return None if len(values) < len(rs) else round(float(sum(values)), 4)
 
     last = records[-1] if records else {}
     return {
