@@ -173,7 +173,8 @@ def launch_train(
         say[0] = collect
         for line in early:
             collect(line)
-        if first_node and (earlier := read_launches(run_dir)):
+        earlier = read_launches(run_dir) if first_node else []  # this run's launches before this one
+        if earlier:
             collect(earlier_launches_line(earlier))
         local = stack.enter_context(local_data(tokenized, collect))
         cmd = torchrun_command(
@@ -197,8 +198,8 @@ def launch_train(
             raise failed from None
         finally:
             if first_node:  # one record per launch of the run, in the folder the mirror pushes
-                summary = _record_launch(run_dir, started, time.monotonic() - clock, nnodes, nproc_per_node,
-                                         config_path, summary, error, collect)
+                summary = _record_launch(run_dir, earlier, started, time.monotonic() - clock, nnodes,
+                                         nproc_per_node, config_path, summary, error, collect)
     assert summary is not None
     if run_dir != out:  # the paths the ranks wrote, as the store names them
         summary = {k: join_uri(out, v[len(run_dir) + 1:]) if isinstance(v, str) and v.startswith(run_dir + "/")
@@ -206,20 +207,20 @@ def launch_train(
     return summary
 
 
-def _record_launch(run_dir: str, started: str, wall_s: float, nnodes: int | str, nproc_per_node: int,
-                   config_path: str, summary: dict | None, error: str | None,
+def _record_launch(run_dir: str, earlier: list[dict], started: str, wall_s: float, nnodes: int | str,
+                   nproc_per_node: int, config_path: str, summary: dict | None, error: str | None,
                    say: Callable[[str], None]) -> dict | None:
-    """Append this launch to the run's ledger (runtime/ledger.py); the summary gains `cost`: the run's so far."""
+    """Append this launch to the run's ledger (runtime/ledger.py; `earlier`: its records as this launch found
+    them); the summary gains `cost`: the run's so far."""
     nodes = launch_nodes(nnodes, summary, nproc_per_node)
     record = launch_record(started=started, wall_s=wall_s, nodes=nodes, nproc_per_node=nproc_per_node,
                            gpus=job_gpus(config_path, nproc_per_node, nodes), summary=summary, error=error)
     try:
         append_launch(run_dir, record)
-        launches = read_launches(run_dir)
     except OSError as exc:  # the ledger is an account, not the run: a full disk here must not hide the outcome
         say(f"warning: could not append this launch to {join_uri(run_dir, LEDGER)}: {exc}")
         return summary
-    return None if summary is None else {**summary, "cost": run_cost(launches)}
+    return None if summary is None else {**summary, "cost": run_cost([*earlier, record])}
 
 
 @contextlib.contextmanager

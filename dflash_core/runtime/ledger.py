@@ -94,8 +94,10 @@ def append_launch(run_dir: str, record: dict[str, Any]) -> None:
     """Append one record to `<run_dir>/launches.jsonl` (a local folder: the launcher's staging one on a store)."""
     path = os.path.join(run_dir, LEDGER)
     with open(path, "a+b") as fh:
-        fh.seek(0, os.SEEK_END)
-        cut = fh.tell() > 0 and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n"  # a line a crash cut short
+        cut = False  # the last line a crash cut short: this record starts a line of its own
+        if fh.seek(0, os.SEEK_END) > 0:
+            fh.seek(-1, os.SEEK_END)
+            cut = fh.read(1) != b"\n"
         fh.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
         fh.flush()
         os.fsync(fh.fileno())

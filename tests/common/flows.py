@@ -31,20 +31,21 @@ def fast_config(root: Path, **overrides) -> PipelineConfig:
     return resolve_config(load_config("tiny-cpu", {**base, **overrides}))
 
 
-def artifact_keys(flow_run_id: UUID) -> set[str]:
-    """Keys of every artifact made by a flow run (its tasks included), read back through the API."""
+def _artifacts(flow_run_id: UUID) -> list:
+    """Every artifact made by a flow run (its tasks included), read back through the API."""
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
             any_=[flow_run_id])))
-    return {a.key for a in artifacts if a.key}
+
+
+def artifact_keys(flow_run_id: UUID) -> set[str]:
+    """Keys of every artifact made by a flow run."""
+    return {a.key for a in _artifacts(flow_run_id) if a.key}
 
 
 def artifact_text(flow_run_id: UUID, key: str) -> str:
     """The content of a flow run's newest artifact with that key (markdown, as the UI renders it)."""
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))
-    [newest] = sorted((a for a in artifacts if a.key == key), key=lambda a: a.created)[-1:]
+    [newest] = sorted((a for a in _artifacts(flow_run_id) if a.key == key), key=lambda a: a.created)[-1:]
     return str(newest.data)
 
 
