@@ -11,6 +11,7 @@ from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
 from dflash_core.promotion.store import check_incumbent
+from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks
 from flows.artifacts import publish_summary
 
@@ -59,6 +60,7 @@ def retrain_drafter(
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
     check_incumbent(root)  # a damaged promoted/ fails the run now, not after the GPU hours
+    check_init_from(config.train.init_from)  # so does a warm start that is not a drafter folder
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)

@@ -87,6 +87,13 @@ def test_failed_check_fails_the_flow_with_the_reason(tmp_path, example_assets, m
     assert "stability-report" in artifact_keys(state.state_details.flow_run_id)
 
 
+def test_a_warm_start_that_is_no_drafter_fails_the_flow_before_any_data_work(tmp_path, example_assets):
+    state = retrain_drafter(config=fast_config(tmp_path / "store", **{"train.init_from": str(tmp_path / "none")}),
+                            return_state=True)
+    assert state.is_failed() and "none/config.json: missing" in state.message
+    assert not (tmp_path / "store" / "tokenized").exists() and not (tmp_path / "store" / "runs").exists()
+
+
 def test_training_timeout_kills_every_process(tmp_path, example_assets):
     cfg = fast_config(tmp_path / "store", **{"train.max_steps": None, "train.timeout_s": 4.0,
                                                "plan.epochs": 50})

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from dflash_app.config import load_config
 from dflash_core.model.export import save_dflash
 from dflash_core.promotion.store import promote, promoted_drafter, resolve_init_from
-from dflash_core.runtime.warm_start import WarmStartError, load_warm_start
+from dflash_core.runtime.warm_start import WarmStartError, check_init_from, load_warm_start
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,23 @@ def test_another_layer_attention_is_refused_with_the_settings_that_match(tmp_pat
 def test_a_missing_folder_says_what_to_give(tmp_path, target):
     with pytest.raises(WarmStartError, match=r"config.json: missing \(a DFlash drafter folder holds"):
         load_warm_start(tiny_drafter(target), str(tmp_path / "nothing"))
+
+
+def test_init_from_is_checked_before_the_run_pays_for_anything(tmp_path, target):
+    """The flow's first check: a folder that is not a drafter fails before regeneration and tokenization."""
+    check_init_from(None)
+    check_init_from("promoted")
+    with pytest.raises(WarmStartError, match=r"train.init_from \S+/none: \S+/none/config.json: missing .* 'promoted' "
+                       r"or null \(train from scratch\)"):
+        check_init_from(str(tmp_path / "none"))  # `--set train.init_from=none` is the folder "none", not null
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    check_init_from(str(tmp_path / "drafter"))
+    (tmp_path / "drafter" / "model.safetensors").unlink()
+    with pytest.raises(WarmStartError, match=r"drafter/model.safetensors: missing"):
+        check_init_from(str(tmp_path / "drafter"))
+    (tmp_path / "drafter" / "config.json").write_text("{")
+    with pytest.raises(WarmStartError, match=r"config.json: invalid JSON at line 1"):
+        check_init_from(str(tmp_path / "drafter"))
 
 
 def test_promoted_resolves_to_the_promoted_drafter_or_to_scratch(tmp_path, target):
