@@ -9,7 +9,13 @@ from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
-from dflash_core.model.loss import decay_weights, default_gamma, simulated_acceptance_length, slot_accuracy
+from dflash_core.model.loss import (
+    decay_weights,
+    default_gamma,
+    dpace_weights,
+    simulated_acceptance_length,
+    slot_accuracy,
+)
 
 B = 4  # block size of the tiny drafter
 
@@ -269,6 +275,68 @@ def test_loss_sums_and_slot_metrics_match_a_manual_computation(target, drafter):
     correct = ((logits.argmax(-1) == labels) & (weights > 0)).sum((0, 1))[1:]
     assert out.counted.tolist() == counted.tolist() and out.correct.tolist() == correct.tolist()
     assert out.n_blocks == int(valid.sum())
+
+
+def test_dpace_weights_match_a_hand_count():
+    ce = torch.tensor([[9.0, -math.log(0.8), -math.log(0.5), -math.log(0.2)]])
+    supervised = torch.tensor([[False, True, True, True]])
+    s1, s2, s3 = 0.5 * 0.8 + 0.5, 0.5 * 0.5 + 0.5, 0.5 * 0.2 + 0.5  # alpha 0.5 smoothing
+    runs = [s1, s1 * s2, s1 * s2 * s3]
+    w = dpace_weights(ce, supervised, 0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0, sum(runs), sum(runs[1:]), runs[2]]]))
+    # an unsupervised slot inside the block passes the run on and carries no weight
+    supervised = torch.tensor([[False, True, False, True]])
+    w = dpace_weights(ce, supervised, 0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0, s1 + s1 * s3, 0.0, s1 * s3]]))
+    # alpha = 1: every confidence counts as 1, the weights fall linearly with the slot
+    ones = torch.ones(1, 5, dtype=torch.bool)
+    assert dpace_weights(torch.rand(1, 5), ones, 1.0).tolist() == [[5.0, 4.0, 3.0, 2.0, 1.0]]
+
+
+@pytest.mark.parametrize("alpha", [1e-6, 0.5])
+def test_dpace_weight_is_the_accepted_runs_sensitivity_to_each_slot(alpha):
+    """sum_j w_j * CE_j has the gradient of -(expected accepted run of the smoothed confidences)."""
+    ce = torch.rand(3, 6, dtype=torch.float64) * 3
+    supervised = torch.rand(3, 6) > 0.2
+    supervised[:, 0] = False
+    log_s = torch.log((1 - alpha) * torch.exp(-ce) + alpha).requires_grad_()
+    run = torch.cumprod(torch.where(supervised, log_s.exp(), torch.ones_like(ce)), -1)
+    (run * supervised).sum().backward()
+    torch.testing.assert_close(dpace_weights(ce, supervised, alpha).double(), log_s.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dpace_loss_is_the_cross_entropy_under_its_own_detached_weights(target):
+    d = tiny_drafter(target, target_layer_ids=[0, 2], loss_weighting="dpace", dpace_alpha=0.3)
+    batch = random_batch(2, 16, seed=8)
+    batch["loss_mask"][0, 7] = 0
+    feats = features(target, d, batch)
+    out = d(feats, **batch, generator=torch.Generator().manual_seed(3))
+    anchors, valid = d.sample_anchors(batch["loss_mask"], batch["attention_mask"], torch.Generator().manual_seed(3))
+    logits = d.block_logits(feats, batch["input_ids"], batch["attention_mask"], anchors, valid)
+    labels, supervised = d.block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid)
+    assert set(supervised.unique().tolist()) <= {0.0, 1.0} and supervised[..., 0].sum() == 0
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    weights = dpace_weights(ce.detach().flatten(0, 1), supervised.flatten(0, 1) > 0, 0.3).view(ce.shape)
+    expected = (ce * weights).sum()
+    torch.testing.assert_close(out.weighted_loss_sum, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.weight_sum, weights.sum(), rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.weighted_loss_sum, list(d.parameters()))
+    want = torch.autograd.grad(expected, list(d.parameters()))
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_weighting_settings_are_checked():
+    assert ModelConfig(target="x", loss_weighting="dpace").dpace_alpha == 0.5
+    with pytest.raises(ValueError, match="model.gamma .* loss_weighting is dpace"):
+        ModelConfig(target="x", loss_weighting="dpace", gamma=4.0)
+    with pytest.raises(ValueError, match="dpace_alpha applies to loss_weighting dpace only"):
+        ModelConfig(target="x", dpace_alpha=0.3)
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        ModelConfig(target="x", loss_weighting="dpace", dpace_alpha=0.0)
+    # a full dump (a deployment's parameters name every key) validates again
+    dumped = ModelConfig(target="x", loss_weighting="dpace").model_dump()
+    assert ModelConfig(**dumped).loss_weighting == "dpace"
 
 
 def test_slot_accuracy_and_simulated_acceptance_length():

@@ -6,6 +6,8 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from dflash_core.schema import StrictModel
 
+DEFAULT_DPACE_ALPHA = 0.5  # the D-PACE paper's and speculators' default
+
 
 class ModelConfig(StrictModel):
     """The target to condition on and the drafter's shape (DFLASH_SPEC.md)."""
@@ -27,7 +29,16 @@ class ModelConfig(StrictModel):
     num_anchors: PositiveInt = Field(
         512, description="most anchors (blocks) sampled per sequence in training, uniformly from the supervised "
         "positions that start a full block of real tokens")
-    gamma: PositiveFloat | None = Field(None, description="loss decay; None = 7 for B=16, 5 for 10, 4 for 8")
+    gamma: PositiveFloat | None = Field(
+        None, description="loss decay of loss_weighting decay; None = 7 for B=16, 5 for 10, 4 for 8")
+    loss_weighting: Literal["decay", "dpace"] = Field(
+        "decay", description="weight of each drafted slot's cross-entropy: decay = the published recipe's fixed "
+        "exp(-(j-1)/gamma); dpace = D-PACE (arXiv 2605.18810): each slot by how much the block's expected accepted "
+        "run depends on it, from the drafter's own confidences every step (the weight moves to later slots as "
+        "earlier ones become reliable)")
+    dpace_alpha: float = Field(
+        DEFAULT_DPACE_ALPHA, gt=0, le=1, description="D-PACE's confidence smoothing (1 = every slot's confidence counts as 1, "
+        "weights fall linearly with the slot; smaller = the drafter's confidences count more)")
     gradient_checkpointing: bool = Field(
         False,
         description="recompute drafter layers in backward: activations scale with num_anchors * block_size",
@@ -43,6 +54,16 @@ class ModelConfig(StrictModel):
         description="drafter training attention: flex = block-sparse FlexAttention (CUDA), sdpa = dense SDPA with a "
         "boolean mask (the reference); auto = flex on CUDA, sdpa elsewhere",
     )
+
+    @model_validator(mode="after")
+    def _one_weighting(self) -> "ModelConfig":
+        # by value, not by what was written: a full dump of the config (a deployment's parameters) names every key
+        if self.loss_weighting == "dpace" and self.gamma is not None:
+            raise ValueError("model.gamma is the decay of loss_weighting decay; loss_weighting is dpace: remove gamma")
+        if self.loss_weighting == "decay" and self.dpace_alpha != DEFAULT_DPACE_ALPHA:
+            raise ValueError("model.dpace_alpha applies to loss_weighting dpace only; loss_weighting is decay: set "
+                             "loss_weighting: dpace or remove dpace_alpha")
+        return self
 
     @model_validator(mode="after")
     def _one_type_per_layer(self) -> "ModelConfig":

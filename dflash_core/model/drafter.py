@@ -32,8 +32,16 @@ from dflash_core.model.attention import (
     per_layer,
     resolve_attention,
 )
-from dflash_core.model.config import ModelConfig
-from dflash_core.model.loss import LossOutput, decay_weights, default_gamma, weighted_cross_entropy
+from dflash_core.model.config import DEFAULT_DPACE_ALPHA, ModelConfig
+from dflash_core.model.loss import (
+    LossOutput,
+    LossWeighting,
+    cross_entropy_rows,
+    decay_weights,
+    default_gamma,
+    dpace_weights,
+    weighted_sum,
+)
 from dflash_core.model.target import TargetModel
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -229,6 +237,8 @@ class DFlashDrafter(nn.Module):
         gamma: float | None = None,
         gradient_checkpointing: bool = False,
         attention: AttentionKind = "auto",
+        loss_weighting: LossWeighting = "decay",
+        dpace_alpha: float = DEFAULT_DPACE_ALPHA,
     ):
         super().__init__()
         self.config = config
@@ -239,6 +249,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token: str | None = config.dflash_config.get("mask_token")
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
+        self.loss_weighting, self.dpace_alpha = loss_weighting, float(dpace_alpha)
         self.gradient_checkpointing = gradient_checkpointing
         self.attention = attention
         # what each layer sees (window, causal slots), as vLLM resolves it from this config
@@ -437,14 +448,19 @@ class DFlashDrafter(nn.Module):
     def block_targets(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(labels [N, nb, B] = input_ids[a + j], weights [N, nb, B] = loss_mask[a + j] * decay_j * valid)."""
+        """(labels [N, nb, B] = input_ids[a + j], weights [N, nb, B] = loss_mask[a + j] * w_j * valid): w_j the
+        fixed decay, or 1 for every drafted slot under D-PACE (whose weights come from the step's own
+        cross-entropies: `forward`)."""
         s = input_ids.shape[1]
         pos = (anchors[:, :, None] + torch.arange(self.block_size, device=anchors.device)).clamp(max=s - 1)
         flat = pos.view(pos.shape[0], -1)
         labels = input_ids.gather(1, flat).view(pos.shape).long()
         supervised = loss_mask.gather(1, flat).view(pos.shape).float()
-        decay = decay_weights(self.block_size, self.gamma, anchors.device)
-        return labels, supervised * decay * valid[:, :, None]
+        if self.loss_weighting == "dpace":
+            slot_weights = (torch.arange(self.block_size, device=anchors.device) > 0).float()
+        else:
+            slot_weights = decay_weights(self.block_size, self.gamma, anchors.device)
+        return labels, supervised * slot_weights * valid[:, :, None]
 
     def forward(
         self,
@@ -460,20 +476,29 @@ class DFlashDrafter(nn.Module):
         labels, weights = self.block_targets(input_ids, loss_mask, anchors, valid)
         labels, weights = labels.to(hidden.device), weights.to(hidden.device)
         selected = weights > 0
-        loss_sum, hits = weighted_cross_entropy(
-            hidden[selected], self.lm_head, labels[selected].to(self.lm_head.weight.device), weights[selected]
-        )
+        ce, hits = cross_entropy_rows(hidden[selected], self.lm_head, labels[selected].to(self.lm_head.weight.device))
+        if self.loss_weighting == "dpace":
+            weights = self._dpace(ce, selected)
+        row_weights = weights[selected]
+        loss_sum = weighted_sum(ce, row_weights.to(ce.device))
         slot = torch.arange(self.block_size, device=hidden.device).expand_as(selected)[selected]
         correct = torch.bincount(slot[hits.to(slot.device)], minlength=self.block_size)[1:]
         counted = torch.bincount(slot, minlength=self.block_size)[1:]
         return LossOutput(
             weighted_loss_sum=loss_sum,
-            weight_sum=weights.sum().detach(),
+            weight_sum=row_weights.sum().detach(),
             correct=correct,
             counted=counted,
             n_blocks=int(valid.sum()),
             visible_pairs=mean_visible_pairs(anchors, valid, self.block_size, self.layer_attention).detach(),
         )
+
+    def _dpace(self, ce: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """[N, nb, B] D-PACE weights from the selected slots' cross-entropies (0 elsewhere)."""
+        per_slot = torch.zeros(selected.shape, dtype=torch.float32, device=selected.device)
+        per_slot[selected] = ce.detach().to(selected.device)
+        size = self.block_size
+        return dpace_weights(per_slot.view(-1, size), selected.view(-1, size), self.dpace_alpha).view(selected.shape)
 
 
 def build_drafter(
@@ -505,6 +530,6 @@ def build_drafter(
     )
     drafter = DFlashDrafter(
         config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing,
-        cfg.attention,
+        cfg.attention, cfg.loss_weighting, cfg.dpace_alpha,
     )
     return drafter.to(target.device)

@@ -1,10 +1,12 @@
-"""The DFlash objective's pieces: decay weights, the weighted cross-entropy sums, per-slot metrics."""
+"""The DFlash objective's pieces: slot weights (the recipe's fixed decay or D-PACE's), the weighted cross-entropy
+sums, per-slot metrics."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # rows of the vocab projection computed at once: bounds the [rows, V] logits kept alive
 _CE_CHUNK_ROWS = 4096
+
+LossWeighting = Literal["decay", "dpace"]
 
 
 @dataclass
@@ -39,32 +43,54 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | None = N
     return torch.where(j == 0, torch.zeros_like(j), torch.exp(-(j - 1) / gamma))
 
 
-def weighted_cross_entropy(
-    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, weights: torch.Tensor
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[R, B] D-PACE slot weights (arXiv 2605.18810) of blocks' per-slot cross-entropies [R, B].
+
+    The expected accepted run of a block is sum_k prod_{i<=k} q_i over its drafted slots (q_i: the drafter's
+    probability of slot i's label), so slot j's weight is that run's sensitivity to log q_j: sum over k >= j of
+    prod_{i<=k} s_i, with the confidences smoothed, s_i = (1 - alpha) q_i + alpha, so that a young drafter's
+    near-zero confidences do not leave the later slots without weight. As the early slots become reliable the
+    weight moves to the later ones. A slot that is not supervised (slot 0, prompt tokens, a dropped block)
+    carries no weight and passes the run on (s = 1). No gradient flows through the weights.
+    """
+    with torch.no_grad():
+        mask = supervised.to(torch.float32)
+        q = torch.exp(-ce.float())
+        smooth = torch.where(supervised, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+        run = torch.cumprod(smooth, dim=-1) * mask
+        return run.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def cross_entropy_rows(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weight * CE, top-1 hit per row) for rows of final hidden states [N, H] through the vocab head.
+    """(cross-entropy [N] float32, top-1 hit [N]) of rows of final hidden states [N, H] through the vocab head.
 
     Chunks are recomputed in backward, so the [N, V] logits never exist all at once.
     """
     losses, hits = [], []
     for start in range(0, hidden.shape[0], _CE_CHUNK_ROWS):
         rows = slice(start, start + _CE_CHUNK_ROWS)
-        loss, hit = checkpoint(
-            _chunk_ce, hidden[rows], head.weight, labels[rows], weights[rows], use_reentrant=False
-        )
+        loss, hit = checkpoint(_chunk_ce, hidden[rows], head.weight, labels[rows], use_reentrant=False)
         losses.append(loss)
         hits.append(hit)
     if not losses:
-        return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return torch.stack(losses).sum(), torch.cat(hits)
+        return hidden.sum(-1).float() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return torch.cat(losses), torch.cat(hits)
 
 
-def _chunk_ce(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_sum(ce: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(weights * ce), added up chunk by chunk as cross_entropy_rows computed them (the numerics the golden
+    run pins)."""
+    if not ce.numel():
+        return ce.sum()
+    parts = zip(ce.split(_CE_CHUNK_ROWS), weights.split(_CE_CHUNK_ROWS), strict=True)
+    return torch.stack([(c * w).sum() for c, w in parts]).sum()
+
+
+def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(hidden.to(weight.dtype), weight).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(-1) == labels
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1) == labels
 
 
 def slot_accuracy(
