@@ -47,9 +47,10 @@ def chain_batch(step: int, perm: torch.Tensor, n: int = 4, s: int = 40) -> dict[
 
 
 @pytest.mark.slow
-def test_loss_falls_and_slot_accuracy_rises():
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_loss_falls_and_slot_accuracy_rises(weighting):
     target = tiny_target(seed=0, init_std=0.02)
-    drafter = tiny_drafter(target, layers=1, block_size=4, num_anchors=16, seed=3)
+    drafter = tiny_drafter(target, layers=1, block_size=4, num_anchors=16, seed=3, loss_weighting=weighting)
     perm = torch.randperm(MASK_ID, generator=torch.Generator().manual_seed(5))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
