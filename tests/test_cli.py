@@ -67,6 +67,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, example_assets):
     bad_edges = dflash("plan", "--tokenized", str(tmp_path), "--out", str(tmp_path / "p"), "--buckets", "x,y",
                        expect=2)
     assert "--buckets" in bad_edges["stderr"]
+    no_drafter = dflash("train", "--tokenized", str(tmp_path / "tok"), "--plan", str(tmp_path / "plan"), "--out",
+                        str(tmp_path / "run"), "--set", "train.init_from=none", expect=2)
+    assert "dflash train: error: train.init_from none: " in no_drafter["stderr"]
+    assert "/none/config.json: missing" in no_drafter["stderr"] and "'promoted' or null" in no_drafter["stderr"]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
