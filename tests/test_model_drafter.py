@@ -271,6 +271,7 @@ def test_loss_sums_and_slot_metrics_match_a_manual_computation(target, drafter):
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
     torch.testing.assert_close(out.weighted_loss_sum, (ce * weights).sum(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.weight_sum, weights.sum())
+    torch.testing.assert_close(out.slot_weight, weights.sum((0, 1))[1:])
     counted = (weights > 0).sum((0, 1))[1:]
     correct = ((logits.argmax(-1) == labels) & (weights > 0)).sum((0, 1))[1:]
     assert out.counted.tolist() == counted.tolist() and out.correct.tolist() == correct.tolist()
@@ -320,6 +321,7 @@ def test_dpace_loss_is_the_cross_entropy_under_its_own_detached_weights(target):
     expected = (ce * weights).sum()
     torch.testing.assert_close(out.weighted_loss_sum, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.weight_sum, weights.sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.slot_weight, weights.sum((0, 1))[1:], rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(out.weighted_loss_sum, list(d.parameters()))
     want = torch.autograd.grad(expected, list(d.parameters()))
     for got, ref in zip(grads, want, strict=True):

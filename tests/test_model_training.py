@@ -54,18 +54,24 @@ def test_loss_falls_and_slot_accuracy_rises(weighting):
     perm = torch.randperm(MASK_ID, generator=torch.Generator().manual_seed(5))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
-    losses, correct, counted = [], [], []
+    losses, correct, counted, shares = [], [], [], []
     for step in range(STEPS):
         batch = chain_batch(step, perm)
         out = _train_step(drafter, target, opt, batch, generator)
         losses.append((out.weighted_loss_sum / out.weight_sum).item())
         correct.append(out.correct)
         counted.append(out.counted)
+        shares.append((out.slot_weight / out.weight_sum).tolist())
     first = slot_accuracy(sum(correct[:WINDOW]), sum(counted[:WINDOW]))
     last = slot_accuracy(sum(correct[-WINDOW:]), sum(counted[-WINDOW:]))
     assert sum(losses[-WINDOW:]) < 0.8 * sum(losses[:WINDOW]), (losses[:WINDOW], losses[-WINDOW:])
     assert all(b > a + 0.3 and b > 0.5 for a, b in zip(first, last, strict=True)), (first, last)
     assert simulated_acceptance_length(last) > simulated_acceptance_length(first) + 1.0
+    first_share, last_share = np.mean(shares[:WINDOW], 0), np.mean(shares[-WINDOW:], 0)
+    if weighting == "dpace":  # as the first slots become reliable, the weight moves to the later ones
+        assert last_share[0] < first_share[0] - 0.01 and last_share[-1] > first_share[-1] + 0.005, shares
+    else:  # the decay's shares are fixed
+        np.testing.assert_allclose(last_share, first_share, atol=1e-6)
 
 
 # ---- the built-in example: a real (tiny) target trained on the example corpus --------------------------------

@@ -82,6 +82,8 @@ def test_gradient_is_that_of_the_step_loss_not_a_mean_of_micro_means(parts):
     assert set(record["loss_by_bucket"]) == {"0", "1"}
     assert record["n_loss_tokens"] == sum(b.n_loss_tokens for b in batches)
     assert record["tflops"] > 0 and record["mfu"] is None  # no peak for a CPU unless train.peak_tflops is set
+    share = (sum(o.slot_weight for o in outs) / sum(o.weight_sum for o in outs)).tolist()
+    assert record["weight_by_slot"] == pytest.approx(share, rel=1e-6) and sum(share) == pytest.approx(1.0)
 
 
 def test_clip_flag_and_threshold_logged(parts):

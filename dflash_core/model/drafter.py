@@ -484,6 +484,7 @@ class DFlashDrafter(nn.Module):
         slot = torch.arange(self.block_size, device=hidden.device).expand_as(selected)[selected]
         correct = torch.bincount(slot[hits.to(slot.device)], minlength=self.block_size)[1:]
         counted = torch.bincount(slot, minlength=self.block_size)[1:]
+        slot_weight = torch.bincount(slot, row_weights.to(slot.device).detach(), minlength=self.block_size)[1:]
         return LossOutput(
             weighted_loss_sum=loss_sum,
             weight_sum=row_weights.sum().detach(),
@@ -491,6 +492,7 @@ class DFlashDrafter(nn.Module):
             counted=counted,
             n_blocks=int(valid.sum()),
             visible_pairs=mean_visible_pairs(anchors, valid, self.block_size, self.layer_attention).detach(),
+            slot_weight=slot_weight.float(),
         )
 
     def _dpace(self, ce: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

@@ -83,9 +83,9 @@ class StepStats:
         self.buckets = list(buckets)
         self.index = {b: i for i, b in enumerate(self.buckets)}
         nb = len(self.buckets)
-        # loss_sum, weight_sum, n_tokens, n_loss_tokens, n_samples, correct[s], counted[s], per bucket:
+        # loss_sum, weight_sum, n_tokens, n_loss_tokens, n_samples, correct[s], counted[s], weight[s], per bucket:
         # loss, weight, micro-batches, tokens
-        self.sums = torch.zeros(5 + 2 * n_slots + 4 * nb, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(5 + 3 * n_slots + 4 * nb, dtype=torch.float64, device=device)
         self.device = device
         self.max_len = 0
         self.wait_s = 0.0  # this rank's time blocked on its inbox during the step
@@ -104,7 +104,9 @@ class StepStats:
         v[4] += batch.n_samples
         v[5 : 5 + s] += out.correct.double()
         v[5 + s : 5 + 2 * s] += out.counted.double()
-        base = 5 + 2 * s
+        if out.slot_weight is not None:
+            v[5 + 2 * s : 5 + 3 * s] += out.slot_weight.double()
+        base = 5 + 3 * s
         v[base + b] += loss_sum.detach().double()
         v[base + nb + b] += out.weight_sum.double()
         v[base + 2 * nb + b] += 1
@@ -127,7 +129,7 @@ class StepStats:
         """The step's metadata and quality metrics (after all_reduce)."""
         v = self.sums.tolist()
         s, nb = self.n_slots, len(self.buckets)
-        base = 5 + 2 * s
+        base = 5 + 3 * s
         present = [i for i in range(nb) if v[base + 2 * nb + i] > 0]
         acc_by_slot = slot_accuracy(v[5 : 5 + s], v[5 + s : 5 + 2 * s])
         counted = sum(v[5 + s : 5 + 2 * s])
@@ -136,6 +138,8 @@ class StepStats:
             "acc": sum(v[5 : 5 + s]) / counted if counted else math.nan,
             "accept_len": simulated_acceptance_length(acc_by_slot),
             "acc_by_slot": acc_by_slot,
+            # each slot's share of the step's loss weight: fixed under the decay, moving under D-PACE
+            "weight_by_slot": [w / v[1] if v[1] > 0 else math.nan for w in v[5 + 2 * s : 5 + 3 * s]],
             "n_tokens": int(v[2]),
             "n_loss_tokens": int(v[3]),
             "n_samples": int(v[4]),
