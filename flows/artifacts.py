@@ -29,6 +29,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
 from dflash_core.monitor.curves import curves_figure
+from dflash_core.monitor.validation_plot import VALIDATION_PNG
 from dflash_core.plan.plots import plan_figure
 from flows import storage
 from flows.metrics_tail import MetricsTail, is_step, is_val, read_records
@@ -331,11 +332,15 @@ def report_markdown(report: dict[str, Any], report_dir: str, drafter_dir: str) -
     if failed:
         lines += ["Failed: " + ", ".join(f"**{n}**" for n in failed), ""]
     png = storage.join(report_dir, "stability.png")
-    lines += [markdown_table(rows), "", inline_png(png, "stability plot: loss, grad norm, bucket mix"), "",
-              "Full resolution: " + " · ".join([
-                  storage_link(png, "stability.png"),
-                  storage_link(storage.join(report_dir, "report.md"), "report.md"),
-                  storage_link(drafter_dir, "drafter", folder=True)])]
+    lines += [markdown_table(rows), "", inline_png(png, "stability plot: loss, grad norm, bucket mix"), ""]
+    links = [storage_link(png, "stability.png")]
+    if (report.get("files") or {}).get("validation"):  # the run logged validation records
+        validation = storage.join(report_dir, VALIDATION_PNG)
+        lines += [inline_png(validation, "validation curves, then accuracy and loss weight by drafted slot"), ""]
+        links.append(storage_link(validation, VALIDATION_PNG))
+    links += [storage_link(storage.join(report_dir, "report.md"), "report.md"),
+              storage_link(drafter_dir, "drafter", folder=True)]
+    lines.append("Full resolution: " + " · ".join(links))
     return "\n".join(lines)
 
 

@@ -88,6 +88,20 @@ def test_report_page_puts_failures_first_with_the_plot_inline(failed_run):
     assert "file://" not in page and f"`{run}/report/stability.png`" in page
 
 
+def test_report_page_shows_the_validation_picture_when_the_run_validated(tmp_path):
+    train = [{"step": i, "loss": 3.0 - 0.01 * i, "grad_norm": 1.0, "clipped": False, "clip": 4.0,
+              "nonfinite": False, "lr": 1e-3, "weight_by_slot": [0.6, 0.3, 0.1]} for i in range(60)]
+    val = [{"kind": "val", "step": i, "val_loss": 2.5, "val_accept_len": 1.1 + 0.01 * i,
+            "val_acc_by_slot": [0.5, 0.3, 0.1]} for i in (19, 39, 59)]
+    metrics = write_jsonl(train[:20] + val[:1] + train[20:40] + val[1:2] + train[40:] + val[2:],
+                          tmp_path / "metrics.jsonl")
+    report = run_check(metrics, str(tmp_path / "report"), CheckConfig(spike_window=20, loss_window=20))
+    page = artifacts.report_markdown(report, str(tmp_path / "report"), str(tmp_path / "drafter"))
+    (_, stability, _), (alt, picture, size) = images(page)
+    assert "by drafted slot" in alt and size <= artifacts.IMAGE_BUDGET and picture.height > stability.height / 2
+    assert f"`{tmp_path}/report/validation.png`" in page
+
+
 def test_plan_page_shows_shares_and_runs(tmp_path):
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in np.concatenate([rng.integers(20, 400, 1500), rng.integers(2000, 8000, 400)])]

@@ -15,6 +15,7 @@ from dflash_core.monitor.check import run_check
 from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.sinks import JsonlSink
 from dflash_core.monitor.sources import read_jsonl, record_kind
+from dflash_core.monitor.validation_plot import render_validation_png, slot_series
 from dflash_core.plan.io import read_plan, read_val
 from dflash_core.runtime.train_loop import LoopSettings
 from dflash_core.runtime.validate import BestTracker, Validator
@@ -114,6 +115,23 @@ def test_stability_check_sets_validation_records_aside_knowingly(tmp_path):
     assert any("6 validation records" in note for note in report["notes"])
     png = tmp_path / "report" / "validation.png"
     assert report["files"]["validation"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_by_slot_panel_shows_the_best_validation_and_the_first_and_last_weight_shares():
+    train = [{**_train(step), "weight_by_slot": [0.6 - 0.1 * step, 0.4 + 0.1 * step]} for step in range(3)]
+    val = [{**_val(0), "val_accept_len": 1.5, "val_acc_by_slot": [0.5, 0.2]},
+           {**_val(2), "val_accept_len": 1.4, "val_acc_by_slot": [0.4, 0.1]},
+           {**_val(1), "val_accept_len": float("nan"), "val_acc_by_slot": [float("nan")] * 2}]
+    slots = slot_series(train, val)
+    assert slots == {"slots": [1, 2], "best_step": 0, "accuracy": [0.5, 0.2], "first": (0, [0.6, 0.4]),
+                     "last": (2, [pytest.approx(0.4), pytest.approx(0.6)])}
+    png = render_validation_png(train, val, "run")
+    assert png[:4] == b"\x89PNG"
+    # a log from before these fields: no panel, the two step panels as before (a shorter picture)
+    old = [_train(step) for step in range(3)], [{k: v for k, v in _val(1).items() if k != "val_acc_by_slot"}]
+    assert slot_series(*old) is None
+    height = lambda image: int.from_bytes(image[20:24], "big")  # noqa: E731 (the PNG header's IHDR height)
+    assert (height(png), height(render_validation_png(*old, "run"))) == (950, 650)
 
 
 def test_progress_reader_tells_validation_records_from_steps(tmp_path):
