@@ -15,7 +15,7 @@ from dflash_core.monitor.check import run_check
 from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.sinks import JsonlSink
 from dflash_core.monitor.sources import read_jsonl, record_kind
-from dflash_core.monitor.validation_plot import render_validation_png, slot_series
+from dflash_core.monitor.validation_plot import best_validation, render_validation_png, slot_series
 from dflash_core.plan.io import read_plan, read_val
 from dflash_core.runtime.train_loop import LoopSettings
 from dflash_core.runtime.validate import BestTracker, Validator
@@ -127,6 +127,8 @@ def test_the_by_slot_panel_shows_the_best_validation_and_the_first_and_last_weig
                      "last": (2, [pytest.approx(0.4), pytest.approx(0.6)])}
     png = render_validation_png(train, val, "run")
     assert png[:4] == b"\x89PNG"
+    # equal acceptance lengths: the earlier one, as drafter-best/ keeps it (BestTracker takes a strictly better one)
+    assert best_validation([_val(3), {**_val(5), "val_accept_len": 1.2}])["step"] == 3
     # a log from before these fields: no panel, the two step panels as before (a shorter picture)
     old = [_train(step) for step in range(3)], [{k: v for k, v in _val(1).items() if k != "val_acc_by_slot"}]
     assert slot_series(*old) is None

@@ -28,9 +28,9 @@ class LossOutput:
     weight_sum: torch.Tensor  # scalar float32, no graph
     correct: torch.Tensor  # [B-1] int64, top-1 hits per slot 1..B-1
     counted: torch.Tensor  # [B-1] int64, supervised targets per slot 1..B-1
+    slot_weight: torch.Tensor  # [B-1] float32, the loss weight summed per slot 1..B-1
     n_blocks: int
     visible_pairs: torch.Tensor | None = None  # float64 scalar: (query, key) pairs the attention mask lets through
-    slot_weight: torch.Tensor | None = None  # [B-1] float32, the loss weight summed per slot 1..B-1
 
 
 def default_gamma(block_size: int) -> float:

@@ -17,11 +17,17 @@ from matplotlib.figure import Figure
 VALIDATION_PNG = "validation.png"
 
 
+def best_validation(val: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The validation record drafter-best/ holds: the highest finite acceptance length, the earliest of equals
+    (runtime/validate.py BestTracker takes only a strictly better one)."""
+    finite = [r for r in val if r.get("val_accept_len") is not None and r["val_accept_len"] == r["val_accept_len"]]
+    return max(finite, key=lambda r: r["val_accept_len"], default=None)
+
+
 def slot_series(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> dict[str, Any] | None:
     """By drafted slot 1..B-1: the best validation's accuracy and the first and last steps' weight shares (None
     when the log has neither, as logs written before these fields)."""
-    finite = [r for r in val if r.get("val_accept_len") is not None and r["val_accept_len"] == r["val_accept_len"]]
-    best = max(finite, key=lambda r: r["val_accept_len"], default=None)
+    best = best_validation(val)
     accuracy = best.get("val_acc_by_slot") if best else None
     weighted = [r for r in train if r.get("weight_by_slot")]
     if not accuracy and not weighted:
@@ -50,10 +56,10 @@ def render_validation_png(train: list[dict[str, Any]], val: list[dict[str, Any]]
     loss_ax.plot(vsteps, [_num(r.get("val_loss")) for r in val], "o-", color="tab:blue", label="validation loss")
     accept = [_num(r.get("val_accept_len")) for r in val]
     acc_ax.plot(vsteps, accept, "o-", color="tab:green", label="validation")
-    finite = [(a, s) for a, s in zip(accept, vsteps, strict=True) if a == a]
-    if finite:
-        best, step = max(finite)
-        acc_ax.axvline(step, color="tab:red", ls="--", lw=1, label=f"best: step {step} ({best:.3f}) = drafter-best/")
+    if best := best_validation(val):
+        step = best["step"]
+        acc_ax.axvline(step, color="tab:red", ls="--", lw=1,
+                       label=f"best: step {step} ({best['val_accept_len']:.3f}) = drafter-best/")
     loss_ax.set_ylabel("loss (weighted CE)")
     acc_ax.set_ylabel("simulated acceptance length")
     acc_ax.set_xlabel("optimizer step")

@@ -104,8 +104,7 @@ class StepStats:
         v[4] += batch.n_samples
         v[5 : 5 + s] += out.correct.double()
         v[5 + s : 5 + 2 * s] += out.counted.double()
-        if out.slot_weight is not None:
-            v[5 + 2 * s : 5 + 3 * s] += out.slot_weight.double()
+        v[5 + 2 * s : 5 + 3 * s] += out.slot_weight.double()
         base = 5 + 3 * s
         v[base + b] += loss_sum.detach().double()
         v[base + nb + b] += out.weight_sum.double()
