@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from typing import Any, TypeVar
 
 import fsspec
@@ -58,9 +61,42 @@ def _key(err: Any) -> str:
     return ".".join(str(p) for p in err["loc"] if "[" not in str(p)) or TOP_LEVEL
 
 
-def _describe(key: str, errs: list[Any]) -> str:
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The config sections a field's type holds (`RegenerateConfig`, `RegenerateConfig | None`, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _sections(arg)]
+    return []
+
+
+def _key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config model, sections and the keys inside them."""
+    paths = []
+    for name, field in model.model_fields.items():
+        paths.append(prefix + name)
+        for section in _sections(field.annotation):
+            paths.extend(_key_paths(section, f"{prefix}{name}."))
+    return paths
+
+
+def _did_you_mean(model: type[BaseModel], key: str) -> str:
+    """For an unknown key: the same name in another section (`train.block_size` -> `model.block_size`), else a
+    close spelling beside it (`train.lrr` -> `train.lr`), else a close spelling anywhere; '' when none is near."""
+    paths = _key_paths(model)
+    parent, _, leaf = key.rpartition(".")
+    found = [p for p in paths if p.rpartition(".")[2] == leaf]
+    if not found:
+        beside = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
+        found = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(leaf, beside, n=3, cutoff=0.7)]
+    if not found:
+        found = difflib.get_close_matches(key, paths, n=3, cutoff=0.8)
+    return f" (did you mean {' or '.join(repr(p) for p in found)}?)" if found else ""
+
+
+def _describe(model: type[BaseModel], key: str, errs: list[Any]) -> str:
     if errs[0]["type"] == "extra_forbidden":
-        return f"unknown key '{key}'"
+        return f"unknown key '{key}'{_did_you_mean(model, key)}"
     if errs[0]["type"] == "missing":
         return f"missing key '{key}'"
     said = " or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
@@ -79,7 +115,7 @@ def validate_mapping(model: type[M], raw: Any, source: str) -> M:
         by_key: dict[str, list[Any]] = {}
         for err in exc.errors():
             by_key.setdefault(_key(err), []).append(err)
-        problems = "; ".join(_describe(key, errs) for key, errs in by_key.items())
+        problems = "; ".join(_describe(model, key, errs) for key, errs in by_key.items())
         error = ConfigError(f"{source}: {problems}")
         error.keys = list(by_key)
         raise error from None

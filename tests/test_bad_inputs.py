@@ -108,7 +108,7 @@ CASES: list[Case] = [
                                                    "--buckets", "512,128"], 2, ("--buckets (over", "ascending")),
     ("check-set-unknown-key", lambda t, e: ["check", "--metrics", _metrics(t / "m.jsonl", _steps(300)), "--out",
                                             str(t / "r"), "--set", "check.fail_unjudgd=false"], 2,
-     ("--set check.fail_unjudgd: unknown key 'fail_unjudgd'",)),
+     ("--set check.fail_unjudgd: unknown key 'fail_unjudgd' (did you mean 'fail_unjudged'?)",)),
     ("plan-into-its-own-input", lambda t, e: ["plan", "--tokenized", str(t), "--out", str(t), "--overwrite"], 2,
      ("holds this stage's input --tokenized",)),
     ("train-without-tokenized-data", lambda t, e: ["train", "--tokenized", str(t / "nope"), "--plan", str(t),

@@ -43,6 +43,11 @@ def test_minimal_config_fills_defaults(tmp_path):
         (MINIMAL + "plan: {max_tokens: lots}\n", "key 'plan.max_tokens'"),
         (MINIMAL + "train: {learning_rate: 0.1}\n", "unknown key 'train.learning_rate'"),
         (MINIMAL + "extra_section: {}\n", "unknown key 'extra_section'"),
+        # an unknown key names the key the user most likely meant
+        (MINIMAL + "train: {lrr: 0.1}\n", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+        (MINIMAL + "train: {block_size: 8}\n", "unknown key 'train.block_size' (did you mean 'model.block_size'?)"),
+        ("data: {source: d, tokenizer: t, regenerate: {max_token: 9}}\nmodel: {target: t}\n",
+         "unknown key 'data.regenerate.max_token' (did you mean 'data.regenerate.max_tokens'?)"),
         ("model: {target: t}\n", "missing key 'data'"),
         (MINIMAL + "plan: {buckets: [512, 256]}\n", "key 'plan.buckets'"),
         (MINIMAL + "plan: [1, 2\n", "invalid YAML: line"),
@@ -114,7 +119,7 @@ def test_bad_overrides_and_files_are_named_precisely(tmp_path):
     with pytest.raises(ConfigError, match=r"^--set train.lr \(over .*tiny-cpu.yaml\): key 'train.lr'"):
         load_config("tiny-cpu", {"train.lr": "abc"})
     # an unknown section or key given by --set is --set's fault too, and a union's member tags are no keys
-    with pytest.raises(ConfigError, match=r"^--set trian.lr \(over .*tiny-cpu.yaml\): unknown key 'trian'$"):
+    with pytest.raises(ConfigError, match=r"^--set trian.lr \(over .*tiny-cpu.yaml\): unknown key 'trian' \(did you mean 'train'\?\)$"):
         load_config("tiny-cpu", {"trian.lr": 1e-3})
     with pytest.raises(ConfigError, match=r"^--set plan.buckets \(over .*\): key 'plan.buckets': Input should be "
                                           r"'auto' or Input should be a valid list \(got 'foo'\)$"):
