@@ -162,7 +162,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     cfg = resolve_init_from(_resolved(_config(args)))  # init_from: promoted -> a path, before any worker
-    check_init_from(cfg.train.init_from)  # not a drafter folder: said before the shard copy and the workers
+    # not a whole drafter folder for this target: said before the shard copy and the workers
+    check_init_from(cfg.train.init_from, cfg.model.target, cfg.model.trust_remote_code)
     summary = launch_train(  # the workers read <out>/config.yaml, written once the run folder is locked
         tokenized=args.tokenized, plan=args.plan, out=args.out, config=lambda: write_run_config(cfg, args.out),
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,

@@ -16,9 +16,10 @@ def promotion_markdown(decision: dict[str, Any]) -> str:
     incumbent = decision.get("incumbent_run") or "none (nothing promoted yet)"
     lines = [
         f"# Promotion: **{outcome}**", "", decision["reason"], "",
-        "| drafter | run | tau |", "|---|---|---|",
-        f"| new | {decision['run']} | {_fmt(decision['tau'])} |",
-        f"| promoted (incumbent) | {incumbent} | {_fmt(decision['incumbent_tau'])} |", "",
+        "| drafter | run | tau | block size |", "|---|---|---|---|",
+        f"| new | {decision['run']} | {_fmt(decision['tau'])} | {_fmt(decision.get('block_size'))} |",
+        f"| promoted (incumbent) | {incumbent} | {_fmt(decision['incumbent_tau'])} | "
+        f"{_fmt(decision.get('incumbent_block_size'))} |", "",
         f"Stability verdict: {decision['verdict']}. Evaluation prompts: the first {prompts['limit']} of "
         f"`{prompts['data']}`, {prompts['max_new_tokens']} new tokens each.",
     ]

@@ -59,8 +59,11 @@ def retrain_drafter(
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
-    check_incumbent(root)  # a damaged promoted/ fails the run now, not after the GPU hours
-    check_init_from(config.train.init_from)  # so does a warm start that is not a drafter folder
+    # a promoted drafter the gate could not measure (damaged, or for another target) fails the run now, not after
+    # the GPU hours; so does a warm start that is not a whole drafter folder for this target
+    target = (config.model.target, config.model.trust_remote_code)
+    check_incumbent(root, *target)
+    check_init_from(config.train.init_from, *target)
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)

@@ -27,7 +27,7 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     assert result["best_val_accept_len"] >= 1.0 and result["val_accept_len"] >= 1.0 and result["val_loss"] > 0
     assert result["init_from"] is None  # nothing was promoted yet: trained from scratch
     record = json.loads((store / "promoted" / "promoted.json").read_text())
-    assert record["run"] == result["run"] and record["tau"] == result["tau"]
+    assert record["run"] == result["run"] and record["tau"] == result["tau"] and record["block_size"] == 8
     assert record["eval_set"] == {"data": example_assets.heldout, "limit": 2, "max_new_tokens": 16}
     weights = Path(promoted_drafter(str(store))) / "model.safetensors"
     assert weights.read_bytes() == (Path(result["drafter"]) / "model.safetensors").read_bytes()
@@ -57,5 +57,5 @@ def test_promotion_markdown_shows_both_drafters_and_the_decision():
         "gain": {"pairs": 9, "mean": -0.1, "lower": -0.25, "p_value": 0.93, "confidence": 0.95},
     })
     assert "Paired over 9 responses" in text and "mean gain -0.1000" in text and "95% lower bound -0.2500" in text
-    assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 |" in text
+    assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 | - |" in text
     assert "| promoted (incumbent) | runs/a | 1.3000 |" in text and "first 8 of `d.jsonl`" in text

@@ -9,10 +9,12 @@ import uuid
 
 import fsspec
 import pytest
+from common.models import save_tiny_qwen3, tiny_drafter, tiny_target
 from scipy import stats
 
 from dflash_app.config import load_config
 from dflash_core import atomic_dir, publish
+from dflash_core.model.export import ExportError, save_dflash
 from dflash_core.model.paired import paired_gain
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
@@ -237,7 +239,6 @@ def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fa
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "HAND"}
     assert store.resolve_init_from(cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"init_from": "promoted"})})).train.init_from == promoted_drafter(root)
-    store.check_incumbent(root)  # a placed drafter is not damage
 
     promote_if_better(cfg, "runs/c", _drafter(f"{root}/runs/c/drafter", "C"), "pass", {
         **gate.measure(cfg, f"{root}/runs/c/drafter"), "tau": 9.0})
@@ -245,6 +246,89 @@ def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fa
     fs.rm(f"{promoted_drafter(root)}/model.safetensors")
     with pytest.raises(store.PromotionError, match="names run runs/c but its drafter lacks model.safetensors"):
         store.check_incumbent(root)
+
+
+def test_the_gate_never_replaces_a_drafter_it_could_not_measure_or_serving_is_not_set_for(root, monkeypatch):
+    """An incumbent that fails to decode (damaged after the flow's start check) is kept, not treated as absent; a
+    better drafter of another block size waits for eval.allow_block_size_change (serving's setting must change
+    with it); a retried run that finds its own drafter promoted says so instead of 'not better than itself'."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    new_dir = _drafter(f"{root}/runs/b/drafter", "B")
+
+    def decoding(new_block: int, old_block: int = 16, broken: bool = False):
+        def tau_of(cfg, target, drafter_dir):
+            if drafter_dir != promoted_drafter(root):
+                return {"tau": 1.9, "per_response": [1.8, 2.0], "block_size": new_block}
+            if broken:
+                raise ExportError(f"{drafter_dir}/model.safetensors: not a readable safetensors file")
+            return {"tau": 1.4, "per_response": [1.3, 1.5], "block_size": old_block}
+        return tau_of
+
+    before = _read(f"{root}/promoted/promoted.json")
+    monkeypatch.setattr(gate, "_tau", decoding(16, broken=True))
+    scores = gate.measure(cfg, new_dir)
+    assert scores["incumbent_tau"] is None and "not a readable safetensors" in scores["incumbent_error"]
+    decision = promote_if_better(cfg, "runs/b", new_dir, "pass", scores)
+    assert not decision["promoted"] and decision["reason"].startswith("the promoted drafter could not be measured")
+    assert f"this run's drafter stays in {new_dir}" in decision["reason"]
+    assert _read(f"{root}/promoted/promoted.json") == before
+
+    monkeypatch.setattr(gate, "_tau", decoding(8))
+    scores = gate.measure(cfg, new_dir)
+    decision = promote_if_better(cfg, "runs/b", new_dir, "pass", scores)
+    assert not decision["promoted"] and (decision["block_size"], decision["incumbent_block_size"]) == (8, 16)
+    assert "beats the promoted drafter's 1.4000" in decision["reason"]
+    assert "but its block size 8 differs from the promoted drafter's 16" in decision["reason"]
+    assert _read(f"{root}/promoted/promoted.json") == before
+    allowed = promote_if_better(_cfg(root, **{"eval.allow_block_size_change": True}), "runs/b", new_dir, "pass",
+                                scores)
+    assert allowed["promoted"] and read_promoted(root)["block_size"] == 8
+
+    promoted = _read(f"{root}/promoted/promoted.json")
+    monkeypatch.setattr(gate, "_tau", lambda cfg, target, drafter_dir: {"tau": 1.9, "per_response": [1.8, 2.0],
+                                                                        "block_size": 8})
+    retried = promote_if_better(cfg, "runs/b", new_dir, "pass", gate.measure(cfg, new_dir))
+    assert retried["promoted"] and retried["reason"].startswith("this run's drafter is already the promoted one")
+    assert retried["promoted_drafter"] == promoted_drafter(root)
+    assert _read(f"{root}/promoted/promoted.json") == promoted  # not copied again
+    other = _drafter(f"{root}/runs/b2/drafter", "B2")  # same run folder name, other weights: compared as usual
+    assert not promote_if_better(cfg, "runs/b", other, "pass", gate.measure(cfg, other))["promoted"]
+
+
+def test_an_incumbent_the_gate_could_not_measure_fails_before_training(tmp_path):
+    """The gate measures the promoted drafter after training; one it cannot load on this run's target (files cut
+    short, a record that is no JSON, a drafter for another target) failed the flow after the GPU hours, and every
+    night after. It is refused at the start, saying what to restore."""
+    target, other = save_tiny_qwen3(tmp_path / "target"), save_tiny_qwen3(tmp_path / "other", hidden=32)
+    root = str(tmp_path / "store")
+    save_dflash(tiny_drafter(tiny_target()), promoted_drafter(root))  # placed by hand, for `target`
+    store.check_incumbent(root, target)  # whole, for this target: not damage
+    store.check_incumbent(root)  # no target named: the files alone
+    with pytest.raises(store.PromotionError, match=r"trained for another target: hidden_size=64 but the target has "
+                                                   r"32; copy the drafter placed there by hand again, or, for a new "
+                                                   r"target, give this run its own storage.root"):
+        store.check_incumbent(root, other)
+    weights = tmp_path / "store" / "promoted" / "drafter" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-10])
+    (tmp_path / "store" / "promoted" / "promoted.json").write_text(
+        json.dumps({"run": "runs/a", "drafter": "/s/runs/a/drafter"}))
+    with pytest.raises(store.PromotionError, match=rf"model.safetensors: {len(whole) - 10} bytes where its header "
+                                                   rf"describes {len(whole)}: the file was cut short .* restore it "
+                                                   r"from run runs/a's drafter/ folder \(/s/runs/a/drafter\)"):
+        store.check_incumbent(root, target)
+    weights.write_bytes(b"0123456789")
+    with pytest.raises(store.PromotionError, match=r"model.safetensors: not a safetensors file \(10 bytes, no header"):
+        store.check_incumbent(root, target)
+    weights.write_bytes(whole)
+    (tmp_path / "store" / "promoted" / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(store.PromotionError, match=r"config.json: architectures must include 'DFlashDraftModel'"):
+        store.check_incumbent(root, target)
+    (tmp_path / "store" / "promoted" / "promoted.json").write_text("{run: x}")
+    with pytest.raises(store.PromotionError, match=r"promoted/promoted.json: not a JSON record \(.*line 1 column 2"):
+        read_promoted(root)
 
 
 @pytest.mark.slow

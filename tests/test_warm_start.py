@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from common.models import tiny_drafter, tiny_target
+from common.models import save_tiny_qwen3, tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
 from dflash_app.config import load_config
@@ -91,6 +91,16 @@ def test_init_from_is_checked_before_the_run_pays_for_anything(tmp_path, target)
     (tmp_path / "drafter" / "config.json").write_text("{")
     with pytest.raises(WarmStartError, match=r"config.json: invalid JSON at line 1"):
         check_init_from(str(tmp_path / "drafter"))
+    # weights cut short, or a drafter trained for another target (its config against the target's config)
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    mine, other = save_tiny_qwen3(tmp_path / "mine"), save_tiny_qwen3(tmp_path / "other", layers=6)
+    check_init_from(str(tmp_path / "drafter"), mine)
+    with pytest.raises(WarmStartError, match=r"trained for another target: num_target_layers=4 but the target has 6"):
+        check_init_from(str(tmp_path / "drafter"), other)
+    weights = tmp_path / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])
+    with pytest.raises(WarmStartError, match=r"model.safetensors: \d+ bytes where its header describes \d+"):
+        check_init_from(str(tmp_path / "drafter"), mine)
 
 
 def test_promoted_resolves_to_the_promoted_drafter_or_to_scratch(tmp_path, target):

@@ -25,7 +25,7 @@ from dflash_core.model.attention import (
     layer_spelling,
 )
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
-from dflash_core.model.target import TargetModel
+from dflash_core.model.target import TargetModel, target_dims
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -178,25 +178,84 @@ def read_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]
 def read_weights(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, torch.Tensor]:
     """Every tensor of a drafter folder: model.safetensors, or the shards model.safetensors.index.json maps
     (larger published drafters are saved sharded). Safetensors only: nothing is unpickled."""
-    index_path = posixpath.join(root, INDEX_FILE)
-    files = [WEIGHTS_FILE]
-    if not fs.exists(posixpath.join(root, WEIGHTS_FILE)) and fs.exists(index_path):
-        weight_map = read_config_json(fs, index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ExportError(f"{index_path}: no weight_map naming the shards")
-        files = sorted(set(weight_map.values()))
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in _weight_files(fs, root):
         path = posixpath.join(root, name)
         try:
             with fs.open(path, "rb") as fh:
                 tensors.update(load_safetensors(fh.read()))
         except FileNotFoundError:
-            raise ExportError(f"{path}: missing (a DFlash drafter folder holds config.json + {WEIGHTS_FILE}, "
-                              f"or {INDEX_FILE} and its shards)") from None
+            raise _missing_weights(path) from None
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise ExportError(f"{path}: not a readable safetensors file: {exc}") from None
     return tensors
+
+
+def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The weight files of a drafter folder: model.safetensors, else the shards its index names."""
+    index_path = posixpath.join(root, INDEX_FILE)
+    if fs.exists(posixpath.join(root, WEIGHTS_FILE)) or not fs.exists(index_path):
+        return [WEIGHTS_FILE]
+    weight_map = read_config_json(fs, index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(f"{index_path}: no weight_map naming the shards")
+    return sorted(set(weight_map.values()))
+
+
+def _missing_weights(path: str) -> ExportError:
+    return ExportError(f"{path}: missing (a DFlash drafter folder holds config.json + {WEIGHTS_FILE}, or "
+                       f"{INDEX_FILE} and its shards)")
+
+
+def check_drafter_folder(uri: str, target: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """What can be checked of a drafter folder before a run pays for training on it, without loading a tensor:
+    config.json is a DFlash drafter's, each weights file is whole (its safetensors header read, the file's size
+    the one the header describes: a copy cut short is caught here, not when the gate loads it after training),
+    and, given the target (path or hub id; its config alone is read), the drafter was trained for that target.
+    Returns config.json; ExportError names the file and the fault."""
+    fs, root = fsspec.core.url_to_fs(drafter_location(uri))
+    path = posixpath.join(root, CONFIG_FILE)
+    raw = _drafter_config_json(fs, path)
+    for name in _weight_files(fs, root):
+        _check_whole(fs, posixpath.join(root, name))
+    if target is not None and (dims := target_dims(target, trust_remote_code)) is not None:
+        _check_fits(path, raw, *dims)
+    return raw
+
+
+def _check_whole(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """A safetensors file's 8-byte header length, its JSON header, and the file's size against the last tensor's
+    end (safetensors refuses a file whose data does not end exactly there)."""
+    try:
+        size = fs.size(path)
+        with fs.open(path, "rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if not 0 < length <= size - 8:
+                raise ExportError(f"{path}: not a safetensors file ({size} bytes, no header)")
+            header = json.loads(fh.read(length))
+    except FileNotFoundError:
+        raise _missing_weights(path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ExportError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    except OSError as exc:  # a remote store's own errors (no network, no access)
+        raise ExportError(f"{path}: cannot be read: {type(exc).__name__}: {exc}") from None
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise ExportError(f"{path}: not a safetensors file (its header lists no tensors as safetensors does)") from None
+    if size != 8 + length + end:
+        raise ExportError(f"{path}: {size} bytes where its header describes {8 + length + end}: the file was cut "
+                          "short or written over; copy it again from where it was trained")
+
+
+def _check_fits(path: str, raw: dict[str, Any], hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """A drafter config's target dimensions against the target's (num_target_layers may be absent: any fits)."""
+    expected = {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_target_layers": num_layers}
+    wrong = {k: (raw[k], v) for k, v in expected.items() if k in raw and raw[k] != v}
+    if wrong:
+        details = ", ".join(f"{k}={got} but the target has {want}" for k, (got, want) in wrong.items())
+        raise ExportError(f"{path}: this drafter was trained for another target: {details}")
 
 
 def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
@@ -211,15 +270,7 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         raise ExportError(f"{path}: missing fields {missing}")
     raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": config_layer_ids(raw, target.num_layers)}
     raw.setdefault("num_target_layers", target.num_layers)
-    expected = {
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "num_target_layers": target.num_layers,
-    }
-    wrong = {k: (raw[k], v) for k, v in expected.items() if raw[k] != v}
-    if wrong:
-        details = ", ".join(f"{k}={got} but the target has {want}" for k, (got, want) in wrong.items())
-        raise ExportError(f"{path}: this drafter was trained for another target: {details}")
+    _check_fits(path, raw, target.hidden_size, target.vocab_size, target.num_layers)
     try:
         target.check_layer_ids(dflash["target_layer_ids"], served=False)  # published drafters load as they are
     except ValueError as exc:

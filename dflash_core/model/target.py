@@ -139,6 +139,20 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
+def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, int] | None:
+    """(hidden size, vocab size, layers) of a target from its config alone, no weights read: what a drafter must
+    match. None when the config cannot be read here (loading the target reports why, with its own message)."""
+    from transformers import AutoConfig
+
+    if missing_local_folder(path):
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+        return int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def load_target(
     path: str,
     dtype: str | torch.dtype = "auto",

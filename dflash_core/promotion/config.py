@@ -20,3 +20,7 @@ class EvalConfig(StrictModel):
         description="also require the paired gain over the same responses to exceed min_gain at this one-sided "
                     "confidence (e.g. 0.95: a t-test's p < 0.05), so evaluation noise never swaps drafters; "
                     "None = compare the two tau only")
+    allow_block_size_change: bool = Field(
+        False, description="promote a drafter whose block size differs from the promoted one's; the serving "
+                           "setting must change with it (vLLM num_speculative_tokens = block size - 1), so by "
+                           "default such a drafter is not promoted and the reason says so")

@@ -17,6 +17,7 @@ from dflash_core.monitor.sinks import wandb_mode
 from dflash_core.promotion.store import (
     DRAFTER_FILES,
     PromotionConflict,
+    holds,
     missing_files,
     promote,
     promoted_drafter,
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 MODEL_ARTIFACT, PRODUCTION = "dflash-drafter", "production"
 # promoted.json: these keys of the decision, plus the time
 PLACED = "placed by hand (no promoted.json)"  # incumbent_run of a drafter the gate did not promote
-RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict", "gain")
+RECORD_KEYS = ("run", "drafter", "tau", "incumbent_tau", "incumbent_run", "eval_set", "verdict", "gain", "block_size")
 
 
 def eval_set(cfg: PipelineConfig) -> dict[str, Any]:
@@ -52,6 +53,7 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     the paired gain over the responses both decoded (None while none is promoted). The target is loaded once,
     as training loads it (model.dtype, model.trust_remote_code)."""
     from dflash_core.model.evaluate import eval_target
+    from dflash_core.model.export import ExportError
 
     target = eval_target(cfg.model.target, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     new = _tau(cfg, target, drafter_dir)
@@ -59,7 +61,13 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     # a drafter placed there by hand (no promoted.json: today's production drafter, seeded) is an incumbent too:
     # it is measured and must be beaten, as warm starts already start from it
     placed = incumbent is None and not missing_files(cfg.storage.root)
-    old = _tau(cfg, target, promoted_drafter(cfg.storage.root)) if incumbent is not None or placed else None
+    old, incumbent_error = None, None
+    if incumbent is not None or placed:
+        try:
+            old = _tau(cfg, target, promoted_drafter(cfg.storage.root))
+        except ExportError as exc:  # damaged or replaced since the flow's start checked it: nothing to beat
+            incumbent_error = str(exc)
+            log.error("promotion: the promoted drafter cannot be measured: %s", exc)
     new_means, gain = new.pop("per_response"), None
     if old is not None:
         gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
@@ -67,7 +75,8 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
             "new": new, "incumbent": old,
             "incumbent_run": incumbent.get("run") if incumbent else PLACED if placed else None,
-            "incumbent_id": record_id(incumbent), "gain": gain}
+            "incumbent_id": record_id(incumbent), "gain": gain, "incumbent_error": incumbent_error,
+            "block_size": new.get("block_size"), "incumbent_block_size": old.get("block_size") if old else None}
 
 
 def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gain: float,
@@ -102,12 +111,29 @@ def promote_if_better(
 ) -> dict[str, Any]:
     """Apply the gate; when it passes, copy the drafter to the promoted folder (and log the W&B model)."""
     gain = scores.get("gain")
-    ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain, gain,
-                        cfg.eval.confidence)
-    decision = {"promoted": ok, "reason": reason, "tau": scores["tau"], "incumbent_tau": scores["incumbent_tau"],
+    decision = {"promoted": False, "reason": "", "tau": scores["tau"], "incumbent_tau": scores["incumbent_tau"],
                 "incumbent_run": scores.get("incumbent_run"), "eval_set": scores["eval_set"], "verdict": verdict,
                 "gain": gain, "run": run_dir, "drafter": drafter_dir, "promoted_drafter": None,
-                "wandb_artifact": None}
+                "wandb_artifact": None, "block_size": scores.get("block_size"),
+                "incumbent_block_size": scores.get("incumbent_block_size")}
+    if scores.get("incumbent_run") == run_dir and holds(cfg.storage.root, drafter_dir):
+        reason = "this run's drafter is already the promoted one (an earlier attempt of this run promoted it)"
+        log.info("promotion: already (%s)", reason)
+        return decision | {"promoted": True, "reason": reason, "promoted_drafter": promoted_drafter(cfg.storage.root)}
+    ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain, gain,
+                        cfg.eval.confidence)
+    if scores.get("incumbent_error"):  # an incumbent is there but could not be decoded: never replaced unmeasured
+        ok, reason = False, (f"the promoted drafter could not be measured ({scores['incumbent_error']}), so it is "
+                             f"not replaced; this run's drafter stays in {drafter_dir}: restore the promoted one, "
+                             "or move promoted/ aside to promote the next stable drafter without a comparison")
+    elif ok and scores.get("incumbent_block_size") not in (None, scores.get("block_size")) \
+            and not cfg.eval.allow_block_size_change:
+        ok, reason = False, (
+            f"{reason}, but its block size {scores.get('block_size')} differs from the promoted drafter's "
+            f"{scores['incumbent_block_size']}: serving is set for that one (vLLM num_speculative_tokens = block "
+            "size - 1, SGLang --speculative-num-draft-tokens = block size); set eval.allow_block_size_change: true "
+            "to promote it, and change the serving setting with it")
+    decision |= {"promoted": ok, "reason": reason}
     log.info("promotion: %s (%s)", "yes" if ok else "no", reason)
     if not ok:
         return decision

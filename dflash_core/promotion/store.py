@@ -13,6 +13,7 @@ compared with it). Readers repair a crashed swap only when no promotion holds th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import posixpath
@@ -71,15 +72,55 @@ def missing_files(root: str) -> list[str]:
     return [name for name in DRAFTER_FILES if not fs.exists(posixpath.join(path, name))]
 
 
-def check_incumbent(root: str) -> None:
-    """Before a run pays for training: a promoted.json whose drafter is missing files is a damaged store (the
-    run would train from scratch and then fail measuring the incumbent, every night); say so now."""
+def check_incumbent(root: str, target: str | None = None, trust_remote_code: bool = False) -> None:
+    """Before a run pays for training: the promoted drafter (recorded or placed by hand) must be one the gate can
+    measure on this target, or the run would train and then fail measuring it, every night. A promoted.json whose
+    drafter lacks files, a config.json or weights file that is damaged (cut short, not JSON), or a drafter trained
+    for another target (given `target`: its config is compared, no weights loaded) is a PromotionError now."""
     record, missing = read_promoted(root), missing_files(root)
+    where = _join(root, PROMOTED_DIR)
     if record is not None and missing:
         raise PromotionError(
-            f"{_join(root, PROMOTED_DIR)}: promoted.json names run {record.get('run')} but its drafter lacks "
+            f"{where}: promoted.json names run {record.get('run')} but its drafter lacks "
             f"{', '.join(missing)}: restore the files (the run's drafter/ folder: {record.get('drafter')}) or "
-            f"delete {_join(root, PROMOTED_DIR)} to promote the next stable drafter without a comparison")
+            f"delete {where} to promote the next stable drafter without a comparison")
+    if missing:
+        return  # nothing promoted
+    from dflash_core.model.export import (  # torch: only when a drafter is there
+        ExportError,
+        check_drafter_folder,
+    )
+
+    try:
+        check_drafter_folder(promoted_drafter(root), target, trust_remote_code)
+    except ExportError as exc:
+        fix = (f"restore it from run {record.get('run')}'s drafter/ folder ({record.get('drafter')})" if record
+               else "copy the drafter placed there by hand again")
+        raise PromotionError(
+            f"the promoted drafter cannot be measured against this run's: {exc}; {fix}, or, "
+            f"for a new target, give this run its own storage.root (or move {where} aside: the next stable "
+            "drafter is then promoted without a comparison)") from None
+
+
+def holds(root: str, drafter_dir: str) -> bool:
+    """Whether the promoted drafter is `drafter_dir`'s, byte for byte (a retried run finding its own promotion)."""
+    if missing_files(root):
+        return False
+    fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
+    src_fs, src = fsspec.core.url_to_fs(drafter_dir)
+    for name in DRAFTER_FILES:
+        a, b = posixpath.join(path, name), posixpath.join(src, name)
+        if not src_fs.exists(b) or fs.size(a) != src_fs.size(b) or _sha256(fs, a) != _sha256(src_fs, b):
+            return False
+    return True
+
+
+def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def record_id(record: dict[str, Any] | None) -> list[Any] | None:
@@ -137,11 +178,19 @@ def _promotion_lock(root: str, wait_s: float = 0.0) -> Iterator[None]:
 
 
 def _record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
+    where = posixpath.join(path, RECORD_FILE)
     try:
-        with fs.open(posixpath.join(path, RECORD_FILE), "r") as fh:
-            return json.load(fh)
+        with fs.open(where, "r") as fh:
+            record = json.load(fh)
     except FileNotFoundError:
         return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PromotionError(f"{fs.unstrip_protocol(where)}: not a JSON record ({exc}); restore it (keys: run, "
+                             "drafter, tau, ..., time) or delete it, leaving the drafter beside it as one placed "
+                             "by hand (measured, to be beaten)") from None
+    if not isinstance(record, dict):
+        raise PromotionError(f"{fs.unstrip_protocol(where)}: not a JSON object; restore it or delete it")
+    return record
 
 
 def copy_file(src_fs: fsspec.AbstractFileSystem, src: str, dst_fs: fsspec.AbstractFileSystem, dst: str) -> None:

@@ -17,9 +17,8 @@ from dflash_core.model.attention import AttentionError, layer_spelling
 from dflash_core.model.drafter import DFlashDrafter
 from dflash_core.model.export import (
     CONFIG_FILE,
-    INDEX_FILE,
-    WEIGHTS_FILE,
     ExportError,
+    check_drafter_folder,
     config_block_size,
     config_layer_attention,
     config_layer_ids,
@@ -36,20 +35,17 @@ class WarmStartError(InputError):
     """train.init_from names a drafter that cannot seed the configured one; the message says which tensor."""
 
 
-def check_init_from(uri: str | None) -> None:
-    """Before a run pays for its data and training: a train.init_from folder must hold a readable config.json and
-    the weights (the tensors are checked against the configured drafter when the workers load them)."""
+def check_init_from(uri: str | None, target: str | None = None, trust_remote_code: bool = False) -> None:
+    """Before a run pays for its data and training: a train.init_from folder must be a whole DFlash drafter
+    (config.json, weights not cut short) for `target` when given (the tensors are checked against the
+    configured drafter when the workers load them)."""
     if uri is None or uri == PROMOTED:
         return
-    fs, root = fsspec.core.url_to_fs(drafter_location(uri))
     try:
-        read_config_json(fs, posixpath.join(root, CONFIG_FILE))
+        check_drafter_folder(uri, target, trust_remote_code)
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder, 'promoted' or null "
                              "(train from scratch)") from None
-    if not any(fs.exists(posixpath.join(root, name)) for name in (WEIGHTS_FILE, INDEX_FILE)):
-        raise WarmStartError(f"train.init_from {uri}: {posixpath.join(root, WEIGHTS_FILE)}: missing (a DFlash "
-                             "drafter folder holds config.json + model.safetensors); give an exported drafter folder")
 
 
 def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
