@@ -94,7 +94,8 @@ def check_incumbent(root: str, target: str | None = None, trust_remote_code: boo
     try:
         check_drafter_folder(promoted_drafter(root), target, trust_remote_code)
     except ExportError as exc:
-        fix = (f"restore it from run {record.get('run')}'s drafter/ folder ({record.get('drafter')})" if record
+        source = f" ({record['drafter']})" if record and record.get("drafter") else ""
+        fix = (f"restore it from run {record.get('run')}'s drafter/ folder{source}" if record
                else "copy the drafter placed there by hand again")
         raise PromotionError(
             f"the promoted drafter cannot be measured against this run's: {exc}; {fix}, or, "
@@ -179,17 +180,18 @@ def _promotion_lock(root: str, wait_s: float = 0.0) -> Iterator[None]:
 
 def _record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
     where = posixpath.join(path, RECORD_FILE)
+    shown = where if "file" in fs.protocol else fs.unstrip_protocol(where)
     try:
         with fs.open(where, "r") as fh:
             record = json.load(fh)
     except FileNotFoundError:
         return None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PromotionError(f"{fs.unstrip_protocol(where)}: not a JSON record ({exc}); restore it (keys: run, "
+        raise PromotionError(f"{shown}: not a JSON record ({exc}); restore it (keys: run, "
                              "drafter, tau, ..., time) or delete it, leaving the drafter beside it as one placed "
                              "by hand (measured, to be beaten)") from None
     if not isinstance(record, dict):
-        raise PromotionError(f"{fs.unstrip_protocol(where)}: not a JSON object; restore it or delete it")
+        raise PromotionError(f"{shown}: not a JSON object; restore it or delete it")
     return record
 
 
