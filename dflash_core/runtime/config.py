@@ -58,8 +58,9 @@ class TrainConfig(StrictModel):
     )
     keep_checkpoints: PositiveInt = Field(3, description="newest complete checkpoints kept; older ones are deleted")
     max_nonfinite: NonNegativeInt = Field(
-        10, description="steps with a non-finite loss or gradient norm are skipped; the run fails once more than "
-        "this many were")
+        0, description="steps with a non-finite loss or gradient norm are skipped; the run stops once more than this "
+        "many were. 0 stops at the first: the stability gate fails a run with more than check.max_nonfinite (0) of "
+        "them, so training on would pay for a run that fails; raise both to tolerate a few")
     nproc_per_node: PositiveInt = Field(
         1, description="training processes (ranks) torchrun starts on each node; --nproc-per-node overrides it")
     seed: NonNegativeInt = Field(
