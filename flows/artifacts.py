@@ -226,7 +226,9 @@ class TrainingProgress:
     def poll(self, final: bool = False) -> None:
         """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves."""
         new = self.tail.read_new()
-        if not new and not final:
+        if self.tail.restarted:  # metrics.jsonl rewritten (a resume logs the steps after its checkpoint again)
+            self.train, self.val = [], []
+        elif not new and not final:
             return
         self.val += [r for r in new if is_val(r)]
         # Only what the page shows: a full record has ~30 keys, and a long run logs tens of thousands of them.

@@ -7,7 +7,9 @@ import base64
 import io
 import json
 import re
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 from common.logs import incident_log, write_jsonl
@@ -17,6 +19,7 @@ from test_plan_io import write_tokenized
 
 from dflash_core.monitor.check import run_check
 from dflash_core.monitor.config import CheckConfig
+from dflash_core.monitor.sinks import JsonlSink
 from dflash_core.plan import run_plan
 from dflash_core.plan.config import PlanConfig
 from flows import artifacts
@@ -131,6 +134,52 @@ def test_metrics_tail_reads_only_complete_new_lines(tmp_path):
     assert tail.read_new() == [{"step": 0}]
 
 
+def _log(uri: str, steps: range, resumed_at: int | None = None, loss: float = 2.0) -> None:
+    """What a launch logs: steps `steps`, validated every 10th, resuming (rewriting the file) at `resumed_at`."""
+    sink = JsonlSink(uri, resumed_at=resumed_at)
+    for step in steps:
+        sink.log({"step": step, "loss": loss, "time": 1_700_000_000.0 + step})
+        if step % 10 == 9:
+            sink.log({"kind": "val", "step": step, "val_loss": loss})
+    sink.close()
+
+
+@pytest.mark.parametrize("redone", [range(20, 30), range(0)], ids=["steps-logged-again", "nothing-logged-yet"])
+def test_metrics_tail_starts_over_when_a_resume_rewrites_the_file(tmp_path, redone):
+    # The tail kept its offset across the rewrite: it showed nothing of the redone steps (a file no shorter), or
+    # sent steps 0-19 again (a shorter one), which the live page appended as duplicates.
+    uri = str(tmp_path / "metrics.jsonl")
+    _log(uri, range(30), loss=2.0)
+    tail = MetricsTail(uri)
+    assert len(tail.read_new()) == 33
+    _log(uri, redone, resumed_at=20, loss=1.0)  # resumed from checkpoint step-20, redone at another lr
+    records = tail.read_new()  # the whole file again, each step once with its latest values
+    assert [(r.get("kind", "train"), r["step"], r.get("loss", r.get("val_loss"))) for r in records] == [
+        (kind, step, 2.0 if step < 20 else 1.0) for step in range(20 + len(redone))
+        for kind in ("train", "val")[:1 + (step % 10 == 9)]]
+    assert tail.restarted  # for the live page: these records replace those it shows
+    _log(uri, range(20 + len(redone), 32), resumed_at=20 + len(redone), loss=1.0)  # the launch goes on
+    assert [r["step"] for r in tail.read_new() if "kind" not in r] == list(range(20 + len(redone), 32))
+    assert not tail.restarted
+
+
+def test_metrics_tail_tells_a_rewrite_of_the_same_size_on_an_object_store():
+    # An object store has no inode, and each push replaces the object whole: the bytes before the offset tell.
+    fs = fsspec.filesystem("memory")
+    uri = f"memory://tail-{uuid.uuid4().hex[:8]}/metrics.jsonl"
+    try:
+        fs.pipe(uri, b'{"step": 0, "loss": 2.0}\n{"step": 1, "loss": 2.0}\n')
+        tail = MetricsTail(uri)
+        assert [r["step"] for r in tail.read_new()] == [0, 1]
+        fs.pipe(uri, b'{"step": 0, "loss": 2.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 2.0}\n')  # a push
+        assert [r["step"] for r in tail.read_new()] == [2]
+        fs.pipe(uri, b'{"step": 0, "loss": 2.0}\n{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n')  # a resume
+        assert [r["loss"] for r in tail.read_new()] == [2.0, 1.0, 1.0]
+        assert tail.restarted
+    finally:
+        fs.rm(uri.rsplit("/", 1)[0], recursive=True)
+
+
 def _synthetic_inputs(run, records, promotion=None):
     data = {"read": 1000, "kept": 990, "dropped": {"too_long": 7, "no_assistant": 3}, "tokens": 512_000,
             "supervised_tokens": 210_000}
@@ -242,6 +291,18 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     gpu.poll()
     assert gpu.figures()["GPU-hours"] == f"{2 + 8 * 299.5 / 3600:,.1f} (at finish ~{2 + 8 * 699.5 / 3600:,.1f})"
     assert gpu.line().endswith(" · GPU-hours 2.7 (at finish ~3.6)")
+
+
+def test_live_page_shows_each_step_once_after_a_resume_rewrites_the_metrics(tmp_path):
+    uri = str(tmp_path / "metrics.jsonl")
+    _log(uri, range(30), loss=2.0)
+    progress = artifacts.TrainingProgress(40, uri, plot_every_s=3600.0)
+    progress.poll()
+    _log(uri, range(20, 25), resumed_at=20, loss=1.0)  # resumed from checkpoint step-20: steps 20-24 redone
+    progress.poll()
+    assert [(r["step"], r["loss"]) for r in progress.train] == [(s, 2.0 if s < 20 else 1.0) for s in range(25)]
+    assert [r["step"] for r in progress.val] == [9, 19]
+    assert progress.figures()["step"] == "25 / 40"
 
 
 def test_the_samples_page_shows_the_first_samples_as_training_reads_them(tmp_path):

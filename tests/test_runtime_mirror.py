@@ -94,6 +94,76 @@ def test_pull_brings_back_what_a_resume_reads_and_the_newest_complete_checkpoint
     assert len(list((third / "checkpoints" / "step-6").iterdir())) == 3
 
 
+def _steps_logged(text: str) -> int:
+    """The newest step a metrics.jsonl logged (-1: none)."""
+    return max((json.loads(line)["step"] for line in text.splitlines() if line.strip()), default=-1)
+
+
+def _newest_checkpoint(fs, remote: str) -> int:
+    """The newest complete checkpoint's step on the store (0: none)."""
+    return max((int(p.rstrip("/").rsplit("-", 1)[-1]) for p in fs.ls(f"{remote}/checkpoints", detail=False)
+                if fs.exists(f"{p}/meta.json")), default=0)
+
+
+def _log_steps(root: Path, upto: int) -> None:
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(upto)))
+
+
+def test_the_store_metrics_reach_every_checkpoint_it_holds_when_one_is_saved_during_the_metrics_upload(
+        remote, tmp_path, monkeypatch):
+    # A checkpoint saved while metrics.jsonl uploads went to the store in the same push, after a metrics.jsonl
+    # that ended before it: a resume from the store then lacked those steps for good.
+    local = tmp_path / "staging"
+    local.mkdir()
+    _log_steps(local, 10)
+    _checkpoint(local, 10)
+    mirror = RunMirror(remote, str(local))
+    real = mirror.fs.put_file
+
+    def training_goes_on(lpath, rpath, **kwargs):
+        real(lpath, rpath, **kwargs)
+        if rpath.endswith("metrics.jsonl") and not (local / "checkpoints" / "step-20").exists():
+            _log_steps(local, 20)  # steps 10..19 logged, then checkpoint step-20 saved
+            _checkpoint(local, 20)
+
+    monkeypatch.setattr(mirror.fs, "put_file", training_goes_on)
+    fs = fsspec.filesystem("memory")
+    for _ in range(2):  # the checkpoint saved during the upload goes with the next push
+        mirror.push()
+        assert _steps_logged(fs.cat_file(f"{remote}/metrics.jsonl").decode()) + 1 >= _newest_checkpoint(fs, remote)
+    assert _newest_checkpoint(fs, remote) == 20
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    assert RunMirror(remote, str(resumed)).pull() == "checkpoints/step-20"
+    assert _steps_logged((resumed / "metrics.jsonl").read_text()) == 19
+
+
+def test_a_pull_during_a_push_gets_metrics_that_reach_the_checkpoint_it_resumes_from(remote, tmp_path, monkeypatch):
+    # A launch that pulls while the one before still pushes (a pod being replaced): metrics.jsonl read first and the
+    # checkpoints listed after it, the newest checkpoint could be newer than the metrics pulled.
+    first = tmp_path / "first"
+    first.mkdir()
+    _log_steps(first, 10)
+    _checkpoint(first, 10)
+    pusher = RunMirror(remote, str(first))
+    pusher.push()
+    second = tmp_path / "second"
+    second.mkdir()
+    puller = RunMirror(remote, str(second))
+    real = puller.fs.get_file
+
+    def pushed_meanwhile(rpath, lpath, **kwargs):
+        real(rpath, lpath, **kwargs)
+        if rpath.endswith("metrics.jsonl") and not (first / "checkpoints" / "step-20").exists():
+            _log_steps(first, 20)
+            _checkpoint(first, 20)
+            pusher.push()
+
+    monkeypatch.setattr(puller.fs, "get_file", pushed_meanwhile)
+    resumed = int(puller.pull().rsplit("-", 1)[-1])
+    assert _steps_logged((second / "metrics.jsonl").read_text()) + 1 >= resumed
+
+
 def test_a_local_run_folder_is_used_as_it_is_and_a_remote_one_is_staged_then_removed(remote, tmp_path):
     with staged_run(str(tmp_path / "local")) as run_dir:
         assert run_dir == str(tmp_path / "local")

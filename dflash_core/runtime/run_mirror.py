@@ -12,6 +12,11 @@ mirror keeps the store up to date:
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
   last, so a reader never takes a half-uploaded one for complete; checkpoints pruned locally are deleted from
   the store; drafter/ and drafter-best/ swapped in whole (atomic_dir.replace_dir);
+- the store's metrics.jsonl always reaches the newest checkpoint the store holds (a resume from it would otherwise
+  lack the steps before that checkpoint for good): the run logs a step before it saves the checkpoint after it,
+  and a push lists the complete checkpoints it will send *before* it uploads metrics.jsonl, then sends them (one
+  completed during the upload waits for the next push); a pull, the other way round, lists the store's
+  checkpoints before it reads metrics.jsonl;
 - a pod that is killed loses at most the last `every_s` seconds of uploads: the checkpoints pushed before stay,
   and the next launch (on any machine) resumes from the newest of them.
 
@@ -65,11 +70,11 @@ class RunMirror:
         """Copy what a resume reads from the store; returns the newest complete checkpoint's name, if any. The
         older complete checkpoints come as their meta.json alone: the run counts them when it prunes to
         keep_checkpoints, and what it prunes the next push deletes from the store."""
+        steps = sorted(self._remote_steps())  # before metrics.jsonl: the one read then reaches these (see top)
         for name in (*_PULLED, self.log_name):
             src = join_uri(self.root, name)
             if self.fs.isfile(src):
                 self._get(src, name)
-        steps = sorted(self._remote_steps())
         for step in steps[:-1]:
             self._get(join_uri(self.root, "checkpoints", f"step-{step}", "meta.json"),
                       f"checkpoints/step-{step}/meta.json")
@@ -104,8 +109,11 @@ class RunMirror:
             return self._push()
 
     def _push(self) -> int:
+        # Checkpoints listed first, metrics.jsonl uploaded next, then those checkpoints: every step before them was
+        # logged before they were saved, so the store's metrics.jsonl reaches every checkpoint it gets.
+        steps = self._complete_steps()
         pushed = sum(self._put(rel) for rel in self._changed_files())
-        pushed += self._push_checkpoints()
+        pushed += self._push_checkpoints(steps)
         for folder in _WHOLE:
             pushed += self._push_whole(folder)
         return pushed
@@ -137,12 +145,15 @@ class RunMirror:
         self._seen[rel] = signature
         return 1
 
-    def _push_checkpoints(self) -> int:
-        """Complete local checkpoints not on the store yet, meta.json last; then the store's older ones that the
-        local folder pruned are deleted."""
+    def _complete_steps(self) -> list[int]:
+        """Steps of the complete local checkpoints (meta.json present), oldest first."""
         local_root = self.local / "checkpoints"
-        steps = sorted(int(m[1]) for p in local_root.glob("step-*") if (m := _STEP.match(p.name))
-                       and (p / "meta.json").exists()) if local_root.exists() else []
+        return sorted(int(m[1]) for p in local_root.glob("step-*") if (m := _STEP.match(p.name))
+                      and (p / "meta.json").exists()) if local_root.exists() else []
+
+    def _push_checkpoints(self, steps: list[int]) -> int:
+        """The checkpoints of `steps` not on the store yet, meta.json last; then the store's older ones that the
+        local folder pruned are deleted."""
         pushed = 0
         for step in steps:
             folder = f"checkpoints/step-{step}"
