@@ -59,6 +59,37 @@ def test_collate_rejects_mismatched_mask_naming_the_sample():
         collate([(np.array([1, 2], np.int32), np.array([1], np.uint8))], PlanRow(0, 0, 0, (11,)), seq=0)
 
 
+def test_collate_refuses_a_token_outside_the_vocabulary_naming_sample_and_position():
+    """Data tokenized with another tokenizer than the target's: one line naming the sample, not an IndexError
+    from the target's embedding several steps after the last logged one."""
+    rows = [(np.array([5, 6, 7], np.int32), np.array([0, 1, 1], np.uint8)),
+            (np.array([8, 5000, 2], np.int32), np.array([1, 1, 1], np.uint8))]
+    with pytest.raises(BatchError, match=r"^sample 222 \(plan step 12, micro 1\): token id 5000 at position 1 is "
+                                         r"outside the target's vocabulary \(0..999\).*tokenize` with the target's"):
+        collate(rows, PlanRow(12, 1, 0, (221, 222)), seq=0, vocab_size=1000)
+    assert collate(rows, PlanRow(12, 1, 0, (221, 222)), seq=0, vocab_size=5001).sample_ids == (221, 222)
+
+
+def test_a_stage_error_says_which_plan_step_and_samples():
+    """The pipeline runs steps ahead of the drafter: the error itself says which batch the target failed on."""
+
+    class BrokenReplica:
+        device = torch.device("cpu")
+
+        def capture(self, input_ids, attention_mask, layer_ids):
+            raise IndexError("index out of range in self")
+
+    rows = [(np.arange(4, dtype=np.int32), np.ones(4, np.uint8))] * 10
+    batch = collate(rows, PlanRow(12, 0, 0, tuple(range(300, 310))), seq=24)
+    loop = TargetForwardLoop([BrokenReplica()], [0], Channel(1), Channel(1), cost=lambda b: 1.0)
+    with pytest.raises(IndexError) as info:
+        loop.forward(batch)
+    assert info.value.__notes__ == [
+        "in the target forward (replica 0) of plan step 12, micro-batch 0, samples [300, 301, 302, 303, 304, 305, "
+        "306, 307, ...] (sample_id in the tokenized part-*.parquet, whose rows give each sample's source file, line "
+        "and record id)"]
+
+
 def test_prefetcher_emits_in_plan_order_with_many_threads():
     rows = _rows(15)
     out = Channel(3)

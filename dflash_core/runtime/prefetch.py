@@ -39,8 +39,10 @@ class BatchPrefetcher:
         pad_id: int = 0,
         pin_memory: bool = False,
         faults: FaultPlan = NO_FAULTS,
+        vocab_size: int | None = None,
     ) -> None:
         self.rows = list(rows)
+        self.vocab_size = vocab_size
         self.reader = reader
         self.out = out
         self.pad_id = pad_id
@@ -69,7 +71,7 @@ class BatchPrefetcher:
         if row.micro == 0:
             self.faults.maybe_raise("prefetch", row.step)
         start = time.perf_counter()
-        batch = collate(self.reader.rows(row.sample_ids), row, seq, self.pad_id, self.pin_memory)
+        batch = collate(self.reader.rows(row.sample_ids), row, seq, self.pad_id, self.pin_memory, self.vocab_size)
         batch.timings["load_s"] = time.perf_counter() - start
         return batch
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from dflash_core.runtime.batch import MicroBatch
+from dflash_core.runtime.batch import MicroBatch, located
 from dflash_core.runtime.channel import Channel, EndOfStream, ReorderBuffer
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 from dflash_core.runtime.threads import stage_thread
@@ -130,10 +130,14 @@ class TargetForwardLoop:
             self.faults.maybe_raise("target", batch.step)
         start = time.perf_counter()
         model = self.replicas[replica]
-        ids = batch.input_ids.to(model.device, non_blocking=True)
-        mask = batch.attention_mask.to(model.device, non_blocking=True)
-        features = model.capture(ids, mask, self.layer_ids)
-        batch.features = features.to(self.feature_device, non_blocking=True)
+        try:
+            ids = batch.input_ids.to(model.device, non_blocking=True)
+            mask = batch.attention_mask.to(model.device, non_blocking=True)
+            features = model.capture(ids, mask, self.layer_ids)
+            batch.features = features.to(self.feature_device, non_blocking=True)
+        except Exception as exc:
+            exc.add_note(located(batch, f"target forward (replica {replica})"))
+            raise
         batch.timings["target_s"] = time.perf_counter() - start
         return batch
 

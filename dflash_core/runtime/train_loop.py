@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_core.model.loss import simulated_acceptance_length, slot_accuracy
-from dflash_core.runtime.batch import MicroBatch
+from dflash_core.runtime.batch import MicroBatch, located
 from dflash_core.runtime.channel import Channel
 from dflash_core.runtime.efficiency import FlopMeter
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
@@ -235,7 +235,11 @@ class DrafterTrainLoop:
         for micro in range(self.s.grad_accum):
             batch, wait_s = self._next_batch(step, micro)
             waited += wait_s
-            self._micro_step(batch, micro == self.s.grad_accum - 1, stats)
+            try:
+                self._micro_step(batch, micro == self.s.grad_accum - 1, stats)
+            except Exception as exc:
+                exc.add_note(located(batch, "drafter step"))
+                raise
         stats.wait_s = waited
         stats.all_reduce(self.s.world_size)
         m = stats.metrics()

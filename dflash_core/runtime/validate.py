@@ -48,7 +48,8 @@ class Validator:
         self.drafter.eval()
         try:
             for row in self.rows:
-                batch = collate(self.reader.rows(row.sample_ids), row, seq=row.micro)
+                batch = collate(self.reader.rows(row.sample_ids), row, seq=row.micro,
+                                vocab_size=self.drafter.embed_tokens.weight.shape[0])  # the target's
                 out = self._score(batch)
                 stats.add(batch, out, out.weighted_loss_sum.float())
         finally:
