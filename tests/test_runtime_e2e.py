@@ -271,10 +271,15 @@ def test_a_rerun_with_a_lower_lr_resumes_at_that_lr(inputs, baseline, tmp_path):
     config = _config(tmp_path, inputs, "lr", ALL_ANCHORS)
     killed = torchrun(inputs, out, config, fault="kill@5:1")
     assert killed.returncode != 0
-    lower = _config(tmp_path, inputs, "lower", ALL_ANCHORS, lr=1e-4)
+    lower = _config(tmp_path, inputs, "lower", ALL_ANCHORS, lr=1e-4, clip_grad=0.5)
     resumed = torchrun(inputs, out, lower)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert "note: resumed with train {'initial_lr': 0.0001}" in resumed.output
+    # any other setting that changes what is learned is said too, and the summary keeps it
+    start = _summary(resumed.output)["start_step"]
+    assert (f"note: resumed with settings changed since checkpoint step-{start}: train.clip_grad 1.0 -> 0.5; "
+            f"steps before {start} were trained with the old ones") in resumed.output
+    assert _summary(resumed.output)["changed_on_resume"] == {"train.clip_grad": [1.0, 0.5]}  # the launch ledger's
     assert "lr schedule now spans" not in resumed.output  # same max_steps: the schedule is the same
     records, base = _metrics(out), _metrics(base_out)
     base_lr, start = yaml.safe_load(Path(config).read_text())["train"]["lr"], _summary(resumed.output)["start_step"]

@@ -50,10 +50,11 @@ def test_nodes_of_an_elastic_launch_come_from_the_world_size_it_got():
 
 def test_records_are_appended_and_a_line_cut_by_a_crash_costs_only_itself(tmp_path):
     done = launch_record(started="2026-12-04T02:00:00+00:00", wall_s=5400.0, nodes=1, nproc_per_node=8, gpus=8,
-                         summary={"start_step": 300, "steps": 700, "steps_redone": 41, "loss": 1.0}, error=None)
+                         summary={"start_step": 300, "steps": 700, "steps_redone": 41, "loss": 1.0,
+                                  "changed_on_resume": {"train.clip_grad": [1.0, 0.5]}}, error=None)
     assert done == {"started": "2026-12-04T02:00:00+00:00", "wall_s": 5400.0, "nodes": 1, "nproc_per_node": 8,
                     "gpus": 8, "gpu_hours": 12.0, "outcome": "completed", "error": None, "start_step": 300,
-                    "steps": 700, "steps_redone": 41}
+                    "steps": 700, "steps_redone": 41, "changed_on_resume": {"train.clip_grad": [1.0, 0.5]}}
     (tmp_path / LEDGER).write_text('{"started": "2026-12-04T01:00:00+00:00", "wall_s": 36')  # killed mid-write
     append_launch(str(tmp_path), done)
     append_launch(str(tmp_path), done)

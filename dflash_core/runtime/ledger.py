@@ -85,7 +85,7 @@ def launch_record(*, started: str, wall_s: float, nodes: int, nproc_per_node: in
         "outcome": "failed" if error is not None or summary is None else "completed",
         "error": error,
     }
-    for key in ("start_step", "steps", "steps_redone"):
+    for key in ("start_step", "steps", "steps_redone", "changed_on_resume"):
         record[key] = (summary or {}).get(key)
     return record
 

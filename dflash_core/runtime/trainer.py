@@ -93,6 +93,7 @@ class Trainer:
         self.start_step = 0
         self.steps_redone = 0  # set by train(): see there
         self.resumed_from: str | None = None
+        self.changed_on_resume: dict[str, list[Any]] = {}  # setting -> [the checkpoint's, this launch's]
         self.stop = stop or StopRequest(env.rank)  # a SIGTERM the worker's handler recorded
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class Trainer:
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self._current_hyperparameters()
         self._note_schedule(step, ckpt.state.get("schedule_steps"))
+        self._note_settings(step, ckpt.state.get("settings"))
         self.loop_state = ckpt.state["loop"]
         self.best.load_state_dict(ckpt.state.get("best"))
         self.val_pending = ckpt.state.get("val_pending")
@@ -160,6 +162,19 @@ class Trainer:
         print(f"note: the lr schedule now spans {self.plan.num_steps} steps (the checkpoint's run: {was_steps}; "
               f"train.max_steps changed): the lr at step {step} is {now:.3g}, where the old schedule had {then:.3g}",
               flush=True)
+
+    def _note_settings(self, step: int, was: dict[str, Any] | None) -> None:
+        """A resume with other learning settings than its checkpoint's (loss weighting, anchors, schedule shape,
+        clipping, seed, ...) goes on with this launch's, as it does with the lr: say which, here and in the summary
+        (config.yaml shows only the new ones; the steps before `step` were trained with the old)."""
+        if not was:
+            return  # a checkpoint of an older version: nothing recorded to compare with
+        now = learning_settings(self.cfg)
+        self.changed_on_resume = {k: [was[k], v] for k, v in now.items() if k in was and was[k] != v}
+        if self.changed_on_resume and self.env.is_main:
+            said = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.changed_on_resume.items())
+            print(f"note: resumed with settings changed since checkpoint step-{step}: {said}; steps before {step} were "
+                  "trained with the old ones (the summary's changed_on_resume keeps them)", flush=True)
 
     def _current_hyperparameters(self) -> None:
         """The resumed optimizer and schedule with this config's lr, betas and weight decay (a checkpoint brings
@@ -186,7 +201,8 @@ class Trainer:
         features: Channel[MicroBatch] = Channel(t.queue_size, "features")
         rows = self.plan.rank_rows(self.env.rank, self.start_step)
         prefetch = BatchPrefetcher(
-            rows, self.reader, batches, t.prefetch_threads, pin_memory=self.device.type == "cuda", faults=self.faults
+            rows, self.reader, batches, t.prefetch_threads, pin_memory=self.device.type == "cuda", faults=self.faults,
+            vocab_size=self.targets[0].vocab_size,
         )
         hidden = self.targets[0].hidden_size
         target = TargetForwardLoop(
@@ -347,6 +363,7 @@ class Trainer:
             "best": self.best.state_dict(),
             "val_pending": val_pending,
             "schedule_steps": self.plan.num_steps,  # what the lr schedule spans (train.max_steps may change it)
+            "settings": learning_settings(self.cfg),  # what a resume with other ones notes
         }
         self.ckpts.save(step, self.drafter.state_dict(), state, self.identity)
 
@@ -366,6 +383,7 @@ class Trainer:
             "steps_redone": self.steps_redone,
             "num_steps": self.plan.num_steps,
             "resumed_from": self.resumed_from,
+            "changed_on_resume": self.changed_on_resume or None,
             "world_size": self.env.world_size,
             "final_loss": num("loss"),
             "final_acc": num("acc"),
@@ -387,6 +405,18 @@ class Trainer:
             "best_val_accept_len": self.best.val_accept_len,
             "drafter_best": str(self.out / "drafter-best") if self.best.step is not None else None,
         }
+
+
+# settings that change what is learned from a step on, beyond the checkpoint identity's (architecture, target,
+# plan: refused when changed) and the lr, betas, weight decay and step count (noted where they are applied)
+LEARNING_SETTINGS = {"model": ("dtype", "num_anchors", "gamma", "loss_weighting", "dpace_alpha"),
+                     "train": ("schedule", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "max_nonfinite")}
+
+
+def learning_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The LEARNING_SETTINGS of a run config as {"section.key": value} (JSON values: a checkpoint keeps them)."""
+    sections = {"model": cfg.model.model_dump(mode="json"), "train": cfg.train.model_dump(mode="json")}
+    return {f"{name}.{key}": sections[name][key] for name, keys in LEARNING_SETTINGS.items() for key in keys}
 
 
 def _finite(value: Any) -> float | None:
