@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dflash_core.runtime.channel import Channel, ChannelClosed, EndOfStream, OrderedEmitter
+from dflash_core.runtime.channel import Channel, ChannelClosed, ChannelTimeout, EndOfStream, OrderedEmitter
 
 
 def _blocked(target) -> tuple[threading.Thread, list]:
@@ -34,6 +34,14 @@ def test_fifo_order_and_clean_end():
         ch.get()
     with pytest.raises(ChannelClosed):
         ch.put(4)
+
+
+def test_a_get_with_a_timeout_gives_up_and_an_item_in_time_is_taken():
+    ch = Channel(2, "features")
+    with pytest.raises(ChannelTimeout, match="nothing came through channel 'features' for 0.1 s"):
+        ch.get(timeout=0.1)
+    threading.Timer(0.05, ch.put, (7,)).start()
+    assert ch.get(timeout=5.0) == 7
 
 
 def test_producer_consumer_keeps_order_under_backpressure():

@@ -15,7 +15,7 @@ from dflash_core.runtime.channel import Channel
 from dflash_core.runtime.faults import FaultPlan, parse_faults
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.schedule import make_scheduler
-from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, anchor_generator, anchor_seed
+from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, StallError, anchor_generator, anchor_seed
 
 
 class Recorder(torch.optim.Optimizer):
@@ -124,3 +124,17 @@ def test_missing_and_corrupt_shards_name_the_file(parts, tmp_path):
     BatchPrefetcher([PlanRow(0, 0, 0, (0, 1))], ShardReader(str(tok)), out, threads=2).start()
     with pytest.raises(ShardError, match="part-00000.parquet"):
         out.get()
+
+
+def test_a_drafter_starved_of_batches_stops_the_run_naming_the_queues(parts, capfd):
+    """A shard read that never returns (a hung network mount) used to hold the rank's GPUs idle with no end:
+    after train.stall_timeout_s the drafter raises StallError with the queue depths and every thread's stack."""
+    target, reader, drafter, _ = parts
+    [first, _second] = _micro_batches(target, reader, drafter)
+    loop, _ = _loop(drafter, [first])
+    loop.s.grad_accum, loop.s.stall_timeout_s = 2, 0.3  # micro-batch 1 never comes
+    loop.s.upstream = (Channel(4, "batches"),)
+    with pytest.raises(StallError, match=r"^no micro-batch reached the drafter for 0.3 s \(waiting for plan step 0, "
+                                         r"micro-batch 1; queued: batches 0/4, channel 0/1\): a stage before it hangs"):
+        loop.train_step(0)
+    assert "Thread 0x" in capfd.readouterr().err  # the stacks of the stuck stages

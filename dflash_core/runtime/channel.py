@@ -39,6 +39,10 @@ class EndOfStream(Exception):
     """Raised by `get` once a closed channel is drained."""
 
 
+class ChannelTimeout(Exception):
+    """Raised by `get(timeout=...)` when nothing arrived in time (the stage upstream is stuck)."""
+
+
 class Channel(Generic[T]):
     """A bounded FIFO between two stages, with end-of-stream and error propagation."""
 
@@ -66,12 +70,15 @@ class Channel(Generic[T]):
             self._items.append(item)
             self._cond.notify_all()
 
-    def get(self) -> T:
-        """Take the oldest item; blocks while empty; raises EndOfStream when closed and drained."""
+    def get(self, timeout: float | None = None) -> T:
+        """Take the oldest item; blocks while empty (ChannelTimeout after `timeout` seconds, if given); raises
+        EndOfStream when closed and drained."""
         with self._cond:
             start = time.perf_counter()
-            self._cond.wait_for(lambda: self._error is not None or self._closed or bool(self._items))
+            ready = self._cond.wait_for(lambda: self._error is not None or self._closed or bool(self._items), timeout)
             self.wait_get_s += time.perf_counter() - start
+            if not ready:
+                raise ChannelTimeout(f"nothing came through channel {self.name!r} for {timeout:g} s")
             self._raise_if_failed()
             if not self._items:
                 raise EndOfStream(self.name)

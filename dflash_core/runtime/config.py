@@ -68,6 +68,10 @@ class TrainConfig(StrictModel):
     timeout_s: PositiveFloat | None = Field(
         None, description="wall-clock limit of the training launch in seconds: past it every rank is killed and the "
         "stage fails; None = no limit")
+    stall_timeout_s: PositiveFloat | None = Field(
+        1800.0, description="a rank whose drafter gets no micro-batch for this long stops the run (StallError: the "
+        "queue depths, every thread's stack in the log) instead of holding its GPUs idle all night behind a hung "
+        "shard read or target forward; None = wait forever")
     stop_grace_s: PositiveFloat = Field(
         120.0, description="on timeout or cancellation the launcher sends the ranks SIGTERM, waits this long for them "
         "to checkpoint the step they reached and stop, then kills them; keep it below the pod's "

@@ -16,8 +16,10 @@ forwards first keeps every micro-batch's activations alive at once.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_core.model.loss import simulated_acceptance_length, slot_accuracy
 from dflash_core.runtime.batch import MicroBatch, located
-from dflash_core.runtime.channel import Channel
+from dflash_core.runtime.channel import Channel, ChannelTimeout
 from dflash_core.runtime.efficiency import FlopMeter
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 
@@ -44,6 +46,10 @@ class NonFiniteError(RuntimeError):
 
 class OrderError(RuntimeError):
     """A micro-batch arrived out of plan order (a runtime bug, never a data problem)."""
+
+
+class StallError(RuntimeError):
+    """No micro-batch reached the drafter for train.stall_timeout_s: a stage upstream hangs."""
 
 
 def anchor_seed(seed: int, step: int, micro: int, rank: int) -> int:
@@ -73,6 +79,8 @@ class LoopSettings:
     block_size: int
     autocast_dtype: torch.dtype | None = None  # bf16 on GPU; None = no autocast
     meter: FlopMeter | None = None  # model FLOPs and MFU per step; None = one for the model, peak by device name
+    stall_timeout_s: float | None = None  # StallError when the inbox stays empty this long; None = wait forever
+    upstream: tuple[Channel, ...] = ()  # the channels before the inbox, whose depths a StallError reports
 
 
 class StepStats:
@@ -198,7 +206,16 @@ class DrafterTrainLoop:
 
     def _next_batch(self, step: int, micro: int) -> tuple[MicroBatch, float]:
         start = time.perf_counter()
-        batch = self.inbox.get()
+        try:
+            batch = self.inbox.get(self.s.stall_timeout_s)
+        except ChannelTimeout:
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where each stage's thread is stuck
+            depths = ", ".join(f"{ch.name} {ch.depth()}/{ch.capacity}" for ch in (*self.s.upstream, self.inbox))
+            raise StallError(
+                f"no micro-batch reached the drafter for {self.s.stall_timeout_s:g} s (waiting for plan step {step}, "
+                f"micro-batch {micro}; queued: {depths}): a stage before it hangs (a shard read that never returns "
+                "on a network filesystem, a stuck target forward); the log shows every thread's stack above. train.stall_timeout_s "
+                "sets the limit") from None
         waited = time.perf_counter() - start
         if (batch.step, batch.micro) != (step, micro):
             raise OrderError(f"expected plan step {step} micro {micro}, got step {batch.step} micro {batch.micro}")

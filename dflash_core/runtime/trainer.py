@@ -215,6 +215,7 @@ class Trainer:
             world_size=self.env.world_size, device=self.device, buckets=self.plan.buckets,
             block_size=self.drafter.block_size,
             autocast_dtype=torch.bfloat16 if self.device.type == "cuda" else None, meter=meter,
+            stall_timeout_s=t.stall_timeout_s, upstream=(batches,),
         )
         note = missing_peak_note(self.device, meter.peak_tflops)
         if note and self.env.is_main:
