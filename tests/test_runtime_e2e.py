@@ -221,7 +221,9 @@ def test_a_cancelled_launch_gives_the_ranks_time_to_checkpoint(inputs, tmp_path)
                 cancel.set()
 
     threading.Thread(target=watch, daemon=True).start()
-    with pytest.raises(TrainingFailed, match="stopped on SIGTERM after plan step"):
+    # the cancel first (it is the cause), then what the ranks said as they stopped
+    with pytest.raises(TrainingFailed, match="^training was cancelled; rank 0: StoppedBySignal: stopped on SIGTERM "
+                                             "after plan step"):
         launch_train(one.tokenized, one.plan, str(out), config, on_line=lambda _: None, timeout_s=600,
                      cancel=cancel, env={"DFLASH_FAULT": "slow@0"})
     [step] = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]

@@ -68,6 +68,22 @@ def test_cancel_kills_the_whole_group():
     assert not _alive(_child_pid(lines))
 
 
+def test_lines_keep_coming_after_on_line_fails_on_one():
+    """A full disk under the log (on_line raising) must not stop the reading: the lines after it (the failing
+    rank's error) still reach on_line and the tail, and the child never blocks on a full pipe."""
+    seen: list[str] = []
+
+    def on_line(line: str) -> None:
+        seen.append(line)
+        if line == "line 1":
+            raise OSError(28, "No space left on device")
+
+    code = "import sys; [print(f'line {i}') for i in range(20000)]; sys.exit(3)"  # more than a pipe holds
+    with pytest.raises(ProcessFailed) as info:
+        run_process_group([sys.executable, "-c", code], on_line=on_line, timeout_s=60)
+    assert info.value.returncode == 3 and info.value.tail[-1] == "line 19999" and seen[-1] == "line 19999"
+
+
 def test_torchrun_command_single_node_and_multi_node():
     cmd = torchrun_command("tok", "plan", "out", "cfg.yaml", nproc_per_node=2)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd

@@ -62,6 +62,27 @@ def test_jsonl_cuts_a_partial_last_line_from_a_crash(tmp_path):
     assert _steps(path) == [0, 1, 2]
 
 
+def test_jsonl_names_the_file_and_line_of_a_corrupt_record_and_keeps_the_file(tmp_path):
+    """A bad line in the middle (not a crash's incomplete last line) is refused, naming the file and the line,
+    before anything is dropped; check_metrics_file (the launcher's check before torchrun) says the same."""
+    from dflash_core.monitor.sinks import check_metrics_file
+    from dflash_core.monitor.sources import MetricsError
+
+    path = tmp_path / "metrics.jsonl"
+    text = json.dumps(_rec(0)) + "\n" + '{"step": 1, "loss": \x01}' + "\n" + json.dumps(_rec(2)) + "\n"
+    path.write_text(text)
+    for opened in (lambda: JsonlSink(str(path), resumed_at=1), lambda: check_metrics_file(str(path))):
+        with pytest.raises(MetricsError, match=rf"^{path}, line 2: not valid JSON \(.*\); fix or delete that line"):
+            opened()
+    assert path.read_text() == text
+    path.write_text(json.dumps(_rec(0)) + "\n" + '{"loss": 1.0}' + "\n")
+    with pytest.raises(MetricsError, match=r"line 2: not a metrics record \(no integer 'step'\)"):
+        check_metrics_file(str(path))
+    path.write_text(json.dumps(_rec(0)) + "\n" + '{"step": 1, "lo')  # a crash mid-write: fine, as the sink
+    check_metrics_file(str(path))
+    check_metrics_file(str(tmp_path / "none.jsonl"))
+
+
 def test_jsonl_on_memory_filesystem():
     sink = JsonlSink("memory://runs/x/metrics.jsonl")
     sink.log(_rec(0))

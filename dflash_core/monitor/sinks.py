@@ -11,13 +11,13 @@ import os
 import posixpath
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import fsspec
 
 from dflash_core.io import is_local
 from dflash_core.monitor.config import WandbConfig
-from dflash_core.monitor.sources import record_kind
+from dflash_core.monitor.sources import MetricsError, record_kind
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
 
@@ -75,16 +75,14 @@ class JsonlSink(MetricSink):
             data = fh.read()
         complete = data[: data.rfind(b"\n") + 1]
         kept, keys = [], set()
-        for line in complete.splitlines(keepends=True):
-            if line.strip():
-                record = json.loads(line)
-                kind, step = record_kind(record), int(record["step"])
-                self._found[kind] = max(step, self._found.get(kind, -1))
-                if resumed_at is None or step < resumed_at:
-                    kept.append(line)
-                    keys.add((kind, step))
-                    if step >= int(self._kept.get(kind, {}).get("step", -1)):
-                        self._kept[kind] = record
+        for line, record in complete_records(data, self.uri):
+            kind, step = record_kind(record), int(record["step"])
+            self._found[kind] = max(step, self._found.get(kind, -1))
+            if resumed_at is None or step < resumed_at:
+                kept.append(line)
+                keys.add((kind, step))
+                if step >= int(self._kept.get(kind, {}).get("step", -1)):
+                    self._kept[kind] = record
         if len(kept) != len(complete.splitlines()) or len(complete) != len(data):
             self._rewrite(b"".join(kept))
         return keys
@@ -135,6 +133,40 @@ class JsonlSink(MetricSink):
     def close(self) -> None:
         """Close the file."""
         self._fh.close()
+
+
+def complete_records(data: bytes, where: str) -> list[tuple[bytes, dict[str, Any]]]:
+    """The (line, record) pairs of a metrics.jsonl's complete lines; an incomplete last one (no newline: a crash
+    in the middle of a write) is left out. A line that is not a step's record is a MetricsError naming `where`
+    and the line: a resumed run appends to the file, and the stability gate reads it whole."""
+    records = []
+    complete = data[: data.rfind(b"\n") + 1]
+    for lineno, line in enumerate(complete.splitlines(keepends=True), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            _bad_line(where, lineno, f"not valid JSON ({exc.msg}, column {exc.colno})")
+        except UnicodeDecodeError:
+            _bad_line(where, lineno, "not UTF-8 text")
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            _bad_line(where, lineno, "not a metrics record (no integer 'step')")
+        records.append((line, record))
+    return records
+
+
+def _bad_line(where: str, lineno: int, what: str) -> NoReturn:
+    raise MetricsError(f"{where}, line {lineno}: {what}; fix or delete that line (or start the run over in a new "
+                       "--out), then run the same command again")
+
+
+def check_metrics_file(uri: str) -> None:
+    """Refuse an existing metrics.jsonl that a resumed run could not read (complete_records); none is fine."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    if fs.exists(path):
+        complete_records(fs.cat_file(path), uri)
 
 
 def scrub_secrets(config: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import fsspec
 from dflash_core.data.shards import read_manifest
 from dflash_core.errors import DflashError, UsageError
 from dflash_core.io import is_local, join_uri
+from dflash_core.monitor.sinks import check_metrics_file
 from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, mark_stage, output_lock
 from dflash_core.runtime.ledger import (
@@ -34,7 +36,7 @@ from dflash_core.runtime.ledger import (
     read_launches,
     run_cost,
 )
-from dflash_core.runtime.process import RANK_ERROR, ProcessFailed, first_rank_error, run_process_group
+from dflash_core.runtime.process import ProcessFailed, first_rank_error, is_failure_line, run_process_group
 from dflash_core.runtime.run_mirror import staged_run
 from dflash_core.runtime.run_plan import check_plan
 
@@ -139,6 +141,7 @@ def launch_train(
     first_node = is_first_node(nnodes, node_rank)  # the other nodes of a run do not lock it
     check_output(out, "train", ("config.yaml",), overwritable=False, locking=first_node)
     check_inputs(tokenized, plan, nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None)
+    check_metrics_file(join_uri(out, "metrics.jsonl"))  # a resumed run appends to it: refused now, not by rank 0
     log_name = node_log_name(nnodes, node_rank)
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as stack:
@@ -150,14 +153,14 @@ def launch_train(
         if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
             stack.enter_context(_kept_config(out))
         config_path = config if isinstance(config, str) else config()
-        errors: list[str] = []
+        errors: list[str] = []  # the lines that say which rank failed first, and how
         early: list[str] = []  # said before the log is open: written to it first
         say: list[Callable[[str], None]] = [early.append]
         if not first_node and node_rank is None:
             say[0](f"warning: --nnodes {nnodes} without --node-rank: no node holds the lock on {out}, so a second "
                    "launch into it is not refused; give each node's launch its --node-rank (0 on the first node)")
         run_dir = stack.enter_context(staged_run(out, lambda line: say[0](line), log_name=log_name))
-        log = stack.enter_context(RunLog(run_dir, log_name))
+        log = stack.enter_context(RunLog(run_dir, log_name, warn=lambda line: on_line(line)))
         config_fs = fsspec.core.url_to_fs(config_path)[0]
         if run_dir != out and not is_local(config_fs):  # the ranks read a copy beside their run folder
             config_fs.get_file(config_path, os.path.join(run_dir, "config.yaml"))
@@ -166,7 +169,7 @@ def launch_train(
         def collect(line: str) -> None:
             lines.append(line)
             log.write(line)
-            if RANK_ERROR in line and not errors:
+            if is_failure_line(line):  # a rank's error, torchrun's account of a rank it lost
                 errors.append(line)
             on_line(line)
 
@@ -193,7 +196,7 @@ def launch_train(
             error = None
         except ProcessFailed as exc:
             kept_log = log.path if run_dir == out else join_uri(out, log_name)  # the staging folder goes
-            failed = TrainingFailed.from_process(exc, first_rank_error(errors), kept_log)
+            failed = TrainingFailed.from_process(exc, first_rank_error(errors), kept_log, log.error)
             error = str(failed).split("; full log:", 1)[0]
             raise failed from None
         finally:
@@ -324,14 +327,27 @@ class TrainingFailed(DflashError):
     tail: list[str] | None = None  # torchrun's last lines, for callers that show more than the message
 
     @classmethod
-    def from_process(cls, exc: ProcessFailed, rank_error: dict | None, log_path: str | None) -> TrainingFailed:
-        """The one-line message: the rank's error when one reported it, else how torchrun ended."""
+    def from_process(cls, exc: ProcessFailed, rank_error: dict | None, log_path: str | None,
+                     log_error: OSError | None = None) -> TrainingFailed:
+        """The one-line message: a timeout's or a cancel's cause first; then the failing rank's error when one
+        reported it (or torchrun saw it killed by a signal: first_rank_error), else how torchrun ended; last the
+        log, or why it is incomplete (RunLog.error: a full disk is likely what the rank failed on too)."""
         where = f"; full log: {log_path}" if log_path else ""
+        if log_error is not None:
+            fix = "free space on that disk" if log_error.errno == errno.ENOSPC else "check that disk"
+            where = (f"; {log_path} is incomplete: writing it failed ({log_error.strerror or log_error}); {fix}, "
+                     "then run the same command again")
+        said = None
         if rank_error:
-            head = (f"training failed on rank {rank_error['rank']}: {rank_error['type']}: "
-                    f"{rank_error['message']}")
+            kind = "" if rank_error.get("signal") else f"{rank_error['type']}: "
+            raised = f" (raised at {rank_error['where']})" if rank_error.get("where") else ""
+            said = f"rank {rank_error['rank']}: {kind}{rank_error['message']}{raised}"
+        if exc.stopped:  # the ranks' errors follow from our SIGTERM: the cause is the timeout or the cancel
+            notes = ["train.timeout_s"] if exc.reason.startswith("timed out") else []
+            notes += [] if said else [f"exit code {exc.returncode}"]
+            head = f"training {exc.reason}" + (f" ({'; '.join(notes)})" if notes else "") + (f"; {said}" if said else "")
         else:
-            head = f"training {exc.reason} (exit code {exc.returncode})"
+            head = f"training failed on {said}" if said else f"training {exc.reason} (exit code {exc.returncode})"
         failed = cls(head + where)
         failed.tail = exc.tail
         return failed
@@ -353,12 +369,15 @@ def node_log_name(nnodes: int | str, node_rank: int | None) -> str:
 
 class RunLog:
     """The launcher's log in the run folder (train.log; node_log_name): every line torchrun and this node's ranks
-    printed, appended across resumes."""
+    printed, appended across resumes. A write that fails (a full disk) is said once through `warn` and ends the
+    writing: the run goes on, and its lines, the failing rank's error among them, still reach the caller."""
 
-    def __init__(self, out: str, name: str = "train.log") -> None:
+    def __init__(self, out: str, name: str = "train.log", warn: Callable[[str], None] = print) -> None:
         fs, root = fsspec.core.url_to_fs(out)
         self.path = join_uri(root, name) if is_local(fs) else None
         self.fh: TextIO | None = None
+        self.warn = warn
+        self.error: OSError | None = None  # the write that failed, when one did
 
     def __enter__(self) -> RunLog:
         if self.path:
@@ -367,11 +386,26 @@ class RunLog:
         return self
 
     def write(self, line: str) -> None:
-        """Append one line (flushed: the log must survive a kill)."""
-        if self.fh is not None:
+        """Append one line (flushed: the log must survive a kill); after a failed write, nothing."""
+        if self.fh is None:
+            return
+        try:
             self.fh.write(line + "\n")
             self.fh.flush()
+        except OSError as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        if self.fh is not None:
+            with contextlib.suppress(OSError):  # closing flushes the line that failed: it fails again
+                self.fh.close()
+        self.fh, self.error = None, exc
+        self.warn(f"warning: cannot write {self.path} ({exc.strerror or exc}): this launch's lines from here on "
+                  f"are not in it, only in this output; free space on that disk (df -h {os.path.dirname(str(self.path))})")
 
     def __exit__(self, *exc: object) -> None:
         if self.fh is not None:
-            self.fh.close()
+            try:
+                self.fh.close()
+            except OSError as error:
+                self._give_up(error)

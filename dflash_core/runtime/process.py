@@ -10,23 +10,47 @@ import collections
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+
+from dflash_core.errors import DflashError
 
 TAIL_LINES = 60
 RANK_ERROR = "DFLASH_RANK_ERROR "  # prefix of the line a failing rank prints last: its own error, as JSON
+# torchrun's own account of its ranks' ends (torch/distributed/elastic): the first failure it saw, the ranks it
+# then signalled itself to stop the others, and each failed rank's entry in the error summary it prints as it exits:
+#   ... failed (exitcode: -9) local_rank: 1 (pid: 25904) of binary: /usr/bin/python
+#   ... Sending process 25903 closing signal SIGTERM    (or: Unable to shutdown process 25903 via ...)
+#     rank      : 1 (local_rank: 1)
+#     exitcode  : -9 (pid: 25904)  (SIGKILL)
+TORCHRUN_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+TORCHRUN_SIGNALLED = re.compile(r"(?:Sending process|Unable to shutdown process) (\d+)")
+TORCHRUN_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
+TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+# what a rank's death by a signal usually means: the rank printed nothing (SIGKILL leaves no traceback)
+SIGNAL_HINTS = {
+    "SIGKILL": "out of host memory? `dmesg | grep -i oom` shows the OOM killer; else something killed it by hand",
+    "SIGSEGV": "a crash in native code (a CUDA, NCCL or extension bug); the log's last lines may name it",
+    "SIGBUS": "a crash reading shared memory: /dev/shm too small? (docker: --shm-size; Kubernetes: an emptyDir)",
+    "SIGABRT": "aborted in native code (a failed CUDA or NCCL call); the log's last lines name it",
+    "SIGTERM": "stopped from outside (a preempted or evicted node?)",
+}
 
 
 class ProcessFailed(RuntimeError):
     """The command exited non-zero, timed out or was cancelled; `tail` holds its last lines."""
 
-    def __init__(self, cmd: Sequence[str], reason: str, returncode: int | None, tail: list[str]) -> None:
+    def __init__(self, cmd: Sequence[str], reason: str, returncode: int | None, tail: list[str],
+                 stopped: bool = False) -> None:
         self.cmd = list(cmd)
         self.reason = reason
+        self.stopped = stopped  # we ended it (a timeout or a cancel): `reason` is the cause, not its exit
         self.returncode = returncode
         self.tail = tail
         last = "\n".join(tail[-20:])
@@ -35,13 +59,40 @@ class ProcessFailed(RuntimeError):
 
 
 def rank_error_line(rank: int, exc: BaseException) -> str:
-    """One line naming a rank's error, for the launcher to put first (the traceback stays in the log)."""
+    """One line naming a rank's error and its notes, for the launcher to put first (the traceback stays in the
+    log); an unexpected one also names where in dflash_core it was raised (a library's message seldom says what
+    failed)."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return RANK_ERROR + json.dumps({"rank": rank, "type": type(exc).__name__, "message": message[:2000]})
+    notes = [str(n) for n in getattr(exc, "__notes__", ())]  # where a stage met it (the plan step and samples)
+    message = "; ".join(filter(None, [message, *notes]))
+    error = {"rank": rank, "type": type(exc).__name__, "message": message[:2000]}
+    where = None if isinstance(exc, DflashError) else _raised_in(exc)
+    return RANK_ERROR + json.dumps({**error, "where": where} if where else error)
+
+
+def _raised_in(exc: BaseException) -> str | None:
+    """`dflash_core/<file>:<line> in <function>`: the innermost frame of ours that `exc` went through."""
+    tb = getattr(exc, "_dflash_origin_tb", None) or exc.__traceback__  # runtime/channel.py keeps the origin's
+    ours = [f for f in traceback.extract_tb(tb) if "/dflash_core/" in f.filename.replace(os.sep, "/")]
+    if not ours:
+        return None
+    path = ours[-1].filename.replace(os.sep, "/")
+    return f"{path[path.rindex('/dflash_core/') + 1:]}:{ours[-1].lineno} in {ours[-1].name}"
+
+
+def is_failure_line(line: str) -> bool:
+    """A line first_rank_error reads: a rank's own error, or torchrun's account of a rank that failed."""
+    return RANK_ERROR in line or any(p.search(line) for p in (TORCHRUN_FAILED, TORCHRUN_SIGNALLED)) or any(
+        p.match(line) for p in (TORCHRUN_RANK, TORCHRUN_EXITCODE))
 
 
 def first_rank_error(lines: Sequence[str]) -> dict | None:
-    """The first rank error reported in a log (the root cause; other ranks fail after it)."""
+    """The root cause of a failed run in its log: a rank that torchrun saw die first, and of a signal (it printed
+    nothing; the others fail after it, on a closed connection), else the first rank error reported."""
+    return killed_rank(lines) or _reported_error(lines)
+
+
+def _reported_error(lines: Sequence[str]) -> dict | None:
     for line in lines:
         start = line.find(RANK_ERROR)
         if start >= 0:
@@ -50,6 +101,41 @@ def first_rank_error(lines: Sequence[str]) -> dict | None:
             except json.JSONDecodeError:
                 continue
     return None
+
+
+def killed_rank(lines: Sequence[str]) -> dict | None:
+    """The rank error (rank, type, message, signal) of a rank that a signal ended, torchrun did not send it: the
+    one torchrun saw fail first when it is one, else the first such in its summary. None when no rank died so.
+    (torchrun may see a rank's peer fail in the same poll, on the connection the killed rank closed, and list the
+    peer as the first failure.)"""
+    ended: dict[int, tuple[int, int]] = {}  # pid -> (rank, exit code): the summary's, else the first failure's
+    signalled: set[int] = set()  # the pids torchrun signalled itself, to stop them
+    rank = None
+    for line in lines:
+        if m := TORCHRUN_FAILED.search(line):
+            ended.setdefault(int(m.group(3)), (int(m.group(2)), int(m.group(1))))  # a local rank: one node's
+        elif m := TORCHRUN_SIGNALLED.search(line):
+            signalled.add(int(m.group(1)))
+        elif m := TORCHRUN_RANK.match(line):
+            rank = int(m.group(1))
+        elif rank is not None and (m := TORCHRUN_EXITCODE.match(line)):
+            ended[int(m.group(2))] = (rank, int(m.group(1)))
+            rank = None
+    killed = [(pid, r, code) for pid, (r, code) in ended.items() if code < 0 and pid not in signalled]
+    if not killed:
+        return None
+    pid, rank, exitcode = killed[0]
+    name = _signal_name(-exitcode)
+    hint = SIGNAL_HINTS.get(name)
+    return {"rank": rank, "type": "killed", "signal": name,
+            "message": f"killed by {name} (pid {pid})" + (f": {hint}" if hint else "")}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -81,10 +167,20 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def _pump(stream, on_line: Callable[[str], None], tail: collections.deque) -> None:
+    """Read the child's lines to its end whatever `on_line` does with them: a pipe nobody reads blocks the ranks
+    once it fills, and the lines after one `on_line` failed on (a full disk under the log) hold the failing
+    rank's error. Its first error is said once on stderr; the lines keep going to it and to `tail`."""
+    failed = False
     for raw in iter(stream.readline, ""):
         line = raw.rstrip("\n")
         tail.append(line)
-        on_line(line)
+        try:
+            on_line(line)
+        except Exception as exc:  # noqa: BLE001 - reading on is the point; the first error is said
+            if not failed:
+                print(f"warning: a line of the command's output could not be handled ({type(exc).__name__}: "
+                      f"{exc}); reading on", file=sys.stderr, flush=True)
+            failed = True
     stream.close()
 
 
@@ -110,7 +206,7 @@ def run_process_group(
     pump.join(timeout=10)
     if reason is None and proc.returncode == 0:
         return 0
-    raise ProcessFailed(cmd, reason or "failed", proc.returncode, list(tail))
+    raise ProcessFailed(cmd, reason or "failed", proc.returncode, list(tail), stopped=reason is not None)
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float | None, cancel: threading.Event | None, grace_s: float):
