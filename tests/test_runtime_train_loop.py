@@ -15,7 +15,13 @@ from dflash_core.runtime.channel import Channel
 from dflash_core.runtime.faults import FaultPlan, parse_faults
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.schedule import make_scheduler
-from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, StallError, anchor_generator, anchor_seed
+from dflash_core.runtime.train_loop import (
+    DrafterTrainLoop,
+    LoopSettings,
+    StallError,
+    anchor_generator,
+    anchor_seed,
+)
 
 
 class Recorder(torch.optim.Optimizer):
