@@ -259,14 +259,33 @@ def _parses(line: bytes) -> bool:
     return True
 
 
-@settings(max_examples=60, deadline=None)
-@given(values=st.lists(_json_values, max_size=6), indent=st.sampled_from([None, 0, 2]))
-def test_json_array_stream_yields_exactly_the_elements(values: list, indent: int | None) -> None:
-    import io
+class _ShortReads:
+    """A stream that returns at most `size` bytes a read: reads end inside strings and between a backslash and
+    the character it escapes, as 1 MiB reads do in long records."""
 
+    def __init__(self, raw: bytes, size: int) -> None:
+        import io
+
+        self.stream, self.size = io.BytesIO(raw), size
+
+    def read(self, n: int) -> bytes:
+        return self.stream.read(min(n, self.size))
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(_json_values, max_size=6), indent=st.sampled_from([None, 0, 2]),
+       read_size=st.sampled_from([1, 2, 3, 7, 1 << 20]))
+def test_json_array_stream_yields_exactly_the_elements(values: list, indent: int | None, read_size: int) -> None:
     raw = json.dumps(values, indent=indent).encode()
-    got = [json.loads(element) for _, element in JsonArrayElements(io.BytesIO(raw))]
+    got = [json.loads(element) for _, element in JsonArrayElements(_ShortReads(raw, read_size))]
     assert got == values
+
+
+def test_json_array_stream_of_escapes_split_at_every_byte() -> None:
+    values = [{"content": 'a \\" quoted \\\\ "b" \\n' * 5, "k": ["]", "}", ","]}, "\\", ""]
+    raw = json.dumps(values).encode()
+    for size in (1, 2, 3, 5):
+        assert [json.loads(e) for _, e in JsonArrayElements(_ShortReads(raw, size))] == values
 
 
 @settings(max_examples=60, deadline=None)

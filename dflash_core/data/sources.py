@@ -392,7 +392,7 @@ class _Prepend:
 
 
 _STRUCT = re.compile(rb'[\[\]{}",]')
-_STRING_TAIL = re.compile(rb'(?:[^"\\]|\\.)*"', re.S)
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's bytes up to its quote, escapes whole
 
 
 _CUT = b"<end of file inside the JSON array: the file is truncated>"
@@ -467,6 +467,7 @@ class JsonArrayElements:
         while True:
             m = _STRUCT.search(self.buf, pos)
             if m is None:
+                pos = len(self.buf)  # nothing structural before the end: the next search starts at the new bytes
                 if not self._fill():
                     return len(self.buf), True
                 continue
@@ -481,9 +482,12 @@ class JsonArrayElements:
                 depth = max(depth - 1, 0)
 
     def _string_end(self, pos: int) -> int:
+        """Index after the closing quote of the string whose bytes start at pos. Each read goes on from where the
+        last stopped (a long string read chunk by chunk is scanned once); a backslash that ends the buffer is
+        scanned again with the byte it escapes."""
         while True:
-            m = _STRING_TAIL.match(self.buf, pos)
-            if m is not None:
-                return m.end()
+            pos = _STRING_BODY.match(self.buf, pos).end()  # type: ignore[union-attr] - the pattern matches ''
+            if pos < len(self.buf) and self.buf[pos] == 0x22:  # the closing quote
+                return pos + 1
             if not self._fill():
                 return len(self.buf)
