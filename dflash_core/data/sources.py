@@ -486,7 +486,8 @@ class JsonArrayElements:
         last stopped (a long string read chunk by chunk is scanned once); a backslash that ends the buffer is
         scanned again with the byte it escapes."""
         while True:
-            pos = _STRING_BODY.match(self.buf, pos).end()  # type: ignore[union-attr] - the pattern matches ''
+            body = _STRING_BODY.match(self.buf, pos)
+            pos = body.end() if body else pos  # the pattern matches '' too: never None
             if pos < len(self.buf) and self.buf[pos] == 0x22:  # the closing quote
                 return pos + 1
             if not self._fill():
