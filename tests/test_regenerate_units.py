@@ -245,6 +245,39 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_the_results_regene
     assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 
+def test_a_call_the_record_ends_on_is_regenerated_and_a_split_reply_is_answered_once():
+    """A call with no results after it (Salesforce xlam's shape: a query, then the calls) answers nothing the
+    record holds: the target writes that turn, tools sent. Two assistant turns in a row (a ShareGPT reply split in
+    two) are one reply: the target answered both, the second time to its own reply."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+    convo = [{"role": "user", "content": "Call f with x=1"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    seen: list = []
+    mine = {"id": "chatcmpl-tool-9", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+    result = asyncio.run(regenerate(convo, _scripted([Reply("", "tool_calls", 7, None, [mine])], seen),
+                                    keep_truncated=False, keep_thinking=False))
+    assert seen == [convo[:1]] and result.tokens == 7
+    assert result.messages == [convo[0], {"role": "assistant", "content": "", "tool_calls": [mine]}]
+    split = [{"role": "user", "content": "Tell me two things."}, {"role": "assistant", "content": "First, ..."},
+             {"role": "assistant", "content": "Second, ..."}, {"role": "user", "content": "Thanks. A third?"},
+             {"role": "assistant", "content": "Third, ..."}]
+    seen = []
+    result = asyncio.run(regenerate(split, _scripted([Reply("One and two.", "stop", 3), Reply("Three.", "stop", 2)],
+                                                     seen), keep_truncated=False, keep_thinking=False))
+    assert len(seen) == 2 and seen[1] == [split[0], {"role": "assistant", "content": "One and two."}, split[3]]
+    assert [m["content"] for m in result.messages] == ["Tell me two things.", "One and two.", "Thanks. A third?",
+                                                       "Three."]
+
+
+def test_a_reply_in_text_parts_is_joined_and_other_content_is_a_malformed_completion():
+    parts = _completing([{"message": {"content": [{"type": "text", "text": "It is "}, {"type": "text", "text": "4."}]},
+                          "finish_reason": "stop"}])
+    assert asyncio.run(parts.chat({})) == Reply("It is 4.", "stop", 3)
+    for content in ([{"type": "image_url", "image_url": {"url": "x"}}], 4):
+        odd = _completing([{"message": {"content": content}, "finish_reason": "stop"}])
+        with pytest.raises(Rejected, match="malformed completion.*message content is neither text nor text parts"):
+            asyncio.run(odd.chat({}))
+
+
 def test_the_config_refuses_bad_values():
     with pytest.raises(ValueError):
         RegenerateConfig(concurrency=0)
@@ -852,3 +885,30 @@ def test_temporary_files_of_killed_writers_are_swept_but_fresh_ones_are_kept(tmp
     output.OutputDir(str(tmp_path / "out"))
     assert not old.exists() and fresh.exists() and journal.exists()
     assert out.shard_done(0) is False  # the stale temporary was never the shard file
+
+
+def test_an_out_inside_the_data_folder_resumes_and_finished_shards_leave_memory(scripted_server, tmp_path,
+                                                                                monkeypatch):
+    """`--data dd --out dd/regen`: the run's own shard files are not read as input on the rerun (it failed as
+    'the output of another regenerate run'), and a shard's journal leaves memory once its file is written (the
+    whole output was held until the end)."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate import stage
+
+    dd = tmp_path / "dd"
+    dd.mkdir()
+    write_jsonl(dd / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(7)])
+    data = data_config(str(dd), endpoints=[scripted_server], records_per_shard=3)
+    held: list[int] = []
+    finish = stage._Run._maybe_finish
+
+    def watched(self, shard):
+        finish(self, shard)
+        held.append(len(self.journals))
+
+    monkeypatch.setattr(stage._Run, "_maybe_finish", watched)
+    first = stage.regenerate_dataset(str(dd), str(dd / "regen"), data)
+    assert first["complete"] and first["kept"] == 7 and held[-1] == 0  # each written shard's journal let go
+    again = stage.regenerate_dataset(str(dd), str(dd / "regen"), data)
+    assert again["complete"] and again["kept"] == 7 and again["read"] == 7

@@ -111,6 +111,17 @@ def list_files(source: str) -> list[SourceFile]:
     return files
 
 
+def without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
+    """The input files minus a stage's own output, when `out` lies inside the source folder (a rerun or a resume
+    would read it as input)."""
+    fs, root = fsspec.core.url_to_fs(out)
+    prefix = fs.unstrip_protocol(root.rstrip("/")) + "/"
+    kept = [f for f in files if not f.uri.startswith(prefix)]
+    if not kept:
+        raise DataError(f"{out}: the source holds no data files besides this output folder")
+    return kept
+
+
 # What object stores report about a file's content, strongest first: S3 (ChecksumSHA256, ETag), GCS (md5Hash,
 # crc32c), HTTP (ETag), Azure (content_settings.content_md5, else etag). An ETag changes whenever the object is
 # written again, so a fingerprint built on it never misses new content (an identical re-upload may still count

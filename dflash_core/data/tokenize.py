@@ -37,7 +37,7 @@ from dflash_core.data.samples import (
     init_worker,
 )
 from dflash_core.data.shards import part_name, read_manifest
-from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
 from dflash_core.data.template import ChatEncoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
 from dflash_core.io import join_uri
@@ -61,7 +61,7 @@ def tokenize_dataset(source: str, tokenizer: str, out: str, cfg: DataConfig, blo
     """
     inputs = {"--data": source, "--tokenizer": tokenizer}
     check_output(out, "tokenize", OWN_FILES, overwrite, inputs=inputs)  # before the slow set-up: a wrong --out fails at once
-    files = _without_output(list_files(source), out)
+    files = without_output(list_files(source), out)
     local = _builder(tokenizer, cfg, block_size)  # fails here, before any work, on an unusable template
     encoder, spec = local.encoder, local.spec
     fingerprint = combine(files_digest(files), tokenizer_digest(tokenizer, encoder.tokenizer),
@@ -184,16 +184,6 @@ def _check_read(source: str, files: int, run: _Run) -> None:
     if run.read == 0:
         raise DataError(f"{source}: no records in its {files} file(s) (empty, blank lines only, or an empty "
                         "array); nothing to tokenize")
-
-
-def _without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
-    """The input files minus an earlier run's output, when `out` lies inside the source folder."""
-    fs, root = fsspec.core.url_to_fs(out)
-    prefix = fs.unstrip_protocol(root.rstrip("/")) + "/"
-    kept = [f for f in files if not f.uri.startswith(prefix)]
-    if not kept:
-        raise DataError(f"{out}: the source holds no data files besides this output folder")
-    return kept
 
 
 def _ordered(chunks: Iterator[Chunk], spec: BuildSpec, num_proc: int, local: SampleBuilder) -> Iterator[ChunkResult]:

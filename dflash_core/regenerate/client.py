@@ -216,10 +216,20 @@ def _reply(resp: httpx.Response, url: str) -> Reply:
         calls = message.get("tool_calls") or None
         if calls is not None and not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise ValueError(f"tool_calls is not a list of function calls: {calls!r}"[:200])
-        return Reply(message.get("content") or "", choice.get("finish_reason") or UNKNOWN_FINISH, tokens,
-                     message.get("reasoning_content") or message.get("reasoning"), calls)
+        return Reply(_text(message.get("content"), "content") or "", choice.get("finish_reason") or UNKNOWN_FINISH,
+                     tokens, _text(message.get("reasoning_content") or message.get("reasoning"), "reasoning"), calls)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {str(data)[:200]}") from None
+
+
+def _text(value: Any, name: str) -> str | None:
+    """A message field as text: a string, or typed parts ([{"type": "text", "text": ...}], as some servers and
+    gateways answer) joined; ValueError for anything else (the completion is malformed)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise ValueError(f"message {name} is neither text nor text parts: {value!r}"[:200])
 
 
 def _describe(exc: BaseException) -> str:

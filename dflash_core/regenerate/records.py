@@ -118,8 +118,10 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     """Replace every assistant turn by the target's reply to the conversation so far, whose earlier assistant
     turns are already the target's own (on-policy); a conversation ending on a user turn gets a reply.
     System, user and tool turns stay verbatim; assistant turns before the first user turn are kept as
-    prompt text (a greeting answers nothing); so are turns that call tools: the tool results after them answer
-    those calls, which cannot be re-run, and the replies after the results are regenerated. A reply that calls
+    prompt text (a greeting answers nothing); so are turns that call tools when the record has their results
+    after them: those answer the calls, which cannot be re-run, and the replies after the results are
+    regenerated (a call the record ends on, or one no result follows, is regenerated like any reply). Assistant
+    turns in a row (a reply the record split in two) are answered by one reply. A reply that calls
     tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
     and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
     A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
@@ -135,9 +137,12 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     seen_user = False
     last_reply: int | None = None  # where the last regenerated reply is in `out`
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
-    for turn in turns:
+    for k, turn in enumerate(turns):
         seen_user = seen_user or turn["role"] == "user"
-        if turn["role"] != "assistant" or not seen_user or turn.get("tool_calls"):
+        if turn["role"] == "assistant" and last_reply is not None and last_reply == len(out) - 1:
+            continue  # the rest of a reply the record split in two: the target's reply answers the turn whole
+        answered = k + 1 < len(turns) and turns[k + 1]["role"] == "tool"  # a call whose results the record has
+        if turn["role"] != "assistant" or not seen_user or (turn.get("tool_calls") and answered):
             out.append(turn)
             history.append(turn)
             continue

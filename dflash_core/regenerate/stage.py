@@ -24,7 +24,7 @@ from dflash_core.data.config import DataConfig
 from dflash_core.data.errors import TemplateError
 from dflash_core.data.fingerprint import files_digest, model_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
-from dflash_core.data.sources import FileRecords, SourceFile, list_files
+from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
 from dflash_core.data.template import load_tokenizer, turn_shaping
 from dflash_core.io import is_local
 from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, api_key, sampling_body
@@ -169,7 +169,7 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     when the caller has them (a shard's task run then neither hashes nor counts the whole input again, and reads
     no further than its shard). No server is started when nothing is left to do."""
     cfg = data.regenerate
-    files = list_files(source)
+    files = without_output(list_files(source), out)  # an --out inside the source folder is not input
     output = OutputDir(out)
     state = settings(data, target)  # reads the ends of the target's weight files: once
     fingerprint = fingerprint or _fingerprint(files, state)
@@ -525,6 +525,10 @@ class _Run:
                 and not self.retrying.get(shard) and shard not in self.finished:
             self.finished.add(shard)
             journal.finish()
+            # its outcomes are in the shard file now: memory holds the shards in flight only, not the whole output
+            del self.journals[shard]
+            self.retryable.pop(shard, None)
+            self.retrying.pop(shard, None)
 
     def _report(self) -> None:
         now = time.monotonic()
