@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
+from dflash_core.data.shards import check_shards
 from dflash_core.promotion.store import check_incumbent
 from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks
@@ -69,11 +70,12 @@ def retrain_drafter(
         config, regenerated = _regenerated(config, root)
     data_fp = tasks.fingerprint_inputs(config)
     tokenized = storage.join(root, "tokenized", data_fp[:16])
-    data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json")(config, data_fp, tokenized)
+    data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json", check_shards)(config, data_fp, tokenized)
     tasks.publish_sample_artifact(config, tokenized)
     plan_fp = tasks.plan_fingerprint(data_fp, config)
     plan_dir = storage.join(root, "plans", plan_fp[:16])
-    plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json")(config, tokenized, plan_fp, plan_dir)
+    plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json", tasks.plan_reads_back)(config, tokenized, plan_fp,
+                                                                                         plan_dir)
     tasks.publish_plan_artifacts(plan_summary, plan_dir)
     run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
     train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])

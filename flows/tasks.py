@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from dflash_core.config import PipelineConfig, write_run_config
+from dflash_core.errors import InputError
 from flows import storage
 from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_samples
 from flows.progress import LogThrottle, follow_metrics
@@ -30,9 +32,25 @@ def _content_key(context: TaskRunContext, params: dict[str, Any]) -> str:
     return f"{context.task.name}-{params['fingerprint']}"
 
 
-def cached(task_fn, out: str, marker: str):
-    """The task as is while its output exists; otherwise with refresh_cache, so a deleted output is rebuilt."""
-    return task_fn if storage.exists(storage.join(out, marker)) else task_fn.with_options(refresh_cache=True)
+def cached(task_fn, out: str, marker: str, reads_back: Callable[[str], object] | None = None):
+    """The task as is while its output exists and reads back (`reads_back(out)` raises an InputError when it is
+    damaged); otherwise with refresh_cache, so a deleted or damaged output is rebuilt, where a cached result
+    would hand the next tasks a path to it (a plan cut short failed every later run on that Prefect server)."""
+    if storage.exists(storage.join(out, marker)):
+        try:
+            if reads_back is not None:
+                reads_back(out)
+            return task_fn
+        except InputError as exc:
+            get_run_logger().warning("%s: %s does not read back (%s): made again", task_fn.name, out, exc)
+    return task_fn.with_options(refresh_cache=True)
+
+
+def plan_reads_back(out: str) -> None:
+    """cached()'s check of a plan folder (read_plan: plan.json, plan.parquet, their counts)."""
+    from dflash_core.plan import read_plan
+
+    read_plan(out)
 
 
 @task(name="tokenize", retries=2, retry_delay_seconds=10, cache_key_fn=_content_key,

@@ -53,6 +53,17 @@ def test_flow_end_to_end_then_cached(tmp_path, example_assets):
     # The artifacts of the plan are published on cached runs too.
     assert EXPECTED_ARTIFACTS <= artifact_keys(again.state_details.flow_run_id)
 
+    # A cached output that no longer reads back (a copy cut short) is made again, not handed on from the cache
+    # (every later run on this Prefect server failed on it).
+    [plan_file] = (tmp_path / "store" / "plans").glob("*/plan.parquet")
+    [part] = sorted((tmp_path / "store" / "tokenized").glob("*/part-*.parquet"))[:1]
+    for damaged in (plan_file, part):
+        damaged.write_bytes(damaged.read_bytes()[:-40])
+    third = retrain_drafter(config=cfg, run_name="third", return_state=True)
+    assert third.is_completed(), third.message
+    states = task_states(third.state_details.flow_run_id)
+    assert states["tokenize"] == "Completed" and states["plan"] == "Completed"
+
 
 def test_cache_follows_content_not_paths(tmp_path, example_assets):
     data = tmp_path / "data.jsonl"

@@ -55,6 +55,26 @@ def read_manifest(tokenized: str) -> dict[str, Any]:
         raise ShardError(f"{path}: not valid JSON ({exc}); re-run `dflash tokenize`") from exc
 
 
+def check_shards(tokenized: str) -> None:
+    """A finished tokenized folder reads back: manifest.json and index.parquet parse, and every part file the
+    index names is there with a readable parquet footer holding the rows the index gives it (footers only, no
+    sample is decoded). ShardError names the first file at fault (a copy cut short, a file deleted by hand)."""
+    read_manifest(tokenized)
+    rows = read_index(tokenized).group_by("part").len()
+    for part, expected in rows.iter_rows():
+        path = join_uri(tokenized, part_name(int(part)))
+        try:
+            with fsspec.open(path, "rb") as fh:
+                found = pq.ParquetFile(fh).metadata.num_rows
+        except FileNotFoundError:
+            raise ShardError(f"{path}: missing, but index.parquet lists {expected} samples in it; re-run "
+                             "`dflash tokenize`") from None
+        except Exception as exc:
+            raise ShardError(f"{path}: unreadable ({exc}); re-run `dflash tokenize`") from exc
+        if found != expected:
+            raise ShardError(f"{path}: {found} rows where index.parquet lists {expected}; re-run `dflash tokenize`")
+
+
 class _Group:
     """One decoded row group: flat ids and mask plus row offsets."""
 

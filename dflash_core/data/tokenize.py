@@ -36,7 +36,7 @@ from dflash_core.data.samples import (
     build_chunk,
     init_worker,
 )
-from dflash_core.data.shards import part_name, read_manifest
+from dflash_core.data.shards import ShardError, check_shards, part_name, read_manifest
 from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
 from dflash_core.data.template import ChatEncoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
@@ -96,6 +96,11 @@ def finished_summary(out: str, fingerprint: str) -> dict[str, Any] | None:
         return None
     manifest = read_manifest(out)
     if manifest.get("fingerprint") != fingerprint:
+        return None
+    try:
+        check_shards(out)
+    except ShardError as exc:  # damaged since (a part cut short or deleted): tokenized again
+        log.warning("tokenize: %s is finished but does not read back (%s): tokenizing again", out, exc)
         return None
     return {**{k: manifest.get(k) for k in SUMMARY_COUNTS}, "out": out, "fingerprint": fingerprint, "reused": True}
 
