@@ -217,14 +217,18 @@ class TrainingProgress:
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
         self.picture, self.plotted_at, self.finished = "", -math.inf, False
+        self.stopped: str | None = None  # why the launch failed, once it has
         # Called from a synchronous task, so these return the ids themselves, not coroutines.
         self.bar_id = cast(UUID, create_progress_artifact(0.0, key="training-progress",
                                                           description=f"0 / {self.num_steps} optimizer steps"))
         self.page_id = cast(UUID, create_markdown_artifact(self.page(), key="training-live",
                                                            description="Live training figures and curves"))
 
-    def poll(self, final: bool = False) -> None:
-        """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves."""
+    def poll(self, final: bool = False, stopped: str | None = None) -> None:
+        """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves.
+        `final`: the launch ended (the curves are drawn whatever the throttle); `stopped`: it failed, and why (the
+        page says so in place of an ETA)."""
+        self.stopped = stopped
         new = self.tail.read_new()
         if self.tail.restarted:  # metrics.jsonl rewritten (a resume logs the steps after its checkpoint again)
             self.train, self.val = [], []
@@ -251,7 +255,8 @@ class TrainingProgress:
         figures = {"step": f"{done} / {self.num_steps}", "loss": last.get("loss"),
                    "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
                    "tokens/s": _rate(last.get("tokens_per_s")), "TFLOP/s": _tflops(last.get("tflops")),
-                   "MFU": _percent(last.get("mfu")), "ETA": "finished" if self.finished else duration(eta)}
+                   "MFU": _percent(last.get("mfu")),
+                   "ETA": "stopped (failed)" if self.stopped else "finished" if self.finished else duration(eta)}
         if self.gpus:  # the run's cost (all its launches) by the newest record, and at this pace to the finish
             elapsed = max(0.0, float(last.get("time") or self.started) - self.started)
             now = self.earlier_gpu_hours + self.gpus * elapsed / 3600
@@ -269,6 +274,8 @@ class TrainingProgress:
     def page(self) -> str:
         """The live page: the figures table, the latest validation, the curves."""
         lines = ["## Training", markdown_table([self.figures()]), ""]
+        if self.stopped:
+            lines[1:1] = [f"**Stopped**: {self.stopped}", ""]
         if self.val:
             lines += ["### Validation", markdown_table([_val_row(r) for r in self.val[-5:]]), ""]
         if self.picture:
@@ -348,28 +355,36 @@ def report_markdown(report: dict[str, Any], report_dir: str, drafter_dir: str) -
 
 # --- the run in five lines -------------------------------------------------------------------------------------
 
-def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any],
-                    report: dict[str, Any], run_dir: str, promotion: dict[str, Any] | None = None) -> str:
-    """The flow run's summary artifact: data, plan, training, stability, drafter/promotion, and the pictures."""
-    text = summary_markdown(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion)
+def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
+                    report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
+                    failure: tuple[str, str] | None = None) -> str:
+    """The flow run's summary artifact: data, plan, training, stability, drafter/promotion, and the pictures.
+    A run that failed after planning (`failure`: the stage and its error) gets one too: what it did, what it cost
+    (the launch ledger), and why it stopped."""
+    text = summary_markdown(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion,
+                            failure=failure)
     create_markdown_artifact(text, key="run-summary", description="The run in five lines")
     return text
 
 
-def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any],
-                     report: dict[str, Any], run_dir: str, promotion: dict[str, Any] | None = None) -> str:
+def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
+                     report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
+                     failure: tuple[str, str] | None = None) -> str:
     """The summary page (see publish_summary); validation curves appear when metrics.jsonl has val records."""
     steps, val = read_records(storage.join(run_dir, "metrics.jsonl"))
-    lines = ["# Run summary", "",
-             f"1. **Data**: {_data_line(data)}",
-             f"2. **Plan**: {_plan_line(plan)}",
-             f"3. **Training**: {_train_line(train, val)}",
-             f"4. **Stability**: {_verdict_line(report)}",
-             f"5. **Drafter**: {storage_link(storage.join(run_dir, 'drafter'), folder=True)}; "
-             f"{_promotion_line(promotion)}", ""]
+    lines = ["# Run summary", ""]
+    if failure:
+        lines += [f"**FAILED** in `{failure[0]}`: {failure[1]}", ""]
+    lines += [f"1. **Data**: {_data_line(data)}",
+              f"2. **Plan**: {_plan_line(plan)}",
+              f"3. **Training**: {_train_line(train, val) if train else _stopped_train_line(steps, run_dir)}",
+              f"4. **Stability**: {_verdict_line(report) if report else 'not checked (the run stopped before)'}",
+              f"5. **Drafter**: {storage_link(storage.join(run_dir, 'drafter'), folder=True)}; "
+              f"{_promotion_line(promotion)}", ""]
     if promotion:
         lines += ["## Promotion decision", decision_table(promotion), ""]
-    lines += [inline_png(storage.join(run_dir, "report", "stability.png"), "stability plot"), ""]
+    if report:
+        lines += [inline_png(storage.join(run_dir, "report", "stability.png"), "stability plot"), ""]
     if val:
         lines += [inline_png(curves_figure(steps, val), "training and validation curves"), ""]
     return "\n".join(lines)
@@ -405,6 +420,17 @@ def _train_line(train: dict[str, Any], val: list[dict[str, Any]]) -> str:
     if train.get("cost"):
         line += "; " + cost_phrase(train["cost"])
     return line
+
+
+def _stopped_train_line(steps: list[dict[str, Any]], run_dir: str) -> str:
+    """Training of a run that failed in or after it: the steps metrics.jsonl holds and the launches' cost."""
+    from dflash_core.runtime.ledger import read_launches, run_cost
+
+    line = f"stopped after {len(steps)} logged steps" if steps else "no step logged"
+    if steps:
+        line += f", last loss {_fmt(steps[-1].get('loss'))}"
+    launches = read_launches(run_dir)
+    return line + ("; " + cost_phrase(run_cost(launches)) if launches else "")
 
 
 def cost_phrase(cost: dict[str, Any]) -> str:

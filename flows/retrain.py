@@ -46,6 +46,15 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
     return config.model_copy(update={"data": config.data.model_copy(update={"source": out})}), counts
 
 
+def _publish_failed(summary: dict[str, Any], stage: str, exc: BaseException) -> None:
+    """The run-summary page of a run that failed in `stage` (its own failure must not hide exc)."""
+    error = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+    try:
+        publish_summary(**summary, failure=(stage, error))
+    except Exception as page_error:  # noqa: BLE001 - the stage's error is the one to raise
+        get_run_logger().warning("run-summary: not published for the failed run: %r", page_error)
+
+
 @flow(name="retrain-drafter", log_prints=True)
 def retrain_drafter(
     config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
@@ -78,22 +87,33 @@ def retrain_drafter(
                                                                                          plan_dir)
     tasks.publish_plan_artifacts(plan_summary, plan_dir)
     run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
-    train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])
-    drafter = storage.join(run_dir, "drafter")
-    report_dir = storage.join(run_dir, "report")
-    report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
-    result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
-              "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
-              **{key: train_summary.get(key) for key in TRAIN_RESULT_KEYS},
-              **({"regenerated": regenerated} if regenerated else {})}
-    logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
-    # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact.
-    summary = {"data": data_summary, "plan": plan_summary, "train": train_summary, "report": report, "run_dir": run_dir}
-    if report["verdict"] == "fail":
-        publish_summary(**summary)
-        return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: {report_dir}/report.md)")
-    scores = tasks.evaluate(config, drafter)
-    decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
+    # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact; also
+    # when a later stage fails (what the run did and cost, and why it stopped).
+    summary: dict[str, Any] = {"data": data_summary, "plan": plan_summary, "train": None, "report": None,
+                               "run_dir": run_dir}
+    stage = "train"
+    try:
+        summary["train"] = train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])
+        drafter = storage.join(run_dir, "drafter")
+        report_dir = storage.join(run_dir, "report")
+        stage = "check"
+        summary["report"] = report = tasks.check(config, storage.join(run_dir, "metrics.jsonl"), report_dir, drafter)
+        result = {"verdict": report["verdict"], "drafter": drafter, "plan": plan_dir, "tokenized": tokenized,
+                  "report": report_dir, "run": run_dir, "steps": train_summary.get("steps"),
+                  **{key: train_summary.get(key) for key in TRAIN_RESULT_KEYS},
+                  **({"regenerated": regenerated} if regenerated else {})}
+        logger.info("drafter: %s | plan: %s | report: %s", drafter, plan_dir, report_dir)
+        if report["verdict"] == "fail":
+            publish_summary(**summary)
+            return Failed(message=f"stability check failed: {', '.join(report['failed'])} (report: "
+                                  f"{report_dir}/report.md)")
+        stage = "evaluate"
+        scores = tasks.evaluate(config, drafter)
+        stage = "promote"
+        decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
+    except Exception as exc:
+        _publish_failed(summary, stage, exc)
+        raise
     publish_summary(**summary, promotion=decision)
     return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
             "incumbent_tau": decision["incumbent_tau"], "gain": decision["gain"], "promotion": decision["reason"]}

@@ -174,15 +174,22 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
     stop = threading.Event()
     follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0))
     follower.start()
+    stopped: str | None = None
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out,
                                config=lambda: write_run_config(resolved, out),  # written under the run's lock
                                nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
                                timeout_s=config.train.timeout_s, grace_s=config.train.stop_grace_s)
+    except BaseException as exc:
+        stopped = str(exc).split("; full log:", 1)[0] or type(exc).__name__
+        raise
     finally:
         stop.set()
         follower.join(timeout=10)
-    progress.poll(final=True)
+        try:  # the last steps and the curves on the page, failed or not (it showed an ETA after a failure)
+            progress.poll(final=True, stopped=stopped)
+        except Exception as exc:  # noqa: BLE001 - the page must not hide the launch's own outcome
+            logger.warning("training-live: the last update failed: %r", exc)
     return summary
 
 

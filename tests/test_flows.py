@@ -112,6 +112,12 @@ def test_training_timeout_kills_every_process(tmp_path, example_assets):
     state = retrain_drafter(config=cfg, run_name="slow", return_state=True)
     assert state.is_failed()
     assert time.monotonic() - started < 120
+    # the page of a failed run says why and what it cost, and the live page stops its ETA
+    summary = artifact_text(state.state_details.flow_run_id, "run-summary")
+    assert "**FAILED** in `train`: training timed out after 4 s (train.timeout_s" in summary
+    assert "over 1 launch, 1 failed" in summary and "4. **Stability**: not checked" in summary
+    assert "**Stopped**: training timed out after 4 s" in artifact_text(state.state_details.flow_run_id,
+                                                                          "training-live")
     time.sleep(1.0)
     leftover = worker_processes(tmp_path)
     kill_all(leftover)
