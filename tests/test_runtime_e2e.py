@@ -514,3 +514,24 @@ def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(in
     assert first.startswith("training failed on rank 0: ShardError: ") and "part-00001.parquet" in first
     assert f"full log: {out / 'train.log'}" in first and info.value.exit_code == 1
     assert "Traceback" in (out / "train.log").read_text()
+
+
+def test_a_plan_on_an_object_store_is_copied_for_the_ranks(inputs, tmp_path):
+    """Token shards and the plan folder both on an object store (memory:// here, which the rank processes cannot
+    see), the run folder local: the launcher checks the plan where it is, gives the ranks a local copy of it
+    (like the shards), and deletes both copies afterwards."""
+    one = build_inputs(inputs.root, world_size=1)
+    config = _config(tmp_path, one, "c", checkpoint_every=100)
+    bucket, fs = f"memory://plan-bucket-{tmp_path.name}", fsspec.filesystem("memory")
+    fs.put(f"{one.tokenized}/", f"{bucket}/tokenized/", recursive=True)
+    fs.put(f"{one.plan}/", f"{bucket}/plan/", recursive=True)
+    lines: list[str] = []
+    summary = launch_train(f"{bucket}/tokenized", f"{bucket}/plan", str(tmp_path / "out"), config,
+                           nproc_per_node=1, on_line=lines.append, timeout_s=600)
+    assert summary["world_size"] == 1 and summary["steps"] == summary["num_steps"] > 0
+    copied = next(line for line in lines if line.startswith("copying the plan files"))
+    local = copied.rsplit(" to ", 1)[1]
+    assert f"from {bucket}/plan to" in copied and Path(local).name.startswith("dflash-plan-")
+    assert not Path(local).exists() and copied in (tmp_path / "out" / "train.log").read_text()
+    assert any(line.startswith("copying the token shards") for line in lines)
+    assert (tmp_path / "out" / "drafter" / "model.safetensors").exists()

@@ -132,8 +132,9 @@ def launch_train(
     On timeout or `cancel` the ranks get SIGTERM and `grace_s` seconds to checkpoint and stop (runtime/stopping).
     `config` is the path of the config file the workers read, or what writes it (`<out>/config.yaml`) and returns
     its path, called once the run folder is locked: a second launch into the same folder fails on the lock without
-    touching the running one's config. Token shards on an object store are copied to this machine's disk
-    first (local_data); a run folder on one is trained in a local folder mirrored to it (run_mirror)."""
+    touching the running one's config. Token shards and the plan folder on an object store are copied to this
+    machine's disk first (local_data, local_plan); a run folder on one is trained in a local folder mirrored to it
+    (run_mirror)."""
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     # torchrun's own SIGTERM-to-SIGKILL wait (30 s by default) within ours
@@ -180,8 +181,9 @@ def launch_train(
         if earlier:
             collect(earlier_launches_line(earlier))
         local = stack.enter_context(local_data(tokenized, collect))
+        local_plan_dir = stack.enter_context(local_plan(plan, collect))  # checked above where it is (check_inputs)
         cmd = torchrun_command(
-            local, plan, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint,
+            local, local_plan_dir, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint,
             rdzv_id,
         )
 
@@ -287,25 +289,44 @@ def local_data(tokenized: str, on_line: Callable[[str], None] = print) -> Iterat
     gs://, ...) copied, for the run, into a temporary folder under TMPDIR, deleted afterwards. The ranks read
     samples at random, a parquet row group per sample: from an object store that is a ranged download per
     sample, every epoch, on every node."""
-    fs, root = fsspec.core.url_to_fs(tokenized)
+    with local_folder(tokenized, "token shards", "run `dflash tokenize` into it first", "dflash-tokenized-",
+                      on_line) as local:
+        yield local
+
+
+@contextlib.contextmanager
+def local_plan(plan: str, on_line: Callable[[str], None] = print) -> Iterator[str]:
+    """The plan folder as a folder on this machine, as local_data does for the token shards: every rank reads
+    plan.parquet (and val.parquet) whole, which from an object store is a download per rank, and from memory://
+    (the launcher's own process) nothing the ranks can see."""
+    with local_folder(plan, "plan files", "run `dflash plan` into it first", "dflash-plan-", on_line) as local:
+        yield local
+
+
+@contextlib.contextmanager
+def local_folder(uri: str, what: str, fix: str, prefix: str, on_line: Callable[[str], None] = print) -> Iterator[str]:
+    """The files of folder `uri` (`what` it holds, for the messages) as a folder on this machine: a local folder
+    as it is; one on any other filesystem copied into a temporary folder under TMPDIR (named `prefix`...),
+    deleted when the block ends. An empty or missing folder is refused (`fix`: what to do), as is a local disk
+    without room for the copy."""
+    fs, root = fsspec.core.url_to_fs(uri)
     if is_local(fs):
-        yield tokenized
+        yield uri
         return
     try:
         files = [f for f in fs.ls(root, detail=True) if f.get("type") == "file"]
     except FileNotFoundError:
         files = []
     if not files:
-        raise DflashError(f"{tokenized}: no token shards there; run `dflash tokenize` into it first")
+        raise DflashError(f"{uri}: no {what} there; {fix}")
     total = sum(int(f.get("size") or 0) for f in files)
-    local = tempfile.mkdtemp(prefix="dflash-tokenized-")
+    local = tempfile.mkdtemp(prefix=prefix)
     try:
         free = shutil.disk_usage(local).free
         if total > free:
-            raise DflashError(f"{tokenized} holds {total / 2**30:.1f} GiB of token shards, but {local} has "
+            raise DflashError(f"{uri} holds {total / 2**30:.1f} GiB of {what}, but {local} has "
                               f"{free / 2**30:.1f} GiB free; set TMPDIR to a folder on a larger local disk")
-        on_line(f"copying the token shards ({len(files)} files, {total / 2**30:.2f} GiB) from {tokenized} to "
-                f"{local}")
+        on_line(f"copying the {what} ({len(files)} files, {total / 2**30:.2f} GiB) from {uri} to {local}")
         start = last = time.monotonic()
         done = 0
         for k, f in enumerate(files, 1):
@@ -314,7 +335,7 @@ def local_data(tokenized: str, on_line: Callable[[str], None] = print) -> Iterat
             if time.monotonic() - last >= _COPY_PROGRESS_S and k < len(files):
                 last = time.monotonic()
                 on_line(f"copied {k}/{len(files)} files, {done / 2**30:.2f} of {total / 2**30:.2f} GiB")
-        on_line(f"token shards copied in {time.monotonic() - start:.1f} s")
+        on_line(f"{what} copied in {time.monotonic() - start:.1f} s")
         yield local
     finally:
         shutil.rmtree(local, ignore_errors=True)
