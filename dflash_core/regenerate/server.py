@@ -145,7 +145,28 @@ class LocalServer:
                 pass
         _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived their parent
         self.proc.wait()
+        _wait_group_gone(self.proc.pid)  # a SIGKILL is delivered, not awaited: on a busy machine they linger
         self._log.close()
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Wait until no process of group `pgid` is alive (zombies aside: a container's pid 1 may never reap them);
+    Linux /proc only, elsewhere a no-op."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _group_members(pgid):
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone while listed
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _signal_group(pgid: int, sig: int) -> None:
