@@ -26,6 +26,7 @@ import fsspec
 from dflash_core.atomic_dir import recover, replace_dir
 from dflash_core.config import PipelineConfig
 from dflash_core.errors import DflashError
+from dflash_core.io import is_local
 from dflash_core.publish import OutputLockedError, output_lock
 from dflash_core.runtime.warm_start import PROMOTED
 
@@ -180,7 +181,7 @@ def _promotion_lock(root: str, wait_s: float = 0.0) -> Iterator[None]:
 
 def _record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
     where = posixpath.join(path, RECORD_FILE)
-    shown = where if "file" in fs.protocol else fs.unstrip_protocol(where)
+    shown = where if is_local(fs) else fs.unstrip_protocol(where)
     try:
         with fs.open(where, "r") as fh:
             record = json.load(fh)

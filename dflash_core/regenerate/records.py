@@ -139,7 +139,7 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for k, turn in enumerate(turns):
         seen_user = seen_user or turn["role"] == "user"
-        if turn["role"] == "assistant" and last_reply is not None and last_reply == len(out) - 1:
+        if turn["role"] == "assistant" and last_reply == len(out) - 1:
             continue  # the rest of a reply the record split in two: the target's reply answers the turn whole
         answered = k + 1 < len(turns) and turns[k + 1]["role"] == "tool"  # a call whose results the record has
         if turn["role"] != "assistant" or not seen_user or (turn.get("tool_calls") and answered):

@@ -355,9 +355,8 @@ class TrainingFailed(DflashError):
         log, or why it is incomplete (RunLog.error: a full disk is likely what the rank failed on too)."""
         where = f"; full log: {log_path}" if log_path else ""
         if log_error is not None:
-            fix = "free space on that disk" if log_error.errno == errno.ENOSPC else "check that disk"
-            where = (f"; {log_path} is incomplete: writing it failed ({log_error.strerror or log_error}); {fix}, "
-                     "then run the same command again")
+            where = (f"; {log_path} is incomplete: writing it failed ({log_error.strerror or log_error}); "
+                     f"{_disk_fix(log_error)}, then run the same command again")
         said = None
         if rank_error:
             kind = "" if rank_error.get("signal") else f"{rank_error['type']}: "
@@ -386,6 +385,11 @@ def node_log_name(nnodes: int | str, node_rank: int | None) -> str:
     if is_first_node(nnodes, node_rank):
         return "train.log"
     return f"train.node-{node_rank}.log" if node_rank is not None else f"train.{socket.gethostname()}.log"
+
+
+def _disk_fix(exc: OSError) -> str:
+    """What to do about a failed write to the run folder's disk."""
+    return "free space on that disk" if exc.errno == errno.ENOSPC else "check that disk"
 
 
 class RunLog:
@@ -422,7 +426,7 @@ class RunLog:
                 self.fh.close()
         self.fh, self.error = None, exc
         self.warn(f"warning: cannot write {self.path} ({exc.strerror or exc}): this launch's lines from here on "
-                  f"are not in it, only in this output; free space on that disk (df -h {os.path.dirname(str(self.path))})")
+                  f"are not in it, only in this output; {_disk_fix(exc)} (df -h {os.path.dirname(str(self.path))})")
 
     def __exit__(self, *exc: object) -> None:
         if self.fh is not None:
