@@ -194,10 +194,11 @@ def plan_markdown(summary: dict[str, Any], plan_dir: str) -> str:
 
 
 def _plan_buckets(plan_dir: str) -> np.ndarray:
-    """The bucket of every planned micro-batch in training order (step, then micro-batch, then rank)."""
+    """The bucket of every planned micro-batch in the plan's interleaved sequence (its `seq` column), the order
+    plan.json's longest runs are measured in, so the strip and the bars tell the same story."""
     with fsspec.open(storage.join(plan_dir, "plan.parquet"), "rb") as fh:
-        plan = pl.read_parquet(fh, columns=["step", "micro", "rank", "bucket"])
-    return plan.sort(["step", "micro", "rank"])["bucket"].to_numpy()
+        plan = pl.read_parquet(fh, columns=["seq", "bucket"])
+    return plan.sort("seq")["bucket"].to_numpy()
 
 
 # --- training --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.sinks import JsonlSink
 from dflash_core.plan import run_plan
 from dflash_core.plan.config import PlanConfig
+from dflash_core.plan.interleave import longest_runs
 from flows import artifacts
 from flows.metrics_tail import MetricsTail
 
@@ -118,6 +119,17 @@ def test_plan_page_shows_shares_and_runs(tmp_path):
     for bucket, run in order["longest_run"].items():
         assert f"| {bucket} | {run} | {order['random_shuffle_longest_run'][bucket]} |" in page
     assert f"plan.parquet: `{tmp_path}/plan/plan.parquet`" in page
+
+
+def test_the_plan_strip_is_drawn_in_the_order_its_runs_are_measured(tmp_path):
+    """The strip under the run bars follows plan.parquet's seq, as plan.json's longest runs do (it followed
+    step, micro, rank: with grad_accum > 1 it showed runs of 3-6 beside bars saying 1)."""
+    rng = np.random.default_rng(0)
+    write_tokenized(str(tmp_path / "tok"), [int(x) for x in rng.integers(20, 2000, 1200)])
+    summary = run_plan(str(tmp_path / "tok"), str(tmp_path / "plan"),
+                       PlanConfig(max_tokens=4096, num_buckets=4, world_size=2, grad_accum=3))["plan"]
+    runs = longest_runs(artifacts._plan_buckets(str(tmp_path / "plan")), len(summary["buckets"]))
+    assert {str(b): int(r) for b, r in enumerate(runs) if r} == summary["order"]["longest_run"]
 
 
 def test_metrics_tail_reads_only_complete_new_lines(tmp_path):

@@ -42,7 +42,7 @@ def _plan_or_refusal(lengths, ids, cfg):
     try:
         return make_plan(lengths, ids, cfg)
     except PlanError as exc:
-        assert "one step needs world_size x grad_accum" in str(exc)
+        assert "one step needs world_size x grad_accum" in str(exc) or "longer than an epoch" in str(exc)
         return None
 
 
@@ -198,3 +198,15 @@ def test_bad_inputs_are_refused_with_what_to_do(lengths, ids, cfg, message):
     """Clear errors: what was wrong and what to change."""
     with pytest.raises(PlanError, match=message):
         make_plan(np.array(lengths, dtype=np.int64), np.array(ids, dtype=np.int64), cfg)
+
+
+def test_padding_longer_than_an_epoch_is_refused():
+    """3 micro-batches an epoch, 8 ranks: padding the last step would put the same batch on 2-3 ranks of it."""
+    cfg = PlanConfig(max_tokens=1000, world_size=8, epochs=3, last_step="pad", val_fraction=0)
+    with pytest.raises(PlanError, match="7 repeated micro-batches, more than the 3 of an epoch.*'drop'"):
+        make_plan(np.full(30, 100), np.arange(30), cfg)
+    plan = make_plan(np.full(30, 100), np.arange(30), cfg.model_copy(update={"last_step": "drop"}))
+    assert plan.summary["num_steps"] == 1
+    # padding of up to an epoch: each of the last epoch's first micro-batches once
+    plan = make_plan(np.full(30, 100), np.arange(30), cfg.model_copy(update={"world_size": 4}))
+    assert plan.summary["num_steps"] == 3 and plan.summary["padded_micro_batches"] == 3

@@ -76,3 +76,25 @@ def test_val_batches_pack_shortest_first():
     frame = val_batches(np.array([10, 50, 20, 40]), np.array([7, 8, 9, 10]), max_tokens=100)
     assert frame["sample_ids"].to_list() == [[7, 9], [10, 8]]
     assert frame["max_len"].to_list() == [20, 50] and frame["n_tokens"].to_list() == [30, 90]
+
+
+def test_a_held_out_sample_over_the_budget_fails_the_plan(tmp_path):
+    """Training samples were checked against plan.max_tokens and the explicit edges; a held-out one was not,
+    and its validation batch would have failed the run at its first validation (out of memory on a GPU)."""
+    lengths = list(LENGTHS)
+    held = int(np.flatnonzero(val_mask(np.arange(len(lengths)), CFG))[0])
+    lengths[held] = 20000
+    write_tokenized(str(tmp_path / "tok"), lengths)
+    with pytest.raises(PlanError, match=f"index.parquet: sample {held} has 20000 tokens .* plan.max_tokens is 4096"):
+        run_plan(str(tmp_path / "tok"), str(tmp_path / "plan"), CFG)
+    explicit = CFG.model_copy(update={"buckets": [512, 1500], "max_tokens": 30000})
+    with pytest.raises(PlanError, match=f"sample {held} has 20000 tokens, more than the last bucket edge 1500"):
+        run_plan(str(tmp_path / "tok"), str(tmp_path / "plan"), explicit)
+
+
+def test_val_batches_count_the_attention_term_as_training_batches_do():
+    lengths = np.array([100] * 8)
+    assert val_batches(lengths, np.arange(8), max_tokens=800)["n_samples"].to_list() == [8]
+    # 100 tokens cost 100 x (1 + 0.01 x 100) = 200: four a batch, as plan.attention_cost makes a training batch
+    frame = val_batches(lengths, np.arange(8), max_tokens=800, attention_cost=0.01)
+    assert frame["n_samples"].to_list() == [4, 4]

@@ -28,7 +28,7 @@ class PlanConfig(StrictModel):
         0, description="seeds the batch shuffles, the bucket interleaving and which samples are held out")
     last_step: Literal["drop", "pad"] = Field(
         "drop", description="micro-batches left over that do not fill a last optimizer step: drop them, or pad the "
-        "step with the last epoch's first micro-batches again")
+        "step with the last epoch's first micro-batches again (refused when the padding is longer than an epoch)")
     sort_chunk: PositiveInt = Field(
         64, description="most batches per length-sorted chunk of a bucket (larger: less padding, less mixing)"
     )

@@ -13,7 +13,7 @@ from dflash_core.data.shards import read_index, read_manifest
 from dflash_core.io import join_uri
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.errors import PlanError
-from dflash_core.plan.planner import make_plan
+from dflash_core.plan.planner import check_longest, make_plan
 from dflash_core.plan.validation import VAL_FILE, val_batches, val_mask
 from dflash_core.publish import check_output, staged_output
 
@@ -54,13 +54,16 @@ def run_plan(tokenized: str, out: str, cfg: PlanConfig, overwrite: bool = False)
     val, index = index.filter(held_out), index.filter(~held_out)
     loss = index["n_loss_tokens"].to_numpy() if "n_loss_tokens" in index.columns else None
     try:
+        if val.height:  # a held-out sample no batch can hold would fail the run at its first validation
+            check_longest(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg)
         plan = make_plan(index["length"].to_numpy(), index["sample_id"].to_numpy(), cfg, loss)
     except PlanError as exc:
         raise PlanError(f"{join_uri(tokenized, 'index.parquet')}: {exc}") from None
     summary = {**plan.summary, "tokenized_fingerprint": fingerprint}
     with staged_output(out, "plan", (PLAN_FILE, SUMMARY_FILE), overwrite, inputs={"--tokenized": tokenized}) as staging:
         if val.height:
-            batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens)
+            batches = val_batches(val["length"].to_numpy(), val["sample_id"].to_numpy(), cfg.max_tokens,
+                                  cfg.attention_cost)
             with fsspec.open(join_uri(staging, VAL_FILE), "wb") as fh:
                 batches.write_parquet(fh, statistics=True)
             summary["val"] = {"file": VAL_FILE, "samples": val.height, "batches": batches.height,

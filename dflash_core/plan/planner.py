@@ -98,13 +98,19 @@ def _duplicate(ids: np.ndarray) -> int | None:
     return int(ordered[dup[0]]) if dup.size else None
 
 
-def _edges(lengths: np.ndarray, sample_ids: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, list]:
+def check_longest(lengths: np.ndarray, sample_ids: np.ndarray, cfg: PlanConfig) -> np.ndarray | None:
+    """Refuse data whose longest sample no batch can hold, or that explicit plan.buckets do not cover; the
+    explicit edges (None for auto). Run on all the samples, held-out ones included: their batches have the
+    same budget."""
     i = int(np.argmax(lengths))
     longest, longest_id = int(lengths[i]), int(sample_ids[i])
     check_fits(longest, longest_id, cfg)
-    if cfg.buckets == "auto":
-        return auto_edges(lengths, cfg)
-    return explicit_edges(cfg.buckets, longest, longest_id, cfg), []
+    return None if cfg.buckets == "auto" else explicit_edges(cfg.buckets, longest, longest_id, cfg)
+
+
+def _edges(lengths: np.ndarray, sample_ids: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, list]:
+    edges = check_longest(lengths, sample_ids, cfg)
+    return auto_edges(lengths, cfg) if edges is None else (edges, [])
 
 
 def _layout(per_epoch: int, cfg: PlanConfig) -> Layout:
@@ -117,6 +123,12 @@ def _layout(per_epoch: int, cfg: PlanConfig) -> Layout:
             "plan.grad_accum or plan.max_tokens (smaller batches), or add data"
         )
     steps = total // per_step if cfg.last_step == "drop" else -(-total // per_step)
+    if steps * per_step - total > per_epoch:
+        raise PlanError(
+            f"plan.last_step 'pad' would fill the last step with {steps * per_step - total} repeated micro-batches, "
+            f"more than the {per_epoch} of an epoch: some would repeat several times in one step and weigh that "
+            "much more; use plan.last_step 'drop', lower plan.world_size or plan.grad_accum, or add data"
+        )
     return Layout(per_epoch=per_epoch, per_step=per_step, num_steps=steps, total=total)
 
 

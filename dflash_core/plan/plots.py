@@ -21,7 +21,8 @@ STRIP = 240  # micro-batches shown per order strip: enough to see runs, few enou
 def plan_figure(summary: dict, buckets: np.ndarray, seed: int) -> Figure:
     """Shares per bucket, longest runs (plan vs shuffle) and the worst stretch of each order, as one figure.
 
-    `buckets` is the bucket of every planned micro-batch in training order; `seed` seeds the shuffle drawn.
+    `buckets` is the bucket of every planned micro-batch in the plan's sequence (plan.parquet's `seq`);
+    `seed` seeds the shuffle drawn.
     """
     fig = Figure(figsize=(11, 6.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)

@@ -1,8 +1,10 @@
 """The validation slice: samples held out of training by a hash of their id, packed into token-budget batches.
 
-Which samples are held out depends only on (seed, sample_id): the k samples with the smallest hash, so a
-larger k holds out a superset, and appending data keeps earlier held-out samples held out (as long as k does
-not shrink). They never appear in plan.parquet; `val.parquet` lists their batches (shortest first).
+Which samples are held out depends only on (seed, sample_id) and k: the k samples with the smallest hash, so a
+larger k holds out a superset of the same data. Appended data competes for the k places: a new sample with a
+small hash can push an earlier held-out one into training, and a larger k (a fraction of more data) can hold
+out a sample an earlier plan trained on. They never appear in plan.parquet; `val.parquet` lists their batches
+(shortest first, each within the training batches' token budget, attention term included).
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ def val_mask(sample_ids: np.ndarray, cfg: PlanConfig) -> np.ndarray:
     return mask
 
 
-def val_batches(lengths: np.ndarray, sample_ids: np.ndarray, max_tokens: int) -> pl.DataFrame:
-    """The held-out samples, shortest first, cut into batches of at most max_tokens padded tokens."""
+def val_batches(lengths: np.ndarray, sample_ids: np.ndarray, max_tokens: int,
+                attention_cost: float = 0.0) -> pl.DataFrame:
+    """The held-out samples, shortest first, cut into batches that cost at most max_tokens, counted as training
+    batches are (padded tokens, plus attention_cost x padded tokens x the longest sample)."""
     order = np.argsort(lengths, kind="stable")
     starts, n, longest = [], 0, 0
     for i, length in enumerate(lengths[order]):
-        if n == 0 or (n + 1) * max(longest, length) > max_tokens:
+        padded_to = max(longest, int(length))
+        if n == 0 or (n + 1) * padded_to * (1 + attention_cost * padded_to) > max_tokens:
             starts.append(i)
             n, longest = 0, 0
         n, longest = n + 1, max(longest, int(length))
