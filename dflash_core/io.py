@@ -29,6 +29,13 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+def expand_home(uri: str) -> str:
+    """A local path or file URI with a leading ~ expanded (fsspec expands it, plain os and Path calls do not: a
+    folder both write would be split between $HOME and a literal ./~); any other URI as it is."""
+    path = uri.removeprefix("file://")
+    return os.path.expanduser(path) if "://" not in path and path.startswith("~") else uri
+
+
 def looks_local(path: str) -> bool:
     """A path no hub id can be: absolute, relative with ./ or ~, a file URI, or deeper than owner/name."""
     return path.startswith(("/", ".", "~", "file:")) or "\\" in path or path.count("/") > 1 or path.endswith("/")

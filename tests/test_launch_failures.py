@@ -3,11 +3,13 @@ metrics.jsonl. The one-line error names what failed first, where, and what to do
 
 import json
 import os
+import re
 import time
 
 import pytest
 from common.runs import build_inputs, write_config
 
+from dflash_core.errors import UsageError
 from dflash_core.monitor.sources import MetricsError
 from dflash_core.publish import mark_stage
 from dflash_core.runtime.launch import RunLog, TrainingFailed, launch_train
@@ -175,3 +177,41 @@ def test_two_ranks_one_killed_by_sigkill_blames_the_killed_one(tmp_path_factory,
                      nproc_per_node=2, on_line=lambda _: None, timeout_s=300, env={"DFLASH_FAULT": "kill@3:1"})
     assert str(info.value).startswith("training failed on rank 1: killed by SIGKILL (pid ")
     assert "OOM killer" in str(info.value) and info.value.exit_code == 1
+
+
+def test_a_rank_that_refuses_its_input_exits_2_not_1(one, tmp_path):
+    """A device this machine lacks is bad input (exit 2), whether the launcher or a rank finds it."""
+    with pytest.raises(TrainingFailed) as info:
+        launch_train(one.tokenized, one.plan, str(tmp_path / "run"), write_config(tmp_path / "c.yaml", one,
+                     device="cuda"), on_line=lambda _: None, timeout_s=300)
+    assert str(info.value).startswith("training failed on rank 0: DeviceError: ") and info.value.exit_code == 2
+
+
+def test_a_run_folder_under_home_is_one_folder(one, tmp_path, monkeypatch):
+    """`--out ~/run`: the ranks' plain file calls (checkpoints, the launch ledger) wrote a literal ./~/run while
+    fsspec's (metrics, the drafter) wrote $HOME/run, so a launch from another folder started over."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    summary = launch_train(one.tokenized, one.plan, "~/run", write_config(tmp_path / "c.yaml", one, max_steps=2,
+                           checkpoint_every=1), on_line=lambda _: None, timeout_s=300)
+    assert summary["steps"] == 2 and not (cwd / "~").exists()
+    run = home / "run"
+    assert (run / "checkpoints").is_dir() and (run / "launches.jsonl").is_file() and (run / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize(("nnodes", "node_rank", "endpoint", "said"), [
+    ("abc", None, "h:1", "--nnodes abc: give a node count N >= 1, or MIN:MAX"),
+    ("2:1", 0, "h:1", "--nnodes 2:1: give a node count"),
+    ("0", None, None, "--nnodes 0: give a node count"),
+    ("2", 2, "h:1", "--node-rank 2: a node's rank is 0..1 for --nnodes 2"),
+    ("1:4", -1, "h:1", "--node-rank -1: a node's rank is 0..3"),
+    ("2", 0, None, "--nnodes 2: a multi-node run needs --rdzv-endpoint"),
+])
+def test_bad_node_arguments_are_refused_before_anything_is_written(one, tmp_path, nnodes, node_rank, endpoint, said):
+    """torchrun took them and failed with a ValueError (exit 1), after the run folder and a launch were written."""
+    with pytest.raises(UsageError, match=re.escape(said)) as info:
+        launch_train(one.tokenized, one.plan, str(tmp_path / "run"), str(tmp_path / "c.yaml"), nnodes=nnodes,
+                     node_rank=node_rank, rdzv_endpoint=endpoint, on_line=lambda _: None)
+    assert info.value.exit_code == 2 and not (tmp_path / "run").exists()

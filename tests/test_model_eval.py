@@ -3,6 +3,7 @@ the tau figures, the eval entry point."""
 
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -316,6 +317,23 @@ def test_evaluate_at_a_temperature_is_reproducible_by_seed(tmp_path, target):
     resized = run(block_size=2)  # the benchmark's --block-size: blocks of 2 from a drafter trained with 4
     assert (resized["block_size"], resized["trained_block_size"]) == (2, B) and list(resized["histogram"]) == ["1", "2"]
     assert "trained_block_size" not in run(block_size=B)
+
+
+def test_responses_past_the_targets_context_are_counted_and_said(tmp_path, target, monkeypatch, caplog):
+    """A prompt whose response runs past max_position_embeddings is decoded (as the reference does) but no longer
+    silently: the summary counts it and one warning says what to do."""
+    save_dflash(tiny_drafter(target, block_size=B, seed=7), str(tmp_path / "drafter"))
+    tiny_tokenizer(tmp_path / "tok")
+    run = functools.partial(evaluate, target=target, drafter_dir=str(tmp_path / "drafter"),
+                            tokenizer=str(tmp_path / "tok"), max_new_tokens=8, device="cpu")
+    assert "past_context" not in run(instances=[{"turns": ["hello there"]}])
+    monkeypatch.setattr(target.model.config, "max_position_embeddings", 24)
+    long = " ".join(["count to ten"] * 6)
+    with caplog.at_level(logging.WARNING, logger="dflash_core.model.evaluate"):
+        summary = run(instances=[{"turns": ["hello there"]}, {"turns": [long]}, {"turns": [long]}])
+    assert summary["past_context"] == 2 and summary["responses"] == 3
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "exceed the target's max_position_embeddings 24" in warning and "--max-new-tokens" in warning
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss"])

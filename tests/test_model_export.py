@@ -12,7 +12,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from dflash_core.model.attention import LayerAttention
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
-from dflash_core.model.export import ExportError, load_dflash, save_dflash
+from dflash_core.model.export import ExportError, load_dflash, read_drafter_config, save_dflash
 from dflash_core.model.target import TargetModel
 from dflash_core.runtime.warm_start import load_warm_start
 
@@ -371,3 +371,14 @@ def test_target_layer_ids_the_serving_engines_cannot_hand_over_are_refused(targe
         assert ids == sorted(set(ids)) and len(ids) == n and ids[-1] < last
     with pytest.raises(DrafterError, match="need .* distinct target layers below the last"):
         default_target_layer_ids(target.num_layers, target.num_layers)
+
+
+def test_a_mistyped_local_drafter_path_says_it_was_read_from_the_hub(tmp_path, monkeypatch):
+    """`--drafter run/drafer` (a typo of run/drafter) is shaped like a hub id: the error says no local folder has
+    that name, not only the hub's network error."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "run" / "drafter").mkdir(parents=True)
+    with pytest.raises(ExportError, match=r"run/drafer/config.json: cannot be read: .*there is no local folder "
+                                          r"run/drafer, so it was read as a Hugging Face hub repository"):
+        read_drafter_config("run/drafer")

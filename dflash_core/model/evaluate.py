@@ -96,6 +96,7 @@ class Response:
     baseline_tokens: int | None = None
     baseline_seconds: float | None = None
     matches_baseline: bool | None = None
+    past_context: bool = False  # prompt + its new tokens exceed the target's max_position_embeddings
 
 
 def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
@@ -110,6 +111,8 @@ def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
         "histogram": histogram(pooled, block_size),
         "tokens_per_s": _throughput([(r.tokens, r.seconds) for r in responses]),
     }
+    if past := sum(r.past_context for r in responses):  # decoded and counted, as the reference does; said
+        out["past_context"] = past
     timed = [r for r in responses if r.baseline_seconds is not None]
     if timed:
         out["baseline_tokens_per_s"] = _throughput([(r.baseline_tokens or 0, r.baseline_seconds or 0.0)
@@ -311,6 +314,8 @@ class _Run:
         self.temperature, self.seed, self._decoded = temperature, seed, 0
         self.greedy = TokenPicker(temperature).greedy
         self.stops = _stop_ids(tokenizer, target.model)
+        self.context: int | None = getattr(target.model.config, "max_position_embeddings", None)
+        self._past_context = 0
         self._warm = not baseline  # timings matter only with a baseline to compare against
 
     def _picker(self, k: int) -> TokenPicker:
@@ -348,7 +353,14 @@ class _Run:
             device,
         )
         new = out[0, ids.shape[0]:]
-        response = Response(suite, index, lengths, int(new.shape[0]), seconds)
+        past = self.context is not None and ids.shape[0] + new.shape[0] > self.context
+        if past and not self._past_context:
+            log.warning("eval %s instance %d: a prompt of %d tokens + %d new ones exceed the target's "
+                        "max_position_embeddings %d; decoded and counted as the reference does (the summary's "
+                        "past_context counts such responses): lower --max-new-tokens or drop the long prompts",
+                        suite, index, ids.shape[0], new.shape[0], self.context)
+        self._past_context += past
+        response = Response(suite, index, lengths, int(new.shape[0]), seconds, past_context=past)
         if self.baseline:
             ref, base_seconds = _timed(
                 lambda starts: greedy_generate(self.target, ids, self.max_new_tokens, self.stops, kv_cache=True,

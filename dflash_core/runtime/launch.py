@@ -21,8 +21,8 @@ from typing import TextIO
 import fsspec
 
 from dflash_core.data.shards import read_manifest
-from dflash_core.errors import DflashError, UsageError
-from dflash_core.io import is_local, join_uri
+from dflash_core.errors import EXIT_BAD_INPUT, DflashError, UsageError
+from dflash_core.io import expand_home, is_local, join_uri
 from dflash_core.monitor.sinks import check_metrics_file
 from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, mark_stage, output_lock
@@ -135,6 +135,8 @@ def launch_train(
     touching the running one's config. Token shards and the plan folder on an object store are copied to this
     machine's disk first (local_data, local_plan); a run folder on one is trained in a local folder mirrored to it
     (run_mirror)."""
+    check_nodes(nnodes, node_rank, rdzv_endpoint)  # before any folder is made or launch recorded
+    out = expand_home(out)  # the ranks' plain file calls and fsspec's must name the same folder
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     # torchrun's own SIGTERM-to-SIGKILL wait (30 s by default) within ours
@@ -370,7 +372,25 @@ class TrainingFailed(DflashError):
             head = f"training failed on {said}" if said else f"training {exc.reason} (exit code {exc.returncode})"
         failed = cls(head + where)
         failed.tail = exc.tail
+        if rank_error and not exc.stopped and rank_error.get("exit_code") == EXIT_BAD_INPUT:
+            failed.exit_code = EXIT_BAD_INPUT  # a rank refused its input (a device, a layer id): not a failed run
         return failed
+
+
+def check_nodes(nnodes: int | str, node_rank: int | None, rdzv_endpoint: str | None) -> None:
+    """Refuse a node count torchrun cannot take (N or MIN:MAX, 1 <= MIN <= MAX), a node rank outside it, and a
+    multi-node launch without a rendezvous endpoint; UsageError."""
+    text = str(nnodes)
+    low, _, high = text.partition(":")
+    if not (low.isdigit() and (high.isdigit() if _ else True)) or not 1 <= int(low) <= int(high or low):
+        raise UsageError(f"--nnodes {text}: give a node count N >= 1, or MIN:MAX with 1 <= MIN <= MAX for an "
+                         "elastic launch")
+    if node_rank is not None and not 0 <= node_rank < int(high or low):
+        raise UsageError(f"--node-rank {node_rank}: a node's rank is 0..{int(high or low) - 1} for --nnodes {text} "
+                         "(0 on the first node)")
+    if rdzv_endpoint is None and text != "1":
+        raise UsageError(f"--nnodes {text}: a multi-node run needs --rdzv-endpoint host:port (the rendezvous, on "
+                         "the first node), the same on every node")
 
 
 def is_first_node(nnodes: int | str, node_rank: int | None) -> bool:

@@ -65,9 +65,12 @@ def rank_error_line(rank: int, exc: BaseException) -> str:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     notes = [str(n) for n in getattr(exc, "__notes__", ())]  # where a stage met it (the plan step and samples)
     message = "; ".join(filter(None, [message, *notes]))
-    error = {"rank": rank, "type": type(exc).__name__, "message": message[:2000]}
-    where = None if isinstance(exc, DflashError) else _raised_in(exc)
-    return RANK_ERROR + json.dumps({**error, "where": where} if where else error)
+    error: dict = {"rank": rank, "type": type(exc).__name__, "message": message[:2000]}
+    if isinstance(exc, DflashError):  # bad input (2) stays bad input through the launcher
+        error["exit_code"] = exc.exit_code
+    elif where := _raised_in(exc):
+        error["where"] = where
+    return RANK_ERROR + json.dumps(error)
 
 
 def _raised_in(exc: BaseException) -> str | None:
