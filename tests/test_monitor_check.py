@@ -1,5 +1,6 @@
 """run_check end to end: the contract files, the verdict, the baseline comparison."""
 
+import gzip
 import json
 
 import fsspec
@@ -149,3 +150,51 @@ def test_an_absurd_step_and_a_malformed_baseline_are_named(tmp_path):
     good = _jsonl(tmp_path / "g.jsonl", _records(300))
     with pytest.raises(BaselineError, match="figure 'spike_score' is a str"):
         run_check(good, str(tmp_path / "r4"), CheckConfig(), baseline=str(base))
+
+
+@pytest.mark.parametrize("content, name", [
+    (b'{"step": 0, "loss": 1.0, "grad_norm": 1.0}\n\xff\xfe garbage\n', "latin1.jsonl"),
+    (gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in make_log(3000, 0)))[:20000], "cut.jsonl.gz"),
+], ids=["not-utf8", "cut-gzip"])
+def test_dflash_check_on_an_unreadable_file_exits_2_with_one_line_naming_it(tmp_path, capsys, content, name):
+    """Exit 1 means "the run failed the gate"; a file the check cannot read is bad input: exit 2, one line."""
+    from dflash_app.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert main(["check", "--metrics", str(path), "--out", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash check: error: {path}"), err
+    assert not (tmp_path / "report").exists()
+
+
+def _with_validation(tmp_path):
+    records = make_log(300, 0)
+    for r in records:
+        r["weight_by_slot"] = [0.4, 0.3, 0.2, 0.1]
+    val = [{"kind": "val", "step": s, "val_loss": 1.0, "val_accept_len": 2.0 + s / 1000,
+            "val_acc_by_slot": [0.9, 0.7, 0.5, 0.3]} for s in (99, 199, 299)]
+    return write_jsonl(records + val, tmp_path / "metrics.jsonl")
+
+
+def test_validation_png_is_in_report_json_on_disk_and_published_with_it(tmp_path):
+    """report.json was written (and published) before validation.png was drawn, so the file on disk did not list
+    it, and the picture was written outside the atomic publish."""
+    out = tmp_path / "report"
+    report = run_check(_with_validation(tmp_path), str(out), CFG)
+    on_disk = _strict_json((out / "report.json").read_text())
+    assert on_disk["files"] == report["files"] and on_disk["files"]["validation"] == str(out / "validation.png")
+    assert (out / "validation.png").read_bytes()[:8] == PNG_MAGIC
+    assert "![validation](validation.png)" in (out / "report.md").read_text()
+
+
+def test_a_validation_picture_that_fails_leaves_no_report_behind(tmp_path, monkeypatch):
+    from dflash_core.monitor import validation_plot
+
+    def boom(*args, **kwargs):
+        raise MemoryError("drawing validation.png")
+
+    monkeypatch.setattr(validation_plot, "FigureCanvasAgg", boom)
+    with pytest.raises(MemoryError):
+        run_check(_with_validation(tmp_path), str(tmp_path / "report"), CFG)
+    assert not (tmp_path / "report").exists()  # published whole or not at all

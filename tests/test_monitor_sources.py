@@ -161,4 +161,76 @@ def test_wandb_uri_and_argument_route_to_wandb(monkeypatch):
 
 def test_unflatten_keeps_plain_keys():
     assert unflatten_wandb_row({"loss": 1.0, "_timestamp": 5, "acc_by_slot/0": 0.5}) == {
-        "loss": 1.0, "acc_by_slot": {"0": 0.5}}
+        "loss": 1.0, "acc_by_slot": [0.5]}
+    # a slot W&B returns without a value keeps its place; a field with no value at all is left out, as before
+    assert unflatten_wandb_row({"a/0": 0.5, "a/1": None, "a/2": 0.25, "b/0": None, "queue_depth/x": None,
+                                "queue_depth/y": 2}) == {"a": [0.5, None, 0.25], "queue_depth": {"y": 2}}
+
+
+def test_lists_the_sink_flattened_come_back_as_lists_in_slot_order_and_bucket_dicts_stay_dicts():
+    """A check read from W&B drew validation.png's by-slot panel from the list *indices* (the sink flattens lists
+    to key/0, key/1, ...; they came back as {'0': ..}, which the plot iterated), in text order past 10 slots."""
+    from dflash_core.monitor.sinks import _flatten
+    from dflash_core.monitor.validation_plot import slot_series
+
+    weights = [round(0.3 - 0.02 * i, 2) for i in range(12)]  # 12 slots: '10' and '11' sort before '2' as text
+    accuracy = [round(0.95 - 0.07 * i, 2) for i in range(12)]
+    records = make_log(30, 0)
+    for r in records:
+        r["weight_by_slot"] = weights
+    rows = [_flatten(r) for r in records]
+    rows.insert(20, _flatten({"kind": "val", "step": 19, "val_loss": 1.0, "val_accept_len": 2.0,
+                              "val_acc_by_slot": accuracy[:5] + [None] + accuracy[6:]}))
+    log = read_wandb_run("e/p/r", api=_FakeApi(rows))
+    assert all(r["bucket_mix"] == o["bucket_mix"] and isinstance(r["loss_by_bucket"], dict)
+               for r, o in zip(log.records, records, strict=True))
+    assert any(set(r["bucket_mix"]) == {"0", "1", "2", "3"} for r in log.records)  # buckets 0..3: still a dict
+    slots = slot_series(log.records, log.validation)
+    assert slots["first"] == (0, weights)
+    assert [None if a != a else a for a in slots["accuracy"]] == accuracy[:5] + [None] + accuracy[6:]
+
+
+def _cut_gzip(tmp_path):
+    path = tmp_path / "metrics.jsonl.gz"
+    data = gzip.compress("".join(json.dumps(r) + "\n" for r in make_log(3000, 0)).encode())
+    path.write_bytes(data[: len(data) // 2])  # an upload or copy interrupted half-way
+    return str(path)
+
+
+def _not_utf8(tmp_path, last: bool):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"step": 0, "loss": 1.0, "grad_norm": 1.0}).encode() + b"\n"
+    path.write_bytes(good + b'{"step": 1, "note": "caf\xe9"}\n' + (b"" if last else good.replace(b"0", b"2", 1)))
+    return str(path)
+
+
+def _not_gzip(tmp_path):
+    path = tmp_path / "x.jsonl.gz"
+    path.write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")  # named .gz, never compressed
+    return str(path)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: _not_utf8(tmp, last=False), r"latin1.jsonl, line 2: not UTF-8 text \(byte 0xe9 at column 25\)"),
+    (lambda tmp: _not_utf8(tmp, last=True), r"latin1.jsonl, line 2: not UTF-8 text"),
+    (_cut_gzip, r"metrics.jsonl.gz: the compressed file ends early \(after line \d+\): it was cut short"),
+    (_not_gzip, r"x.jsonl.gz: cannot read it \(BadGzipFile: Not a gzipped file"),
+    (lambda tmp: "nosuchfs://bucket/metrics.jsonl",
+     r"^nosuchfs://bucket/metrics.jsonl: cannot open this URI \(Protocol not known: nosuchfs\)"),
+], ids=["not-utf8-mid", "not-utf8-last", "cut-gzip", "not-gzip", "unknown-protocol"])
+def test_a_file_that_cannot_be_read_is_a_metrics_error_naming_it(tmp_path, make, message):
+    """These raised UnicodeDecodeError, EOFError, ValueError with a traceback (exit 1, which says "the run failed
+    the gate"); a MetricsError is one line and exit 2. A cut gzip is refused, not checked in part: the steps after
+    the cut (the end of the run, whose weights are promoted) are missing, unlike a crash's lost last line."""
+    with pytest.raises(MetricsError, match=message):
+        read_metrics(make(tmp_path))
+
+
+def test_s3_without_s3fs_says_what_to_install():
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        with pytest.raises(MetricsError, match=r"s3://bucket/m.jsonl: cannot open this URI \(Install s3fs"):
+            read_metrics("s3://bucket/m.jsonl")
+    else:
+        pytest.skip("s3fs is installed")

@@ -341,3 +341,42 @@ def test_a_log_written_every_k_steps_and_skipped_steps_are_not_unlogged():
     del records[200]["loss"]
     figures = _analyze(records).figures
     assert figures["unlogged_steps"]["value"] == 0 and figures["nonfinite_steps"]["value"] == 1
+
+
+def _scale_end(records, factors):
+    """The last len(factors) steps' losses (and per-bucket losses) multiplied by the factors."""
+    for r, f in zip(records[-len(factors):], factors, strict=True):
+        r["loss"] *= f
+        r["loss_by_bucket"] = {b: v * f for b, v in r["loss_by_bucket"].items()}
+    return records
+
+
+def test_a_loss_that_blows_up_over_the_last_steps_fails_as_a_cliff_not_a_transient_spike():
+    """The audit's shape: a healthy 3000-step run whose last 4 losses go x2, x4, x8, x16 passed as "1 transient
+    loss spike" (a cliff needed the median of 5 steps ahead, which the last 4 steps do not have)."""
+    result = _analyze(_scale_end(make_log(3000, 0), [2, 4, 8, 16]))
+    fig = result.figures["loss_cliffs"]
+    assert fig["status"] == "fail" and fig["steps"] == [2996], fig
+    assert fig["events"][0]["recovered_after"] is None
+    assert "step 2996 (x7.72, not recovered by the end of the log)" in fig["summary"]
+    assert result.figures["loss_spikes"]["count"] == 0  # not called transient
+    assert verdict(result.figures, result.warnings) == "fail"
+
+
+@pytest.mark.parametrize("factors", [[3, 3], [1, 4, 4, 4], [3, 1.5, 4]])
+def test_a_jump_the_log_ends_on_is_a_cliff_from_two_steps_left(factors):
+    result = _analyze(_scale_end(make_log(1500, 1), factors))
+    assert result.figures["loss_cliffs"]["status"] == "fail", result.figures["loss_cliffs"]["summary"]
+
+
+def test_a_spike_on_the_last_step_warns_as_not_recovered_and_a_small_bump_there_passes():
+    """One step left cannot tell a cliff from a hard batch: a spike there warns (the final weights may carry
+    it); a bump under the spike threshold, or a spike the last step is back from, passes."""
+    fig = _analyze(_scale_end(make_log(3000, 0), [3])).figures["loss_spikes"]
+    assert fig["status"] == "warn" and fig["not_recovered"] == [2999], fig
+    assert fig["summary"] == ("1 loss spikes in 2975 steps (0.034%); the spike at step 2999 (x2.88) is not recovered "
+                              "by the end of the log")
+    for factors in ([1.08], [3, 1]):
+        result = _analyze(_scale_end(make_log(3000, 0), factors))
+        assert verdict(result.figures, result.warnings) == "pass", (factors, _status(result))
+    assert result.figures["loss_spikes"]["count"] == 1 and result.figures["loss_spikes"]["not_recovered"] == []

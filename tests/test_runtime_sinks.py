@@ -137,3 +137,121 @@ def test_multisink_closes_all_even_if_one_fails():
         MultiSink([Boom(), Track()]).close()
     assert closed == [True]
     assert os.environ.get("WANDB_MODE") == "offline"  # conftest keeps tests offline
+
+
+class _FakeRun:
+    """What WandbSink uses of a wandb run; `fail_log` makes run.log raise (W&B's service gone mid-run)."""
+
+    resumed = False
+    summary: dict = {}
+
+    def __init__(self, fail_log: bool = False):
+        self.logged, self.finished, self.fail_log = [], False, fail_log
+
+    def define_metric(self, *args, **kwargs):
+        pass
+
+    def log(self, row):
+        if self.fail_log:
+            raise BrokenPipeError("wandb service process is gone")
+        self.logged.append(row)
+
+    def finish(self):
+        self.finished = True
+
+
+def _warnings(caplog) -> list[str]:
+    """The sink's own warnings (W&B logs its own too)."""
+    return [r.getMessage() for r in caplog.records if r.name == "dflash_core.monitor.sinks"]
+
+
+def _fake_init(monkeypatch, fail_modes: tuple[str, ...], run: _FakeRun | None = None) -> list[dict]:
+    """wandb.init raising CommError in `fail_modes` (a server out of reach), else returning `run`; the calls."""
+    import wandb
+
+    calls: list[dict] = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if kwargs["mode"] in fail_modes:
+            raise wandb.errors.CommError("Failed to get resume status for run x: context deadline exceeded")
+        return run or _FakeRun()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(wandb, "teardown", lambda *a, **k: None)
+    return calls
+
+
+def test_wandb_online_out_of_reach_falls_back_to_offline_with_one_warning(tmp_path, monkeypatch, caplog):
+    """W&B online but unreachable failed `dflash train` before step 0 (CommError out of WandbSink.__init__, after
+    W&B's 90 s init timeout). Now: a bounded wait, one warning naming the cause, the run logged offline."""
+    from dflash_core.monitor.sinks import WANDB_INIT_TIMEOUT_S
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    run = _FakeRun()
+    calls = _fake_init(monkeypatch, ("online",), run)
+    with caplog.at_level("WARNING", logger="dflash_core.monitor.sinks"):
+        sink = WandbSink(WandbConfig(mode="online"), {}, str(tmp_path))
+    assert [c["mode"] for c in calls] == ["online", "offline"] and sink.mode == "offline"
+    assert calls[0]["id"] == calls[1]["id"] == (tmp_path / "wandb_run_id").read_text()  # one run, synced later
+    assert calls[0]["settings"].init_timeout == WANDB_INIT_TIMEOUT_S < 90
+    [warning] = _warnings(caplog)
+    assert "W&B unavailable (online: CommError: Failed to get resume status" in warning
+    assert f"logging offline instead: `wandb sync {tmp_path}/wandb/offline-run-*`" in warning
+    sink.log(_rec(0))
+    sink.close()
+    assert run.logged[0]["step"] == 0 and run.finished
+
+
+def test_wandb_that_cannot_start_at_all_leaves_training_to_metrics_jsonl(tmp_path, monkeypatch, caplog):
+    """Online and offline both refused: the sink logs nothing, says so once, and metrics.jsonl gets every step."""
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    _fake_init(monkeypatch, ("online", "offline"))
+    with caplog.at_level("WARNING", logger="dflash_core.monitor.sinks"):
+        wb = WandbSink(WandbConfig(mode="online"), {}, str(tmp_path))
+        sink = MultiSink([JsonlSink(str(tmp_path / "metrics.jsonl")), wb])
+        for s in range(3):
+            sink.log(_rec(s))
+        sink.close()
+    assert wb.mode is None and _steps(tmp_path / "metrics.jsonl") == [0, 1, 2]
+    [warning] = _warnings(caplog)
+    assert "(online: CommError" in warning and "; offline: CommError" in warning
+    assert "metrics go to metrics.jsonl only; this launch has no W&B run to `wandb sync`" in warning
+
+
+def test_blank_wandb_mode_in_the_environment_is_a_warning_naming_it(tmp_path, monkeypatch, caplog):
+    """`WANDB_MODE=` (set, empty) makes every wandb.init raise a pydantic ValidationError, whatever the config
+    says; it stopped training. The real wandb here, no fake."""
+    import wandb
+
+    wandb.teardown()  # W&B reads the environment once per process (an earlier test's run set it up)
+    monkeypatch.setenv("WANDB_MODE", "")
+    with caplog.at_level("WARNING", logger="dflash_core.monitor.sinks"):
+        sink = WandbSink(WandbConfig(mode="offline"), {}, str(tmp_path))
+        sink.log(_rec(0))
+        sink.close()
+    assert sink.mode is None
+    [warning] = _warnings(caplog)
+    assert warning.startswith("W&B unavailable (WANDB_MODE set but empty in the environment: unset it or give it a "
+                              "value; offline: ValidationError: 1 validation error for Settings mode Input should be")
+    assert warning.endswith("input_value='', input_type=str]): metrics go to metrics.jsonl only; this launch has no "
+                            "W&B run to `wandb sync`")
+
+
+def test_wandb_failing_mid_run_is_warned_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = _FakeRun(fail_log=True)
+    _fake_init(monkeypatch, (), run)
+    sink = MultiSink([JsonlSink(str(tmp_path / "metrics.jsonl")),
+                      WandbSink(WandbConfig(mode="offline"), {}, str(tmp_path))])
+    with caplog.at_level("WARNING", logger="dflash_core.monitor.sinks"):
+        for s in range(4):
+            sink.log(_rec(s))
+        run.finish = lambda: (_ for _ in ()).throw(BrokenPipeError("wandb service process is gone"))
+        sink.close()
+    assert _steps(tmp_path / "metrics.jsonl") == [0, 1, 2, 3]
+    first, last = _warnings(caplog)
+    assert first.startswith("W&B logging failed at step 0 (BrokenPipeError: wandb service process is "
+                                         "gone): no more records go to W&B in this launch; metrics.jsonl has every")
+    assert last.startswith("W&B could not finish its run (BrokenPipeError")

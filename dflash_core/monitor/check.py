@@ -10,7 +10,7 @@ from dflash_core.monitor.plots import render_stability_png
 from dflash_core.monitor.report import build_report, write_report
 from dflash_core.monitor.sources import metrics_frame, read_metrics
 from dflash_core.monitor.stability import analyze
-from dflash_core.monitor.validation_plot import write_validation_png
+from dflash_core.monitor.validation_plot import render_validation_png
 
 
 def run_check(metrics: str, out: str, cfg: CheckConfig, wandb_run: str | None = None,
@@ -28,8 +28,7 @@ def run_check(metrics: str, out: str, cfg: CheckConfig, wandb_run: str | None = 
     report = build_report(analysis, log.source, cfg)
     title = (f"Stability check: {report['verdict'].upper()}   {log.source}   "
              f"({report['steps']} steps; failed: {', '.join(report['failed']) or 'none'})")
-    report = write_report(report, out, render_stability_png(analysis, title))
+    pictures = {"stability_png": render_stability_png(analysis, title)}
     if log.validation:  # validation records are not optimizer steps: their own picture
-        report["files"]["validation"] = write_validation_png(log.records, log.validation, out,
-                                                             f"Validation   {log.source}")
-    return report
+        pictures["validation"] = render_validation_png(log.records, log.validation, f"Validation   {log.source}")
+    return write_report(report, out, pictures)

@@ -49,7 +49,7 @@ class CheckConfig(StrictModel):
     max_clip_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="soft: largest share of steps allowed a pre-clip norm above train.clip_grad")
     max_clip_run: PositiveInt = Field(50, description="soft: longest run of consecutive clipped steps allowed")
-    # Loss spikes (transient) and cliffs (a jump that stays up for at least cliff_min_steps, then decays).
+    # Loss spikes (transient) and cliffs (a jump that stays up for at least cliff_min_steps, or until the log ends).
     loss_window: PositiveInt = Field(
         100, description="trailing window (steps) of the loss median and MAD that spikes and cliffs are measured "
         "against")

@@ -9,9 +9,11 @@ import fsspec
 
 from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.stability import Analysis
+from dflash_core.monitor.validation_plot import VALIDATION_PNG
 from dflash_core.publish import staged_output
 
-FILES = {"report_json": "report.json", "report_md": "report.md", "stability_png": "stability.png"}
+FILES = {"report_json": "report.json", "report_md": "report.md"}
+PICTURES = {"stability_png": "stability.png", "validation": VALIDATION_PNG}  # validation: when the run logged it
 
 
 def verdict(figures: dict[str, dict], warnings: list[str]) -> str:
@@ -63,6 +65,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if remarks:
         lines += ["## Log", ""] + [f"- {r}" for r in remarks] + [""]
     lines += ["![stability](stability.png)", ""]
+    if "validation" in report.get("files", {}):
+        lines += [f"![validation]({VALIDATION_PNG})", ""]
     return "\n".join(lines)
 
 
@@ -88,16 +92,19 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def write_report(report: dict[str, Any], out: str, png: bytes) -> dict[str, Any]:
-    """Write report.json, report.md and stability.png into `out`, published whole; returns the report."""
+def write_report(report: dict[str, Any], out: str, pictures: dict[str, bytes]) -> dict[str, Any]:
+    """Write report.json, report.md and the pictures ({PICTURES key: png bytes}) into `out`, published whole;
+    returns the report, whose `files` names every file written (report.json's copy too)."""
     base = out.rstrip("/")
-    report = {**report, "files": {key: f"{base}/{name}" for key, name in FILES.items()}}
+    names = {**FILES, **{key: PICTURES[key] for key in pictures}}
+    report = {**report, "files": {key: f"{base}/{name}" for key, name in names.items()}}
     with staged_output(out, "check", ("report.json",), overwritable=False) as staging:
         fs, root = fsspec.core.url_to_fs(staging)
         with fs.open(f"{root}/report.json", "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1, allow_nan=False)
         with fs.open(f"{root}/report.md", "w", encoding="utf-8") as fh:
             fh.write(render_markdown(report))
-        with fs.open(f"{root}/stability.png", "wb") as fh:
-            fh.write(png)
+        for key, png in pictures.items():
+            with fs.open(f"{root}/{PICTURES[key]}", "wb") as fh:
+                fh.write(png)
     return report

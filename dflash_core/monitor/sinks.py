@@ -5,7 +5,9 @@ Records are the per-step dicts of the metrics.jsonl contract (docs: /work/notes/
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import posixpath
@@ -20,6 +22,8 @@ from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sources import MetricsError, record_kind
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
+WANDB_INIT_TIMEOUT_S = 30.0  # how long rank 0 waits for a W&B server before logging offline
+log = logging.getLogger(__name__)
 
 
 class MetricSink:
@@ -197,6 +201,10 @@ class WandbSink(MetricSink):
     Records of steps W&B already has (a resume re-executes a few steps) are not logged again: those up to
     `logged_through` (the last step metrics.jsonl holds, per record kind, or an int for training records) or
     up to the resumed run's summary step.
+
+    W&B is optional for training: metrics.jsonl has every step. A W&B that cannot start (a server out of reach,
+    a bad WANDB_* variable) or fails mid-run costs a warning, never the run: online falls back to offline (a
+    folder `wandb sync` uploads later), and when that fails too the sink logs nothing (`mode` None).
     """
 
     def __init__(
@@ -205,37 +213,93 @@ class WandbSink(MetricSink):
         import wandb  # imported here: only rank 0 with W&B enabled pays for it
 
         self._wandb = wandb
-        mode = wandb_mode(cfg)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         id_file = out / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
         id_file.write_text(run_id)
-        self.run = wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.name, tags=list(cfg.tags), id=run_id,
-            resume="allow", mode=mode, dir=str(out), config=scrub_secrets(run_config),
-            settings=wandb.Settings(silent=True, console="off"),
-        )
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-        self.run.define_metric("grad_norm", step_metric="step", summary="max")
-        self.run.define_metric("loss", step_metric="step", summary="min")
-        self.run.define_metric("val_accept_len", step_metric="step", summary="max")
-        resumed = int(self.run.summary.get("step", -1)) if self.run.resumed else -1
+        init = {"project": cfg.project, "entity": cfg.entity, "name": cfg.name, "tags": list(cfg.tags),
+                "id": run_id, "resume": "allow", "dir": str(out), "config": scrub_secrets(run_config)}
+        self.run: Any = None
+        self._failed = False  # a log call raised: W&B gets no more records
+        self.mode: str | None = None  # the mode the run got: offline after a failed online start, None: no run
+        errors: list[str] = []
+        for mode in ("online", "offline") if wandb_mode(cfg) == "online" else (wandb_mode(cfg),):
+            try:
+                self.run, self.mode = self._start(mode, init), mode
+                break
+            except Exception as exc:  # noqa: BLE001 - W&B raises many types; none may stop the training
+                errors.append(f"{mode}: {_cause(exc)}")
+                with contextlib.suppress(Exception):
+                    wandb.teardown()  # the failed run holds its id in W&B's service: a retry needs it gone
+        if errors:
+            log.warning(_unavailable(errors, self.mode, f"{out}/wandb"))
+        resumed = int(self.run.summary.get("step", -1)) if self.run is not None and self.run.resumed else -1
         through = logged_through if isinstance(logged_through, dict) else {"train": logged_through}
         self._last_step = {**through, "train": max(resumed, through.get("train", -1))}
+
+    def _start(self, mode: str, init: dict[str, Any]) -> Any:
+        """A W&B run in `mode`, its metrics defined."""
+        wandb = self._wandb
+        run = wandb.init(mode=mode, settings=wandb.Settings(silent=True, console="off", **_init_timeout()), **init)
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        run.define_metric("grad_norm", step_metric="step", summary="max")
+        run.define_metric("loss", step_metric="step", summary="min")
+        run.define_metric("val_accept_len", step_metric="step", summary="max")
+        return run
 
     def log(self, record: dict[str, Any]) -> None:
         """Log the scalar fields of a record (nested dicts flattened as key/sub)."""
         kind, step = record_kind(record), int(record["step"])
-        if step <= self._last_step.get(kind, -1):
+        if self.run is None or self._failed or step <= self._last_step.get(kind, -1):
             return
-        self.run.log(_flatten(record))
+        try:
+            self.run.log(_flatten(record))
+        except Exception as exc:  # noqa: BLE001 - a W&B failure mid-run must not stop the training
+            self._failed = True  # warned once: the next records would fail the same way
+            log.warning("W&B logging failed at step %d (%s): no more records go to W&B in this launch; "
+                        "metrics.jsonl has every step", step, _cause(exc))
+            return
         self._last_step[kind] = step
 
     def close(self) -> None:
-        """Finish the run (writes the offline run folder)."""
-        self.run.finish()
+        """Finish the run (writes the offline run folder); a failure is a warning."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.finish()
+        except Exception as exc:  # noqa: BLE001 - the training is done and metrics.jsonl complete
+            log.warning("W&B could not finish its run (%s): the W&B run may lack its last steps; metrics.jsonl "
+                        "has every step", _cause(exc))
+
+
+def _init_timeout() -> dict[str, float]:
+    # W&B waits 90 s by default for a server that does not answer, while the other ranks wait for rank 0;
+    # WANDB_INIT_TIMEOUT, when set, is the user's own choice (an explicit setting would override it).
+    return {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": WANDB_INIT_TIMEOUT_S}
+
+
+def _cause(exc: BaseException) -> str:
+    """An exception on one line: its type and the start of its message (pydantic's spans several lines)."""
+    text = " ".join(str(exc).split()).split(" For further information visit")[0]
+    return f"{type(exc).__name__}: {text[:240]}" if text else type(exc).__name__
+
+
+def _unavailable(errors: list[str], mode: str | None, folder: str) -> str:
+    """The one warning of a W&B that did not start as configured: why, and where the metrics go instead."""
+    if mode == "offline":  # online failed, offline started
+        then = f"logging offline instead: `wandb sync {folder}/offline-run-*` uploads the run later"
+    else:
+        then = "metrics go to metrics.jsonl only; this launch has no W&B run to `wandb sync`"
+    return f"W&B unavailable ({'; '.join(_blank_wandb_vars() + errors)}): {then}"
+
+
+def _blank_wandb_vars() -> list[str]:
+    # W&B reads every WANDB_* variable and refuses an empty one it validates (WANDB_MODE= makes every init fail).
+    blank = sorted(k for k, v in os.environ.items() if k.startswith("WANDB_") and not v.strip())
+    return [f"{', '.join(blank)} set but empty in the environment: unset it or give it a value"] if blank else []
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

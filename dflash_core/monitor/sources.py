@@ -7,7 +7,10 @@ column, so that a resumed run's repeated or out-of-order steps are still visible
 from __future__ import annotations
 
 import json
+import lzma
 import math
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
 FLOATS = ("loss", "grad_norm", "clip", "lr")
 FLAGS = ("clipped", "nonfinite", "skipped")
 WANDB_SCHEME = "wandb://"
+BUCKET_KEYED = ("bucket_mix", "bucket_tokens", "loss_by_bucket")  # dicts keyed by bucket id, not lists
 VAL_KIND = "val"  # validation records (runtime/validate.py): {"kind": "val", "step", "val_loss", ...}
 
 
@@ -71,21 +75,17 @@ def read_jsonl(uri: str) -> MetricsLog:
     uri = _metrics_file(uri)
     log = MetricsLog(uri, [], [])
     pending: tuple[int, json.JSONDecodeError] | None = None
-    try:
-        with fsspec.open(uri, "rt", encoding="utf-8", compression="infer") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                if pending:  # a bad line followed by more records is corruption, not a crash mid-write
-                    _raise_bad_json(uri, *pending)
-                try:
-                    record = json.loads(line)  # json accepts NaN / Infinity literals as floats
-                except json.JSONDecodeError as exc:
-                    pending = (lineno, exc)
-                    continue
-                log.keep(_check_record(record, uri, lineno), lineno)
-    except FileNotFoundError:
-        raise MetricsError(f"{uri}: no such metrics file; pass the metrics.jsonl a training run wrote") from None
+    for lineno, line in _numbered_lines(uri):
+        if not line.strip():
+            continue
+        if pending:  # a bad line followed by more records is corruption, not a crash mid-write
+            _raise_bad_json(uri, *pending)
+        try:
+            record = json.loads(line)  # json accepts NaN / Infinity literals as floats
+        except json.JSONDecodeError as exc:
+            pending = (lineno, exc)
+            continue
+        log.keep(_check_record(record, uri, lineno), lineno)
     if pending and not log.records:  # a lone bad line is not "a crash mid-write": nothing was readable at all
         _raise_bad_json(uri, *pending)
     if pending:
@@ -96,9 +96,44 @@ def read_jsonl(uri: str) -> MetricsLog:
     return log
 
 
+def _numbered_lines(uri: str) -> Iterator[tuple[int, str]]:
+    """The file's lines numbered from 1, decompressed by extension; what cannot be read is a MetricsError naming
+    the file (the CLI's exit 2, bad input: exit 1 would say the run failed the gate)."""
+    lineno = 0
+    try:
+        with fsspec.open(uri, "rb", compression="infer") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                yield lineno, _utf8(raw, uri, lineno)
+    except FileNotFoundError:
+        raise MetricsError(f"{uri}: no such metrics file; pass the metrics.jsonl a training run wrote") from None
+    except EOFError:  # a compressed stream without its end: the file was cut short, not the run
+        raise MetricsError(
+            f"{uri}: the compressed file ends early (after line {lineno}): it was cut short, e.g. by an interrupted "
+            "copy or upload, and the steps after the cut are missing; copy it again whole, or check the run's own "
+            "metrics.jsonl") from None
+    except (OSError, zlib.error, lzma.LZMAError) as exc:  # not the compression its name says, unreadable, ...
+        raise MetricsError(f"{uri}: cannot read it ({type(exc).__name__}: {exc}); pass the metrics.jsonl a "
+                           "training run wrote (.gz, .bz2, .xz: compressed as the name says)") from None
+
+
+def _utf8(raw: bytes, uri: str, lineno: int) -> str:
+    # The sink writes ASCII JSON: bytes that are not UTF-8 are not a crash mid-write but another file, or damage.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MetricsError(
+            f"{uri}, line {lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); a "
+            "metrics.jsonl holds one JSON record per line: fix or delete that line, or pass the file a training "
+            "run wrote") from None
+
+
 def _metrics_file(uri: str) -> str:
     """A run folder stands for its metrics.jsonl; any other folder is an error that says what to pass."""
-    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as exc:  # s3:// without s3fs, an unknown protocol
+        raise MetricsError(f"{uri}: cannot open this URI ({exc}); pass a local path, or install the filesystem "
+                           "of its protocol (s3:// needs s3fs, gs:// gcsfs)") from None
     if not fs.isdir(path):
         return uri
     inside = uri.rstrip("/") + "/metrics.jsonl"
@@ -155,19 +190,31 @@ def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
 
 
 def unflatten_wandb_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Undo the sink's flattening: 'bucket_mix/3' -> {'bucket_mix': {'3': ...}}; W&B's own '_' keys dropped."""
+    """Undo the sink's flattening: 'bucket_mix/3' -> {'bucket_mix': {'3': ...}}, 'acc_by_slot/0', '/1', ... ->
+    {'acc_by_slot': [...]}; W&B's own '_' keys and fields without a value dropped."""
     record: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in row.items():
-        if key.startswith("_") or value is None:
+        if key.startswith("_"):
             continue
         head, _, tail = key.partition("/")
         if tail:
-            record.setdefault(head, {})
-            if isinstance(record[head], dict):
-                record[head][tail] = value
-        else:
+            nested.setdefault(head, {})[tail] = value
+        elif value is not None:
             record[key] = value
+    for head, sub in nested.items():
+        if head not in record and any(v is not None for v in sub.values()):
+            record[head] = _list_or_dict(head, sub)
     return record
+
+
+def _list_or_dict(head: str, sub: dict[str, Any]) -> list[Any] | dict[str, Any]:
+    # The sink flattens a list to key/0 .. key/n-1: those indices are the list again, in numeric order ('10' sorts
+    # before '2' as text), None kept in its place. Bucket ids are keys, not positions: a step of buckets 0..n-1
+    # looks the same, and stays a dict.
+    if head not in BUCKET_KEYED and set(sub) == {str(i) for i in range(len(sub))}:
+        return [sub[str(i)] for i in range(len(sub))]
+    return {k: v for k, v in sub.items() if v is not None}
 
 
 def metrics_frame(log: MetricsLog) -> pl.DataFrame:

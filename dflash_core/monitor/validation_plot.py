@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import fsspec
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -95,14 +94,6 @@ def _slot_panel(ax: Any, slots: dict[str, Any]) -> None:
     handles = [h for a in (ax, share_ax) for h in a.get_legend_handles_labels()[0]]
     if handles:
         ax.legend(handles=handles, loc="upper right", fontsize=8)
-
-
-def write_validation_png(train: list[dict[str, Any]], val: list[dict[str, Any]], out: str, title: str) -> str:
-    """Write validation.png into the report folder `out`; returns its path."""
-    path = f"{out.rstrip('/')}/{VALIDATION_PNG}"
-    with fsspec.open(path, "wb") as fh:
-        fh.write(render_validation_png(train, val, title))
-    return path
 
 
 def _num(value: Any) -> float:

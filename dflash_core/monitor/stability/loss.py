@@ -48,9 +48,11 @@ def loss_events(s: Series, cfg: CheckConfig) -> dict[str, Any]:
     spike = excess >= np.maximum(cfg.loss_k * sigma, floor)
     # A cliff: this step AND the median of it and the next m-1 steps are up. The median of m values is
     # ~1.25/sqrt(m) times as noisy as one value, so a sustained jump is found at a lower level than a spike.
-    level_threshold = np.maximum(cfg.loss_k * sigma * 1.2533 / np.sqrt(m), floor)
-    ahead = _forward_median(log_loss, m)
-    cliff = (excess >= level_threshold) & (ahead - med >= level_threshold)
+    # In the last m-1 steps the median is of the steps left (at least 2), its threshold raised to match: a
+    # jump the log ends on is not "transient", and the final weights are the ones evaluated and promoted.
+    ahead, count = _forward_median(log_loss, m)
+    level_threshold = np.maximum(cfg.loss_k * sigma * 1.2533 / np.sqrt(count), floor)
+    cliff = (excess >= level_threshold) & (count >= 2) & (ahead - med >= level_threshold)
     steps = s.steps[pos]
     cliffs = [_describe_event(a, b, log_loss, ahead, med, steps) for a, b in group_runs(cliff, MERGE_GAP)]
     covered = np.zeros(len(pos), bool)
@@ -82,12 +84,16 @@ def _bucket_adjusted(log_loss: np.ndarray, dominant: np.ndarray, window: int,
     return log_loss - shift, offsets
 
 
-def _forward_median(x: np.ndarray, m: int) -> np.ndarray:
-    """Median of x[t : t + m] (NaN where fewer than m values remain)."""
-    out = np.full(len(x), np.nan)
-    if len(x) >= m:
-        out[: len(x) - m + 1] = np.median(sliding_window_view(x, m), axis=1)
-    return out
+def _forward_median(x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Median of x[t : t + m] and the number of values it is of: m, fewer in the last m-1 steps."""
+    n = len(x)
+    out, count = np.full(n, np.nan), np.minimum(m, n - np.arange(n))
+    if n >= m:
+        out[: n - m + 1] = np.median(sliding_window_view(x, m), axis=1)
+    for t in range(max(0, n - m + 1), n):
+        # of an even count the lower middle value: the last two steps are "up" when both are, not their mean
+        out[t] = np.quantile(x[t:], 0.5, method="lower")
+    return out, count
 
 
 def _describe_event(a: int, b: int, log_loss: np.ndarray, ahead: np.ndarray, med: np.ndarray,
@@ -97,7 +103,7 @@ def _describe_event(a: int, b: int, log_loss: np.ndarray, ahead: np.ndarray, med
     jump = log_loss[peak] - base
     # Recovered: from the first step after the peak whose next few steps (their median, so one lucky batch does
     # not count) are back within half the jump (log scale) of the pre-event median.
-    back = np.flatnonzero(np.nan_to_num(ahead[peak + 1 :], nan=-np.inf) - base < jump / 2)
+    back = np.flatnonzero(ahead[peak + 1 :] - base < jump / 2)
     end = peak + 1 + int(back[0]) if len(back) else len(log_loss)
     return {"first": a, "span": max(end, b + 1) - a, "step": int(steps[a]), "peak_step": int(steps[peak]),
             "peak_ratio": round(float(np.exp(jump)), 4),
@@ -109,18 +115,30 @@ def _loss_figures(spikes: list[dict], cliffs: list[dict], scored: int, window: i
     public = ("step", "peak_step", "peak_ratio", "recovered_after")
     rate = len(spikes) / scored
     spike_steps = [e["step"] for e in spikes]
-    cliff_text = ", ".join(f"step {e['step']} (x{e['peak_ratio']:.2f}, back after {e['recovered_after']} steps)"
-                           for e in cliffs[:5])
+    # A spike the log ends on (its last step, or one the few steps after never came back from) is not known to
+    # be transient: the final weights may carry it. It warns whatever the rate.
+    open_spikes = [e for e in spikes if e["recovered_after"] is None]
+    cliff_text = ", ".join(f"step {e['step']} (x{e['peak_ratio']:.2f}, {_recovery(e)})" for e in cliffs[:5])
     return {
         "loss_spikes": figure(rate, cfg.max_loss_spike_rate, "warn",
-                              f"{len(spikes)} transient loss spikes in {scored} steps ({rate:.3%})",
-                              count=len(spikes), window=window, steps=listed(spike_steps)),
+                              f"{len(spikes)}{'' if open_spikes else ' transient'} loss spikes in {scored} steps "
+                              f"({rate:.3%})"
+                              + "".join(f"; the spike at step {e['step']} (x{e['peak_ratio']:.2f}) is "
+                                        f"{_recovery(e)}" for e in open_spikes[:5]),
+                              passed=False if open_spikes else None, count=len(spikes), window=window,
+                              steps=listed(spike_steps), not_recovered=listed([e["step"] for e in open_spikes])),
         "loss_cliffs": figure(len(cliffs), cfg.max_loss_cliffs, "fail",
-                              f"{len(cliffs)} loss cliffs (a jump that stays up for {cfg.cliff_min_steps}+ steps, then decays)"
-                              + (f": {cliff_text}" if cliffs else ""),
+                              f"{len(cliffs)} loss cliffs (a jump that stays up for {cfg.cliff_min_steps}+ steps, "
+                              "or to the end of the log)" + (f": {cliff_text}" if cliffs else ""),
                               steps=listed([e["step"] for e in cliffs]),
                               events=[{k: e[k] for k in public} for e in cliffs[:MAX_LISTED]]),
     }
+
+
+def _recovery(event: dict[str, Any]) -> str:
+    if event["recovered_after"] is None:
+        return "not recovered by the end of the log"
+    return f"back after {event['recovered_after']} steps"
 
 
 def loss_trend(s: Series, cfg: CheckConfig) -> dict[str, Any]:
