@@ -306,3 +306,18 @@ def test_a_byte_order_mark_in_front_of_a_file_is_skipped(tmp_path: Path, shape: 
     data.write_bytes(b"\xef\xbb\xbf" + body)
     summary = _run(data, tmp_path / "out")
     assert summary["read"] == summary["kept"] == len(GOOD)
+
+
+def test_zstd_cut_short_keeps_the_records_before_the_cut(tmp_path: Path) -> None:
+    """A .jsonl.zst that ends inside its frame is reported as cut short (truncated_file, named), as a .gz is."""
+    import zstandard
+
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(40, seed=16))]
+    first, second = (zstandard.ZstdCompressor().compress(b"".join(json.dumps(r).encode() + b"\n" for r in part))
+                     for part in (records[:20], records[20:]))
+    (tmp_path / "cut.jsonl.zst").write_bytes(first + second[: len(second) // 2])  # cut inside the second frame
+    summary = _run(tmp_path / "cut.jsonl.zst", tmp_path / "out", max_bad_fraction=1.0)
+    assert summary["truncated_files"] == ["cut.jsonl.zst"] and summary["dropped"] == {"truncated_file": 1}
+    assert 20 <= summary["kept"] < 40, summary
+    (tmp_path / "whole.jsonl.zst").write_bytes(first + second)
+    assert _run(tmp_path / "whole.jsonl.zst", tmp_path / "out2")["kept"] == 40

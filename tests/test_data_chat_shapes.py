@@ -932,3 +932,42 @@ def test_parallel_calls_on_a_template_that_takes_one_call_a_turn_are_a_policy_dr
     manifest = read_manifest(str(tmp_path / "out"))
     assert manifest["bad"] == 0
     assert "takes one call a turn" in manifest["drop_examples"]["template_single_tool_call"][0]["detail"]
+
+
+def test_a_template_with_nothing_that_ends_a_reply_is_named_in_the_manifest() -> None:
+    """A template that writes no end-of-turn and no special token before the next message ('User: ...\\nBot:
+    ...\\n') leaves the drafter nothing to learn where a reply stops; the manifest's tokenizer entry said only
+    end_of_turn '' and now says so."""
+    from dflash_core.data.template import ChatEncoder
+
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    identity = ChatEncoder(tok, "plain-text").identity
+    assert identity["end_of_turn"] == "" and identity["turn_ends_with"].startswith("WARNING"), identity
+    assert ChatEncoder(load_tokenizer(tokenizer_dir("chatml")), "chatml").identity["turn_ends_with"].startswith(
+        "<|im_end|>")
+
+
+def test_reasoning_given_twice_keeps_the_field_and_notes_when_they_differ() -> None:
+    """Reasoning as a field and inline at the start of the content: the block leaves the answer either way, the
+    field is the reasoning, and a block that says something else is noted (the data disagrees with itself)."""
+    def read(reasoning: str, content: str) -> Conversation:
+        conv = to_conversation({"id": "r7", "messages": [{"role": "user", "content": "7 x 28?"}, {
+            "role": "assistant", "reasoning_content": reasoning, "content": content}]})
+        assert isinstance(conv, Conversation)
+        return conv
+
+    same = read("Seven times 28.", "<think>\nSeven times\n28.\n</think>\n\n196.")
+    assert same.messages[1] == {"role": "assistant", "content": "196.", "reasoning_content": "Seven times 28."}
+    assert not same.notes and not read("Seven times 28.", "<think>\n\n</think>\n\n196.").notes
+    differ = read("Seven times 28.", "<think>Guess.</think>196.")
+    assert differ.messages[1] == {"role": "assistant", "content": "196.", "reasoning_content": "Seven times 28."}
+    assert [n.reason for n in differ.notes] == ["reasoning_field_and_inline_differ"]
+    assert "turn 1" in differ.notes[0].detail and "remove the field" in differ.notes[0].detail
+    # prose that shows the tags is an answer, not reasoning; R1's reasoning closes on a line of its own
+    for prose in ("Wrap it as <think>plan</think> then answer.", "It ends with </think>\nand then the answer.",
+                  "Close it with\n</think>: the tag."):
+        assert read("", prose).messages[1] == {"role": "assistant", "content": prose}
+    r1 = read("", "Plan it.\n</think>\n\n196.")
+    assert r1.messages[1] == {"role": "assistant", "content": "196.", "reasoning_content": "Plan it."}

@@ -52,6 +52,10 @@ SPECS = {
     "small32": ("mistralai-Mistral-Small-3.2-24B-Instruct-2506", [
         *MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"], "<s>", "</s>"),
     "phi4": ("microsoft-phi-4", ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>"),
+    "glm45": ("zai-org-GLM-4.5", ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                  "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                                  "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"],
+              None, "<|endoftext|>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -140,7 +144,7 @@ def _supervised(record: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_only_replies_are_supervised_under_real_templates(name: str, thinking: str) -> None:
     records = _preview(name, thinking)
-    eos = {"gemma3": "<end_of_turn>"}.get(name, SPECS[name][3])  # what ends a reply
+    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>"}.get(name, SPECS[name][3])  # what ends a reply
     for rid, record in records.items():
         if not record["kept"]:
             assert record["reason"] in POLICY, (name, thinking, rid, record["reason"], record["detail"])
@@ -247,3 +251,75 @@ def test_text_beside_calls_on_a_template_that_writes_only_the_calls_is_a_policy_
     record = _preview("nemo", "strip", {"text": turns})["text"]
     assert not record["kept"] and record["reason"] == "template_drops_text_with_calls", record
     assert record["reason"] in POLICY_REASONS
+
+
+def _glm(thinking: str, records: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The previewed records and the tokenizer summary under GLM-4.5's template."""
+    folder = Path(tempfile.mkdtemp(prefix="dflash-glm-records-"))
+    source = folder / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": rid, "messages": turns, "tools": [WEATHER]}) + "\n"
+                              for rid, turns in records.items()))
+    cfg = data_config(source=str(source), tokenizer=_tokenizer("glm45"), thinking=thinking)
+    out = preview_samples(str(source), _tokenizer("glm45"), cfg, block_size=1, limit=len(records))
+    return {r["id"]: r for r in out["records"]}, out["summary"]["tokenizer"]
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+def test_glm_turns_are_supervised_through_the_token_that_opens_the_next_message(thinking: str) -> None:
+    """GLM-4.5's template writes no end-of-turn: the model ends a reply by writing <|user|> and a turn of tool
+    calls by writing <|observation|>. A turn of calls only was not supervised at all, a turn with text and calls
+    only up to its text (under keep with reasoning, up to the reasoning), no reply learnt how it stops, and the
+    manifest said end_of_turn '' without a word. Now each turn runs through the token that ends it; a last reply
+    gets the <|user|> the model writes after it."""
+    text_then_call = json.loads(json.dumps(RECORDS["tools"]))
+    text_then_call[2]["content"] = "Let me check."
+    reasoned = json.loads(json.dumps(RECORDS["tools"]))
+    reasoned[2].update(content="", reasoning_content="R need the weather")
+    records, summary = _glm(thinking, {"calls": RECORDS["tools"], "text": text_then_call, "reasoned": reasoned})
+    for rid, record in records.items():
+        assert record["kept"], (rid, record)
+        calls, reply = _supervised(record)
+        assert "<tool_call>get_weather" in calls and calls.endswith("</tool_call><|observation|>"), (rid, calls)
+        assert reply.endswith("It is 18 degrees.<|user|>"), (rid, reply)
+        assert "tool_response" not in "".join(_supervised(record)), rid  # the tool's result is never learnt
+    assert _supervised(records["text"])[0].strip().removeprefix("<think></think>").strip().startswith("Let me check.")
+    if thinking == "keep":
+        reasoning = _supervised(records["reasoned"])[0]
+        assert reasoning.startswith("\n<think>R need the weather</think>\n<tool_call>"), reasoning
+    assert summary["end_of_turn"] == "" and "<|user|>" in summary["turn_ends_with"] and \
+        "<|observation|>" in summary["turn_ends_with"], summary
+    multi = _preview("glm45", thinking)["multi"]
+    assert [span.strip().removeprefix("<think></think>").strip() for span in _supervised(multi)] == [
+        "A1 three<|user|>", "A2 six<|user|>"], _supervised(multi)
+
+
+SUM = "Seven times twenty-eight: 7*20=140, 7*8=56, total 196."
+MENTION = ("R1 writes its reasoning first and closes it with </think>; split the text on that tag and keep the part "
+           "after it, e.g. answer = text.split('</think>')[-1].strip().")
+REASONED = {
+    "field-and-inline": [{"role": "user", "content": "What is 7 x 28?"}, {
+        "role": "assistant", "reasoning_content": SUM, "content": f"<think>\n{SUM}\n</think>\n\n7 x 28 = 196."}],
+    "r1-style": [{"role": "user", "content": "What is 7 x 28?"},
+                 {"role": "assistant", "content": f"{SUM}\n</think>\n\n7 x 28 = 196."}],
+    "mentions-tag": [{"role": "user", "content": "How do I get only the answer from DeepSeek-R1 output?"},
+                     {"role": "assistant", "content": MENTION}],
+}
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+@pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45"])
+def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text(name: str, thinking: str) -> None:
+    """Reasoning given as a field and again inline in the content was left in the content: under strip Qwen3's
+    template re-read it as reasoning and supervised it, Llama's trained it as text, under keep it came twice. A
+    reply that only mentions '</think>' lost its first half (Llama), was dropped as template_mismatch (Qwen3) or
+    got a made-up think block (keep). Now an inline block is always taken out (the field wins), and a '</think>'
+    without '<think>' ends reasoning only on a line of its own (DeepSeek-R1's)."""
+    records = _preview(name, thinking, REASONED)
+    for rid in REASONED:
+        assert records[rid]["kept"], (name, thinking, rid, records[rid])
+    for rid in ("field-and-inline", "r1-style"):
+        supervised = "".join(_supervised(records[rid]))
+        assert supervised.count("7*20=140") == (thinking == "keep"), (name, thinking, rid, supervised)
+        assert "7 x 28 = 196." in supervised and "<think>\n<think>" not in supervised, supervised
+    mention = "".join(_supervised(records["mentions-tag"]))
+    assert MENTION in mention and "closes it with \n</think>" not in mention, (name, thinking, mention)

@@ -353,3 +353,71 @@ def test_the_stored_checksum_of_each_object_store(info: dict, expected: str | No
     from dflash_core.data.sources import stored_checksum
 
     assert stored_checksum(info) == expected
+
+
+def _split_files(root: Path, names: list[str]) -> None:
+    """A parquet file of three chats at each relative name under root."""
+    for k, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"messages": conversations(3, seed=k)}), root / name)
+
+
+def test_a_folder_of_several_splits_is_refused_naming_each_split_and_how_to_read_it(tmp_path: Path) -> None:
+    """A hub snapshot (huggingface-cli download HuggingFaceH4/ultrachat_200k) or a save_to_disk DatasetDict given
+    as the source was read whole, test split first, without a word: held-out prompts went into training. It is
+    refused; the error names the splits and the folder, glob or file that reads one. One split's shards are read."""
+    from dflash_core.data.errors import DataError
+    from dflash_core.data.sources import list_files
+
+    hub = tmp_path / "ultrachat_200k"
+    _split_files(hub, [f"data/{s}-0000{k}-of-00002-abc.parquet" for s in ("test_gen", "test_sft", "train_gen",
+                                                                         "train_sft") for k in (0, 1)])
+    with pytest.raises(DataError) as hub_error:
+        tokenize_dataset(str(hub), tokenizer_dir("chatml"), str(tmp_path / "out"), data_config(), block_size=2)
+    message = str(hub_error.value)
+    assert message.startswith(f"{hub}: ") and "test_gen, test_sft, train_gen, train_sft" in message
+    assert f"train_sft: {hub}/data/train_sft-*" in message and "held-out" in message
+    assert len(list_files(f"{hub}/data/train_sft-*")) == 2  # what the error says to give reads that split
+
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({split: datasets.Dataset.from_list([{"messages": c} for c in conversations(3, seed=k)])
+                          for k, split in enumerate(["train", "test"])}).save_to_disk(str(saved))
+    with pytest.raises(DataError, match=rf"DatasetDict.*test, train;.*train: {saved}/train"):
+        list_files(str(saved))
+    assert [f.name for f in list_files(str(saved / "train"))] == ["data-00000-of-00001.arrow"]
+
+    files = tmp_path / "files"  # test.jsonl beside train.jsonl: the file itself is what to give
+    _split_files(files, ["test.parquet", "train.parquet", "validation.parquet"])
+    with pytest.raises(DataError, match=rf"train: {files}/train.parquet; validation: {files}/validation.parquet"):
+        list_files(str(files))
+
+    shards = tmp_path / "shards"  # one split's shards, or shards named by nothing: an ordinary folder
+    _split_files(shards, [f"train-0000{k}-of-00004.parquet" for k in range(4)] + ["extra/part-00000.parquet"])
+    assert len(list_files(str(shards))) == 5
+    _split_files(tmp_path / "parts", ["part-00000.parquet", "part-00001.parquet", "trainer/part-00002.parquet"])
+    assert len(list_files(str(tmp_path / "parts"))) == 3
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.zstd"])
+def test_zstd_compressed_json_lines_are_read_as_a_file_and_in_a_folder(tmp_path: Path, suffix: str) -> None:
+    """A .jsonl.zst given as the source was read as raw bytes (every record bad_utf8, the user told to fix
+    them), and in a folder it was skipped without a word. Both read like .jsonl.gz, frames written one after
+    another (pzstd) included."""
+    import zstandard  # a dependency: fsspec reads .zst only with it
+
+    records = [to_sharegpt(c, i) for i, c in enumerate(conversations(6, seed=5))]
+    lines = [json.dumps(r).encode() + b"\n" for r in records]
+    src = tmp_path / "src"
+    src.mkdir()
+    compress = zstandard.ZstdCompressor().compress
+    (src / f"chats{suffix}").write_bytes(compress(b"".join(lines[:4])) + compress(b"".join(lines[4:])))
+    write_jsonl(tmp_path / "plain.jsonl", records)
+    plain = tokenize_dataset(str(tmp_path / "plain.jsonl"), tokenizer_dir("chatml"), str(tmp_path / "p"),
+                             data_config(), block_size=2)
+    for source in (src / f"chats{suffix}", src):
+        out = tmp_path / f"out-{source.name}"
+        summary = tokenize_dataset(str(source), tokenizer_dir("chatml"), str(out), data_config(), block_size=2)
+        assert summary["read"] == summary["kept"] == 6 and summary["dropped"] == {}, summary
+        assert [s["file"] for s in read_manifest(str(out))["sources"]] == [f"chats{suffix}"]
+        assert summary["tokens"] == plain["tokens"]

@@ -16,9 +16,10 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   turns; a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", or rendered ChatML);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
   `text`, `reasoning`/`thinking`, `tool_call`;
-- reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: what precedes `</think>` in an
-  assistant's content (after `<think>`, which some models leave to the prompt), as Qwen3's template reads it;
-  always moved to `reasoning_content`.
+- reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: a `<think>...</think>` block that
+  opens an assistant's content, or what precedes a `</think>` on a line of its own (DeepSeek-R1 leaves `<think>`
+  to the prompt); always moved to `reasoning_content`, and taken out of the content even when a field gives the
+  reasoning too (the field wins). A `</think>` inside a sentence is text.
 Empty or blank turns are kept (with a note): the chat template renders them, an empty assistant turn is simply
 not supervised.
 """
@@ -95,6 +96,8 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant 
 OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
 OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
+# a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
+UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
 TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
@@ -641,7 +644,7 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
     if role is None:
         return Drop("unknown_role", f"turn {i} has role {str(source)[:40]!r}; map it with data.role_map, "
                     f"e.g. role_map: {{{str(source)[:40]}: user}}")
-    message = _message(raw, content_field, i, role, source)
+    message = _message(raw, content_field, i, role, source, conv.notes)
     if isinstance(message, Drop):
         return message
     trained = _trained(raw, i)
@@ -677,8 +680,9 @@ def _trained(raw: dict[str, Any], i: int) -> bool | Drop:
     return True
 
 
-def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source: str) -> dict[str, Any] | Drop:
-    """One turn -> an OpenAI-style message dict."""
+def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source: str,
+             notes: list[Drop]) -> dict[str, Any] | Drop:
+    """One turn -> an OpenAI-style message dict (a finding that does not drop it goes to notes)."""
     if source.lower() in CALL_ROLES:
         calls = _tool_calls(raw.get(content_field), i)
         return calls if isinstance(calls, Drop) else {"role": role, "content": "", "tool_calls": calls}
@@ -697,8 +701,14 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
     explicit = next((v for v in map(raw.get, REASONING_KEYS) if isinstance(v, str) and v.strip()), None)
     if explicit is not None:
         reasoning.insert(0, explicit)
-    if role == "assistant" and not reasoning:
-        reasoning, text = _inline_reasoning(text)
+    if role == "assistant":  # an inline block is never answer text, also beside a reasoning field
+        inline, text = _inline_reasoning(text)
+        if reasoning and _words(inline) and _words(inline) != _words(reasoning):  # an empty block says nothing
+            notes.append(Drop("reasoning_field_and_inline_differ", f"turn {i} ({source}) gives its reasoning both "
+                              f"as a field and as a <think> block opening its content, and they differ; the field is "
+                              f"kept, the block removed from the answer: if the block is the reasoning to train on, "
+                              f"remove the field from the data"))
+        reasoning = reasoning or inline
     message: dict[str, Any] = {"role": role, "content": text}
     if reasoning and role == "assistant":
         message["reasoning_content"] = "\n\n".join(r.strip("\n") for r in reasoning)
@@ -719,18 +729,30 @@ def _is_id(value: Any) -> bool:
 def _inline_reasoning(text: str) -> tuple[list[str], str]:
     """([reasoning], answer) of a reply that writes its reasoning inline: <think>...</think> (Qwen3, DeepSeek-R1
     and the sets they wrote), or Bespoke-Stratos / OpenThoughts' <|begin_of_thought|>...<|end_of_thought|> with
-    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without. A reply that
-    opens its reasoning and never closes it (cut off while thinking) is all reasoning, with no answer."""
+    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without. The block opens
+    the reply, or its opening tag is missing (left to the prompt) and the closing one stands on a line of its own:
+    a reply that mentions the tags in its prose has no reasoning. A reply that opens its reasoning and never closes
+    it (cut off while thinking) is all reasoning, with no answer."""
     for opens, closes in INLINE_REASONING:
-        if closes in text:
-            head, answer = text.split(closes, 1)
-            answer = answer.strip("\n") if closes == OT_THOUGHT[1] else answer.lstrip("\n")
-            if answer.startswith(OT_SOLUTION[0]):
-                answer = answer.removeprefix(OT_SOLUTION[0]).removesuffix(OT_SOLUTION[1]).strip("\n")
-            return [head.split(opens, 1)[-1]], answer
-        if text.lstrip().startswith(opens):
-            return [text.lstrip()[len(opens):]], ""
+        body = text.lstrip()
+        if body.startswith(opens):
+            head, closed, answer = body[len(opens):].partition(closes)
+            if not closed:
+                return [head], ""
+        elif mark := UNOPENED_CLOSE[closes].search(text):
+            head, answer = text[:mark.start()], text[mark.end():]
+        else:
+            continue
+        answer = answer.strip("\n") if closes == OT_THOUGHT[1] else answer.lstrip("\n")
+        if answer.startswith(OT_SOLUTION[0]):
+            answer = answer.removeprefix(OT_SOLUTION[0]).removesuffix(OT_SOLUTION[1]).strip("\n")
+        return [head], answer
     return [], text
+
+
+def _words(pieces: list[str]) -> list[str]:
+    """The words of reasoning pieces (whitespace and how they were split do not count)."""
+    return " ".join(pieces).split()
 
 
 def _content(content: Any, i: int) -> tuple[str, list[str], list[dict[str, Any]]] | Drop:

@@ -2,7 +2,7 @@
 
 Local paths, file://, memory:// work as is; s3:// and gs:// work once s3fs / gcsfs are installed (fsspec
 picks them up, credentials come from their usual environment variables or config files). JSON arrays, JSON
-lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz), parquet (by its .parquet name, or its magic bytes
+lines (.jsonl/.ndjson/.json, optionally .gz/.bz2/.xz/.zst), parquet (by its .parquet name, or its magic bytes
 when the name says neither), Arrow IPC (.arrow: a Hugging Face `save_to_disk` folder) and CSV/TSV with a header
 row (cells as text) are read record by record: memory stays about one record (JSON) or one batch (parquet,
 Arrow, CSV) whatever the file size. A file holding one JSON object (or several pretty-printed ones,
@@ -10,10 +10,14 @@ concatenated) is read whole: each object is one record.
 
 A compressed file, JSON array or Arrow file that ends early yields the records before the cut and then one
 `truncated_file` failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
+
+A folder that holds several splits of one dataset (a `save_to_disk` DatasetDict, a hub snapshot's
+data/train-*.parquet beside data/test-*.parquet) is refused: read whole, its held-out splits would be trained on.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import posixpath
 import re
@@ -43,6 +47,12 @@ _ARROW_CUT = re.compile(r"Expected to (be able to )?read \d+ .*(got|only read) \
 # A stage's own manifest (e.g. regenerate's, beside its JSONL shards) is never chat data, nor is the metadata
 # beside the Arrow files of a Hugging Face `save_to_disk` folder.
 _NOT_DATA = frozenset({"manifest.json", "dataset_info.json", "state.json", "dataset_dict.json"})
+_ZSTD_SUFFIXES = (".zst", ".zstd")  # fsspec's name inference knows .zst only
+_DATASET_DICT = "dataset_dict.json"  # what `datasets` save_to_disk writes at the root of a DatasetDict
+# a split's name as a hub snapshot writes it in file names (data/train-00000-of-00004.parquet,
+# data/test_sft-00000-of-00001-<hash>.parquet, test.jsonl) or a folder's name; UltraFeedback's and UltraChat's
+# splits carry a suffix (train_sft, test_gen, train_prefs), which makes them splits of their own
+_SPLIT = re.compile(r"^(?:train|test|validation|valid|val|dev)(?:_[a-z]+)?(?=$|[-.])", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,12 @@ def _base_name(path: str) -> str:
 
 
 def _compression_suffix(path: str) -> str:
-    comp = infer_compression(path)
-    return "." + path.rsplit(".", 1)[-1] if comp else ""
+    return "." + path.rsplit(".", 1)[-1] if _compression(path) else ""
+
+
+def _compression(path: str) -> str | None:
+    """fsspec's name of the compression a file name says (.gz -> gzip, .zst/.zstd -> zstd, ...), else None."""
+    return "zstd" if path.lower().endswith(_ZSTD_SUFFIXES) else infer_compression(path)
 
 
 def list_files(source: str) -> list[SourceFile]:
@@ -97,18 +111,61 @@ def list_files(source: str) -> list[SourceFile]:
     elif fs.isdir(path):
         root = path.rstrip("/")
         paths = [p for p in fs.find(path) if _is_data_file(p) and not _hidden(_relative(p, root))]
+        _refuse_splits(fs, source, root, paths)
     elif fs.isfile(path):
         root, paths = posixpath.dirname(path), [path]
     else:
         raise DataError(f"{source}: no such file, folder or glob match; check the data source URI")
     if not paths:
-        raise DataError(f"{source}: no data files found (looked for {', '.join(DATA_SUFFIXES)}, optionally .gz)")
+        raise DataError(f"{source}: no data files found (looked for {', '.join(DATA_SUFFIXES)}, optionally "
+                        ".gz/.bz2/.xz/.zst)")
     files = []
     for p in sorted(paths):
         info = fs.info(p)
         files.append(SourceFile(uri=fs.unstrip_protocol(p), name=_relative(p, root), size=int(info.get("size") or 0),
-                                compression=infer_compression(p), checksum=stored_checksum(info)))
+                                compression=_compression(p), checksum=stored_checksum(info)))
     return files
+
+
+def _refuse_splits(fs: Any, source: str, root: str, paths: list[str]) -> None:
+    """Refuse a folder holding a `save_to_disk` DatasetDict or files of several splits (a hub snapshot): read
+    whole, its test split would be trained on. The error names each split and the source that reads it alone."""
+    saved = fs.isfile(f"{root}/{_DATASET_DICT}")
+    splits: dict[str, list[tuple[list[str], int]]] = {}  # split name -> (path parts, index of the split's part)
+    for p in paths:
+        parts = _relative(p, root).split("/")
+        if found := _split_of(parts, saved):
+            splits.setdefault(found[0], []).append((parts, found[1]))
+    if not saved and len(splits) < 2:
+        return
+    base = source.rstrip("/")
+    given = "; ".join(f"{name}: {base}/{_split_source(name, found)}" for name, found in sorted(splits.items()))
+    what = f"a save_to_disk DatasetDict ({_DATASET_DICT})" if saved else "files of several splits"
+    raise DataError(f"{source}: the folder holds {what}: {', '.join(sorted(splits)) or 'none found'}; read whole, "
+                    f"every split would be trained on, held-out ones included. Give one split as the data source "
+                    f"(its folder, a glob or a file) instead: {given or 'the folder of one split'}")
+
+
+def _split_of(parts: list[str], saved: bool) -> tuple[str, int] | None:
+    """(split, index of the path part that names it) of a data file: a DatasetDict's top folder, else the first
+    folder or file name that starts with a split name (data/train_sft-0000.parquet: train_sft); None when no part
+    names one (part-00000.jsonl)."""
+    if saved:
+        return (parts[0], 0) if len(parts) > 1 else None
+    for k, part in enumerate(parts):
+        if match := _SPLIT.match(part):
+            return match.group(0), k
+    return None
+
+
+def _split_source(name: str, found: list[tuple[list[str], int]]) -> str:
+    """The path (relative to the root) that reads one split: its folder, its only file, or a glob of its files."""
+    parts, k = found[0]
+    if k < len(parts) - 1:
+        return "/".join(parts[: k + 1])
+    if len(found) == 1:
+        return "/".join(parts)
+    return "/".join([*parts[:-1], parts[-1][: len(name) + 1] + "*"])  # train_sft-* (the name, its separator)
 
 
 def without_output(files: list[SourceFile], out: str) -> list[SourceFile]:
@@ -297,7 +354,9 @@ class FileRecords:
                              parse_options=parse, convert_options=convert)
 
     def _decompressed(self, raw: Any) -> Any:
-        """The file's bytes as stored, decompressed when its name says .gz/.bz2/.xz/..."""
+        """The file's bytes as stored, decompressed when its name says .gz/.bz2/.xz/.zst/..."""
+        if self.file.compression == "zstd":
+            return io.BufferedReader(_ZstdStream(raw), _READ_CHUNK)
         return compr[self.file.compression](raw, mode="rb") if self.file.compression else raw
 
     def _update(self, raw: Any) -> None:
@@ -305,6 +364,36 @@ class FileRecords:
             self.done = min(raw.tell() / max(self.file.size, 1), 1.0)
         except (OSError, ValueError):
             pass
+
+
+class _ZstdStream(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame (pzstd writes several). A file that ends inside a
+    frame raises EOFError, as gzip's reader does, so it is reported as cut short (fsspec's zstd reader returns
+    what it decoded before the cut without a word)."""
+
+    def __init__(self, raw: Any) -> None:
+        import zstandard  # a dependency; imported here so that only zstd files need it
+
+        self.raw, self.frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self.decoder, self.rest, self.out, self.open = self.frame(), b"", memoryview(b""), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.out:
+            data, self.rest = self.rest or self.raw.read(_READ_CHUNK), b""
+            if not data:
+                if self.open:
+                    raise EOFError("the zstd stream ends inside a frame")
+                return 0
+            self.out = memoryview(self.decoder.decompress(data))
+            self.open = not self.decoder.eof
+            if self.decoder.eof:  # the next frame starts in what this one left over
+                self.rest, self.decoder = self.decoder.unused_data, self.frame()
+        n = min(len(buffer), len(self.out))
+        buffer[:n], self.out = self.out[:n], self.out[n:]
+        return n
 
 
 def _is_parquet(file: SourceFile, head: bytes) -> bool:

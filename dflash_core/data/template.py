@@ -8,7 +8,10 @@ contents, then the skeleton's scaffolding as anchors, then an in-order search; s
 wrong spans, at worst a fallback. That gives the character span of every text in the real render. An assistant
 turn's supervised span runs from the end of the generation prompt before it (so a `<think>` opener the model
 writes is learnt, a `<think></think>` the prompt pre-fills with thinking off is not) or its first text, through
-its tool calls, to the end-of-turn token (both learnt once per tokenizer); an empty assistant turn has none.
+its tool calls, to the end-of-turn token (both learnt once per tokenizer); an empty assistant turn has none. A
+template that writes no end-of-turn (GLM-4.5's: the model ends a turn by writing the token that opens the next
+message) has that token supervised in its place; a last turn gets it appended (a user turn's, or a tool turn's
+after calls), as the model writes it there too.
 One batched fast-tokenizer call over the real texts then maps the spans onto tokens.
 """
 
@@ -141,6 +144,10 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
             m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
         elif keep and reasoning and field is not None:
             m[field] = reasoning
+        elif field == "reasoning_content" and m["role"] == "assistant" and "</think>" in (m.get("content") or ""):
+            # the content is all answer (the reader took any reasoning out of it); an empty field keeps a template
+            # from taking what precedes a '</think>' the answer mentions for reasoning (Qwen3's, GLM's re-read it)
+            m[field] = ""
         messages.append(m)
     kwargs: dict[str, Any] = {"enable_thinking": keep}
     if conv.tools:
@@ -184,6 +191,9 @@ class ChatEncoder:
         self.opener = _special_prefix(self.prompts[0], self._specials()).strip() if self.prompts else ""
         self.call_opener = ""  # set by _renders_tools: what opens a turn of calls where no prompt does
         self.tools = self._renders_tools()
+        # where the template writes nothing after a reply, the model ends its turn by writing the special token that
+        # opens the next message (GLM-4.5's <|user|>, or <|observation|> after tool calls): that is learnt instead
+        self.stops = {} if self.eot else self._learn_stops()
         self.fold_system, self.merge_roles = turn_shaping(tokenizer, system_turn, same_role_turns)
 
     @property
@@ -192,6 +202,7 @@ class ChatEncoder:
         tok = self.tokenizer
         return {"name": self.name, "class": type(tok).__name__, "vocab_size": len(tok),
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
+                "turn_ends_with": self._turn_ends_with(),
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
                 "tool_call_ids": f"{_ID_LENGTH} letters or digits (the template refuses others)"
                 if self.call_ids else "as in the data",
@@ -199,6 +210,17 @@ class ChatEncoder:
                 "same_role_turns": "merged into one turn, replies before the first user turn left out"
                 if self.merge_roles else "kept",
                 "chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest()}
+
+    def _turn_ends_with(self) -> str:
+        """What the manifest says ends a supervised turn (the drafter learns it, so the target can stop)."""
+        if self.eot:
+            return f"{self.eot} (the template's end-of-turn)"
+        if self.stops:
+            after = ", ".join(f"{stop.strip()} before a {role} turn" for role, stop in self.stops.items())
+            return (f"the template writes no end-of-turn: the token that opens the next message ({after}), also "
+                    f"appended after a last turn")
+        return ("WARNING: the template writes no end-of-turn and no special token opens the next message: replies "
+                "are supervised without anything that ends them, so the drafter cannot learn where the target stops")
 
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
         """This encoder's chat_template_inputs of a conversation (tool call arguments as the JSON text a
@@ -280,11 +302,7 @@ class ChatEncoder:
 
     def _renders_tools(self) -> bool:
         """Whether the template writes an assistant's tool calls (probed once with a made-up call)."""
-        call = {"type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"q": 1}}}
-        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {
-            "type": "object", "properties": {"q": {"type": "integer"}}}}}
-        conv = Conversation([{"role": "user", "content": _MARK.format(0)},
-                             {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
+        conv = _calls_probe()
         # DeepSeek's templates join the arguments into the text (a JSON string); Mistral's refuse a call without
         # an id of 9 letters or digits
         for self.call_ids in (False, True):
@@ -295,6 +313,32 @@ class ChatEncoder:
                     return True
         self.string_arguments = self.call_ids = False
         return False
+
+    def _learn_stops(self) -> dict[str, str]:
+        """By role, the special token (and whitespace before it) that opens the message after a reply ('user') and
+        after a turn of tool calls ('tool'): what the render of the turn alone lacks against the render with that
+        message after it, where the first is a prefix of the second (the template writes nothing after a reply)."""
+        reply = (("user", _MARK.format(0)), ("assistant", _MARK.format(1)))
+        probes = {"user": (self._plain(*reply), self._plain(*reply, ("user", _MARK.format(2))))}
+        if self.tools:
+            calls = _calls_probe()
+            result = {"role": "tool", "tool_call_id": "call0", "content": _MARK.format(2)}
+            probes["tool"] = (self.inputs(calls), self.inputs(Conversation([*calls.messages, result], calls.tools)))
+        stops = {}
+        for role, (alone, followed) in probes.items():
+            bare, longer = self._render_one(*alone), self._render_one(*followed)
+            if isinstance(bare, str) and isinstance(longer, str) and longer.startswith(bare):
+                stop = _special_prefix(longer[len(bare):], self._specials())
+                if stop:
+                    stops[role] = stop
+        return stops
+
+    def _closed(self, text: str | Exception, messages: Messages) -> str | Exception:
+        """The render with the stop the model writes after a last reply, for a template that writes none after it
+        (GLM-4.5's <|user|>, <|observation|> after a last turn of calls): else nothing would end that reply."""
+        if not isinstance(text, str) or not self.stops or not messages or messages[-1]["role"] != "assistant":
+            return text
+        return text + self.stops.get("tool" if messages[-1].get("tool_calls") else "user", "")
 
     def _learn_call_opener(self, probe: str) -> str:
         """Without a generation prompt (Mistral's templates) a reply starts right after the user turn's closing,
@@ -323,9 +367,10 @@ class ChatEncoder:
     def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
         """Token ids and assistant-only loss masks for a batch of shaped conversations (or why each failed)."""
         items = [self.inputs(c) for c in convs]
-        real = self._render(items)
+        real = [self._closed(text, messages) for text, (messages, _) in zip(self._render(items), items, strict=True)]
         marked = [_marked(messages) for messages, _ in items]
         skeletons = self._skeletons([(m, kwargs) for (m, _), (_, kwargs) in zip(marked, items, strict=True)])
+        skeletons = [self._closed(skel, messages) for skel, (messages, _) in zip(skeletons, items, strict=True)]
         located = [self._located(c, msgs, kwargs, slots, text, skel) for c, (msgs, kwargs), (_, slots), text, skel
                    in zip(convs, items, marked, real, skeletons, strict=True)]
         texts = [text for text, spans in zip(real, located, strict=True)
@@ -416,7 +461,7 @@ class ChatEncoder:
         if not several:
             return None
         single = [{**m, "tool_calls": m["tool_calls"][:1]} if j in several else m for j, m in enumerate(messages)]
-        return self._render_one(single, kwargs)
+        return self._closed(self._render_one(single, kwargs), single)
 
     def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
                          text: str, unsupervised: set[int]) -> list[Span] | Drop:
@@ -461,13 +506,30 @@ class ChatEncoder:
             close = text.find(self.eot, end, hi) if self.eot else -1
             if close >= 0:
                 return start, close + len(self.eot)
+            # no end-of-turn (GLM-4.5): through the token that opens the next message (a call has no such token)
+            stops = [(at, len(stop)) for stop in self.stops.values() if (at := text.find(stop, end, hi)) >= 0]
+            if stops:
+                at, length = min(stops)
+                return start, at + length
             # calls closed by a mark of their own (gpt-oss: <|call|>): the turn ends where the next message's
             # header opens (the special token the generation prompt opens with), or at the end of the text
             if hi == len(text):
                 return start, hi
             header = text.rfind(self.opener, end, hi) if self.opener else -1
             return start, header if header >= 0 else end
-        return start, end + len(self.eot) if self.eot and text.startswith(self.eot, end) else end
+        if self.eot:
+            return start, end + len(self.eot) if text.startswith(self.eot, end) else end
+        stop = next((s for s in self.stops.values() if text.startswith(s, end)), "")
+        return start, end + len(stop)
+
+
+def _calls_probe() -> Conversation:
+    """A user turn (a marker) and a turn of one made-up tool call, with the tool it calls."""
+    call = {"id": "call0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"q": 1}}}
+    tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {
+        "type": "object", "properties": {"q": {"type": "integer"}}}}}
+    return Conversation([{"role": "user", "content": _MARK.format(0)},
+                         {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
 
 
 def _with_call_ids(messages: Messages) -> Messages:
