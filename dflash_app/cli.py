@@ -155,6 +155,7 @@ def _edges(text: str) -> list[int]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from dflash_core.config import write_run_config
+    from dflash_core.model.drafter import check_target_fit
     from dflash_core.promotion.store import resolve_init_from
     from dflash_core.runtime.launch import launch_train
     from dflash_core.runtime.warm_start import check_init_from
@@ -164,6 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_init_from(_resolved(_config(args)))  # init_from: promoted -> a path, before any worker
     # not a whole drafter folder for this target: said before the shard copy and the workers
     check_init_from(cfg.train.init_from, cfg.model.target, cfg.model.trust_remote_code)
+    check_target_fit(cfg.model)  # the layer ids and mask id against the target's config, before the workers
     summary = launch_train(  # the workers read <out>/config.yaml, written once the run folder is locked
         tokenized=args.tokenized, plan=args.plan, out=args.out, config=lambda: write_run_config(cfg, args.out),
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else cfg.train.nproc_per_node, nnodes=args.nnodes,

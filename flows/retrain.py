@@ -11,6 +11,7 @@ from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
 from dflash_core.data.shards import check_shards
+from dflash_core.model.drafter import check_target_fit
 from dflash_core.promotion.store import check_incumbent
 from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks
@@ -74,6 +75,7 @@ def retrain_drafter(
     target = (config.model.target, config.model.trust_remote_code)
     check_incumbent(root, *target)
     check_init_from(config.train.init_from, *target)
+    check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)

@@ -157,3 +157,13 @@ def test_tokenize_preview_shows_what_is_trained_on_and_writes_nothing(tmp_path, 
     assert set(tmp_path.iterdir()) == before  # nothing written
     assert cli.main(["tokenize", "--config", str(config)]) == 2
     assert "--out is required" in capsys.readouterr().err
+
+
+def test_train_refuses_layer_ids_the_target_does_not_have_before_the_workers(tmp_path, example_assets):
+    """The 8-GPU preset's ids on a shallower target failed inside torchrun, after tokenize and plan."""
+    out = dflash("train", "--tokenized", str(tmp_path / "tok"), "--plan", str(tmp_path / "plan"), "--out",
+                 str(tmp_path / "run"), "--set", "model.target_layer_ids=[1,9,17,25,33]", "--set",
+                 "train.init_from=null", expect=2)
+    assert "dflash train: error: model.target_layer_ids: target_layer_ids [1, 9, 17, 25, 33]: every id must be in " \
+           "0..3 (the target has 4 layers)" in out["stderr"] and "unset it (null)" in out["stderr"]
+    assert not (tmp_path / "run").exists()

@@ -7,6 +7,7 @@ import pytest
 
 from dflash_app.config import load_config, preset_names, resolve_config, resolve_config_path
 from dflash_core.config import ConfigError, PipelineConfig, parse_config
+from dflash_core.model.drafter import default_target_layer_ids
 
 
 def _write(tmp_path, text):
@@ -28,7 +29,9 @@ def test_qwen3_preset_has_the_public_recipe():
     cfg = load_config("qwen3-8b-8gpu")
     assert (cfg.model.block_size, cfg.model.num_draft_layers, cfg.data.max_length) == (16, 5, 3072)
     assert (cfg.train.lr, cfg.train.warmup_ratio, cfg.train.clip_grad, cfg.train.schedule) == (6e-4, 0.04, 1.0, "cosine")
-    assert cfg.model.target_layer_ids == [1, 9, 17, 25, 33]
+    # the recipe's spread comes from the target's depth, so a copy of the preset fits another target
+    assert cfg.model.target_layer_ids is None
+    assert default_target_layer_ids(36, cfg.model.num_draft_layers) == [1, 9, 17, 25, 33]
     assert cfg.plan.world_size == 8
 
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from common.models import MASK_ID, random_batch, tiny_drafter, tiny_target
+from common.models import MASK_ID, random_batch, save_tiny_qwen3, tiny_drafter, tiny_target
 
 from dflash_core.model.config import ModelConfig
-from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
+from dflash_core.model.drafter import DrafterError, build_drafter, check_target_fit, default_target_layer_ids
 from dflash_core.model.loss import (
     decay_weights,
     default_gamma,
@@ -401,3 +401,21 @@ def test_a_target_with_rope_per_layer_type_is_refused_by_name():
                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     with pytest.raises(DrafterError, match=r"its RoPE differs by layer type \(\['full_attention', 'sliding_attention'\]\)"):
         build_drafter(TargetModel(model), ModelConfig(target="x"), MASK_ID)
+
+
+def test_layer_ids_and_mask_id_are_checked_against_the_targets_config_before_any_work(tmp_path):
+    """A preset's ids are one depth's (Qwen3-8B: [1, 9, 17, 25, 33] of 36 layers) and a mask id past the tokenizer
+    needs spare rows (Llama 3 has none): refused from the target's config.json, before tokenize and torchrun,
+    with the fix in the message."""
+    target = save_tiny_qwen3(tmp_path / "target", layers=6, vocab=100)
+    check_target_fit(ModelConfig(target=target, mask_token_id=99))
+    check_target_fit(ModelConfig(target=target, num_draft_layers=2, target_layer_ids=[1, 3]))
+    with pytest.raises(DrafterError, match=r"bad: \[9, 17, 25, 33\]; unset it \(null\) for the default spread over "
+                                           r"this target's 6 layers: \[1, 3\]"):
+        check_target_fit(ModelConfig(target=target, num_draft_layers=2, target_layer_ids=[1, 9, 17, 25, 33]))
+    with pytest.raises(DrafterError, match=r"mask_token_id 100 is outside the target's vocabulary \(0..99\).*"
+                                           r"<\|reserved_special_token_0\|>"):
+        check_target_fit(ModelConfig(target=target, mask_token_id=100))
+    with pytest.raises(DrafterError, match="6 drafter layers need 6 distinct target layers"):
+        check_target_fit(ModelConfig(target=target, num_draft_layers=6))
+    check_target_fit(ModelConfig(target=str(tmp_path / "not-here"), mask_token_id=10**6))  # loading says why

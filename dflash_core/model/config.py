@@ -30,7 +30,7 @@ class ModelConfig(StrictModel):
         512, description="most anchors (blocks) sampled per sequence in training, uniformly from the supervised "
         "positions that start a full block of real tokens")
     gamma: PositiveFloat | None = Field(
-        None, description="loss decay of loss_weighting decay; None = 7 for B=16, 5 for 10, 4 for 8")
+        None, description="loss decay of loss_weighting decay; None = 7 for B=16, 5 for 10, 4 for 8, else B/2")
     loss_weighting: Literal["decay", "dpace"] = Field(
         "decay", description="weight of each drafted slot's cross-entropy: decay = the published recipe's fixed "
         "exp(-(j-1)/gamma); dpace = D-PACE (arXiv 2605.18810): each slot by how much the block's expected accepted "

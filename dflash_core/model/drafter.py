@@ -42,7 +42,7 @@ from dflash_core.model.loss import (
     dpace_weights,
     weighted_sum,
 )
-from dflash_core.model.target import TargetModel
+from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -503,21 +503,49 @@ class DFlashDrafter(nn.Module):
         return dpace_weights(per_slot.view(-1, size), selected.view(-1, size), self.dpace_alpha).view(selected.shape)
 
 
+def check_target_fit(cfg: ModelConfig) -> None:
+    """The drafter settings against the target's config alone (no weights read), before any data work: the layer
+    ids (given, or the default spread for its depth) and a given mask id; DrafterError. Nothing when the config
+    cannot be read here (loading the target then says why)."""
+    dims = target_dims(cfg.target, cfg.trust_remote_code)
+    if dims is None:
+        return
+    _, vocab_size, num_layers = dims
+    fitted_layer_ids(cfg, num_layers)
+    if cfg.mask_token_id is not None:  # else the tokenizer's mask token, resolved by the ranks
+        check_mask_id(cfg.mask_token_id, vocab_size)
+
+
+def fitted_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
+    """model.target_layer_ids, or the default spread for a target of `num_layers`; DrafterError when they do not
+    fit it, naming the default spread (a preset's ids are one depth's: Qwen3-8B's 36 layers)."""
+    default = default_target_layer_ids(num_layers, cfg.num_draft_layers)
+    try:
+        return check_layer_ids(cfg.target_layer_ids or default, num_layers)
+    except ValueError as exc:
+        hint = f"; unset it (null) for the default spread over this target's {num_layers} layers: {default}" \
+            if cfg.target_layer_ids else ""
+        raise DrafterError(f"model.target_layer_ids: {exc}{hint}") from None
+
+
+def check_mask_id(mask_token_id: int, vocab_size: int) -> None:
+    """DrafterError for a mask id outside the target's embedding table, with the two ways to pick one."""
+    if not 0 <= mask_token_id < vocab_size:
+        raise DrafterError(
+            f"mask_token_id {mask_token_id} is outside the target's vocabulary (0..{vocab_size - 1}); set "
+            "model.mask_token_id to a row of the embedding table no text uses: the first id past the tokenizer "
+            "where the table has spare rows (Qwen3: 151669), else an unused special token of the tokenizer (Llama "
+            "3: <|reserved_special_token_0|>, 128002); or give the tokenizer a mask token"
+        )
+
+
 def build_drafter(
     target: TargetModel, cfg: ModelConfig, mask_token_id: int, mask_token: str | None = None
 ) -> DFlashDrafter:
     """A freshly initialised float32 drafter for `target`, on the target's device (`mask_token`: the
     tokenizer's text for `mask_token_id`, when it has one)."""
-    layer_ids = cfg.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.num_draft_layers)
-    try:
-        target.check_layer_ids(layer_ids)
-    except ValueError as exc:
-        raise DrafterError(f"model.target_layer_ids: {exc}") from None
-    if not 0 <= mask_token_id < target.vocab_size:
-        raise DrafterError(
-            f"mask_token_id {mask_token_id} is outside the target's vocabulary (0..{target.vocab_size - 1}); "
-            "set model.mask_token_id or give the tokenizer a mask token"
-        )
+    layer_ids = fitted_layer_ids(cfg, target.num_layers)
+    check_mask_id(mask_token_id, target.vocab_size)
     config = drafter_config(
         target.config,
         num_layers=cfg.num_draft_layers,

@@ -62,28 +62,8 @@ class TargetModel:
         return self.embed_tokens.weight.dtype
 
     def check_layer_ids(self, layer_ids: Sequence[int], served: bool = True) -> list[int]:
-        """Layer ids as a list, or TargetError naming the bad ones. `served` (a drafter to train or export, not
-        one read to evaluate as it is) also holds them to what the serving engines capture: ids in increasing
-        order, each once (vLLM and SGLang collect the layers in layer order, once each, and concatenate them so
-        for `fc`), and not the last layer (vLLM hands its output over before the final norm, SGLang does not
-        capture it)."""
-        bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
-        if not layer_ids or bad:
-            raise TargetError(
-                f"target_layer_ids {list(layer_ids)}: every id must be in 0..{self.num_layers - 1} "
-                f"(the target has {self.num_layers} layers); bad: {bad or 'empty list'}"
-            )
-        ids = [int(i) for i in layer_ids]
-        if served and any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
-            raise TargetError(f"target_layer_ids {ids}: give them in increasing order, each once; vLLM and SGLang "
-                              f"capture the target's layers in layer order, once each, so a served drafter would "
-                              f"get its features in another order or fewer of them")
-        if served and self.num_layers - 1 in ids:
-            raise TargetError(f"target_layer_ids {ids}: {self.num_layers - 1} is the target's last layer, whose "
-                              f"output the serving engines do not hand over as training sees it (vLLM before the "
-                              f"final norm, SGLang not at all); use an earlier layer (the default spread ends at "
-                              f"L-3)")
-        return ids
+        """Layer ids as a list, or TargetError naming the bad ones (check_layer_ids on this target's depth)."""
+        return check_layer_ids(layer_ids, self.num_layers, served)
 
     # no_grad, not inference_mode: inference tensors could not be saved for the drafter's backward
     @torch.no_grad()
@@ -138,6 +118,30 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
         )
     return layers
 
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int, served: bool = True) -> list[int]:
+    """Layer ids as a list, or TargetError naming the bad ones. `served` (a drafter to train or export, not one
+    read to evaluate as it is) also holds them to what the serving engines capture: ids in increasing order, each
+    once (vLLM and SGLang collect the layers in layer order, once each, and concatenate them so for `fc`), and not
+    the last layer (vLLM hands its output over before the final norm, SGLang does not capture it)."""
+    bad = [i for i in layer_ids if not 0 <= int(i) < num_layers]
+    if not layer_ids or bad:
+        raise TargetError(
+            f"target_layer_ids {list(layer_ids)}: every id must be in 0..{num_layers - 1} "
+            f"(the target has {num_layers} layers); bad: {bad or 'empty list'}"
+        )
+    ids = [int(i) for i in layer_ids]
+    if served and any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise TargetError(f"target_layer_ids {ids}: give them in increasing order, each once; vLLM and SGLang "
+                          f"capture the target's layers in layer order, once each, so a served drafter would "
+                          f"get its features in another order or fewer of them")
+    if served and num_layers - 1 in ids:
+        raise TargetError(f"target_layer_ids {ids}: {num_layers - 1} is the target's last layer, whose "
+                          f"output the serving engines do not hand over as training sees it (vLLM before the "
+                          f"final norm, SGLang not at all); use an earlier layer (the default spread ends at "
+                          f"L-3)")
+    return ids
 
 def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, int] | None:
     """(hidden size, vocab size, layers) of a target from its config alone, no weights read: what a drafter must
