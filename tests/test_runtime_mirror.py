@@ -2,6 +2,8 @@
 and pushed to it (dflash_core/runtime/run_mirror.py). The end-to-end launch is in tests/test_runtime_e2e.py."""
 
 import json
+import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -242,3 +244,68 @@ def test_a_signal_during_the_final_push_lets_it_finish_first(remote, tmp_path, m
     assert len(calls) == 2 and fs.cat_file(f"{remote}/metrics.jsonl") == b'{"step": 0}\n'
     assert any("KeyboardInterrupt during the final push" in line and "finishing it first" in line for line in lines)
     assert not Path(run_dir).exists()  # pushed whole: the staging folder goes as after any final push
+
+
+def test_a_push_killed_before_its_checkpoints_never_leaves_one_without_its_drafter_best(remote, tmp_path):
+    """The store must not get a checkpoint whose best validation's weights (drafter-best/) it lacks: a resume from
+    that checkpoint exports drafter-best/ again only when a later validation beats it. A push killed (a pod
+    evicted) after the checkpoints and before the drafter-best/ swap left the store without it for good."""
+    fs = fsspec.filesystem("memory")
+    local = tmp_path / "staging"
+    local.mkdir()
+    (local / "metrics.jsonl").write_text('{"step": 0}\n')
+    (local / "drafter-best").mkdir()
+    (local / "drafter-best" / "model.safetensors").write_bytes(b"best of step 3")
+    _checkpoint(local, 4)  # its meta records best step 3
+    mirror = RunMirror(remote, str(local))
+    real_put = mirror.fs.put_file
+
+    def killed_at_the_checkpoints(src, dst, **kw):
+        if "/checkpoints/" in dst:
+            raise KeyboardInterrupt("the pod is evicted")  # nothing after this point reaches the store
+        return real_put(src, dst, **kw)
+
+    mirror.fs.put_file = killed_at_the_checkpoints
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mirror.push()
+    finally:
+        mirror.fs.put_file = real_put
+    assert "drafter-best/model.safetensors" in _names(fs, remote)
+    assert not any(name.startswith("checkpoints/") for name in _names(fs, remote))
+
+
+def test_scratch_folders_of_a_killed_launch_are_removed_by_the_next_and_no_others(tmp_path):
+    """A launcher killed with SIGKILL never deletes its copies under TMPDIR (token shards: up to hundreds of GB);
+    the next launch on the machine removes those whose owner is gone, and only those."""
+    import socket
+    import subprocess
+    import sys
+
+    from dflash_core.runtime.scratch import OWNER_FILE, sweep_scratch
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owners = {"dflash-run-dead": {"pid": int(dead.stdout), "host": socket.gethostname()},
+              "dflash-tokenized-live": {"pid": os.getpid(), "host": socket.gethostname()},
+              "dflash-plan-elsewhere": {"pid": int(dead.stdout), "host": "another-node"},
+              "dflash-run-no-owner": None, "someone-else": {"pid": int(dead.stdout), "host": socket.gethostname()}}
+    for name, owner in owners.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part-00000.parquet").write_bytes(b"x" * 1000)
+        if owner:
+            (tmp_path / name / OWNER_FILE).write_text(json.dumps(owner))
+    said: list[str] = []
+    assert sweep_scratch(said.append, root=str(tmp_path)) >= 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(owners) - {"dflash-run-dead"})
+    assert len(said) == 1 and "dflash-run-dead" in said[0] and f"pid {dead.stdout.strip()}" in said[0]
+
+
+def test_a_staging_folder_names_its_owner_and_the_record_stays_off_the_store(remote, tmp_path, monkeypatch):
+    from dflash_core.runtime.scratch import OWNER_FILE
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches TMPDIR
+    with staged_run(remote, on_line=lambda _: None, every_s=3600) as local:
+        assert Path(local).parent == tmp_path and json.loads((Path(local) / OWNER_FILE).read_text())["pid"] == os.getpid()
+        (Path(local) / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert _names(fsspec.filesystem("memory"), remote) == ["metrics.jsonl"]

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,6 +38,7 @@ from dflash_core.runtime.ledger import (
 from dflash_core.runtime.process import ProcessFailed, first_rank_error, is_failure_line, run_process_group
 from dflash_core.runtime.run_mirror import staged_run
 from dflash_core.runtime.run_plan import check_plan
+from dflash_core.runtime.scratch import scratch_dir, sweep_scratch
 
 
 def torchrun_command(
@@ -137,6 +137,7 @@ def launch_train(
     (run_mirror)."""
     check_nodes(nnodes, node_rank, rdzv_endpoint)  # before any folder is made or launch recorded
     out = expand_home(out)  # the ranks' plain file calls and fsspec's must name the same folder
+    sweep_scratch(on_line)  # the copies a launch killed on this machine left under TMPDIR
     lines: collections.deque[str] = collections.deque(maxlen=200)
     full_env = worker_env({**os.environ, **(env or {})})
     # torchrun's own SIGTERM-to-SIGKILL wait (30 s by default) within ours
@@ -322,7 +323,7 @@ def local_folder(uri: str, what: str, fix: str, prefix: str, on_line: Callable[[
     if not files:
         raise DflashError(f"{uri}: no {what} there; {fix}")
     total = sum(int(f.get("size") or 0) for f in files)
-    local = tempfile.mkdtemp(prefix=prefix)
+    local = scratch_dir(prefix)
     try:
         free = shutil.disk_usage(local).free
         if total > free:

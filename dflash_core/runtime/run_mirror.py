@@ -16,7 +16,9 @@ mirror keeps the store up to date:
   lack the steps before that checkpoint for good): the run logs a step before it saves the checkpoint after it,
   and a push lists the complete checkpoints it will send *before* it uploads metrics.jsonl, then sends them (one
   completed during the upload waits for the next push); a pull, the other way round, lists the store's
-  checkpoints before it reads metrics.jsonl;
+  checkpoints before it reads metrics.jsonl. drafter-best/ goes the same way: it is swapped in before the listed
+  checkpoints are sent, so the store never holds a checkpoint whose best validation's weights it lacks (a
+  resume exports drafter-best/ again only when a validation beats the checkpoint's best);
 - a pod that is killed loses at most the last `every_s` seconds of uploads: the checkpoints pushed before stay,
   and the next launch (on any machine) resumes from the newest of them.
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ import fsspec
 from dflash_core.atomic_dir import JOURNAL, OLD, STAGED, replace_dir
 from dflash_core.errors import DflashError
 from dflash_core.io import is_local, join_uri
+from dflash_core.runtime.scratch import OWNER_FILE, scratch_dir
 
 __all__ = ["RunMirror", "staged_run"]
 
@@ -48,7 +50,8 @@ _STEP = re.compile(r"^step-(\d+)$")
 # what a resumed run reads back, besides its checkpoint and log (launches.jsonl: the launcher appends to it)
 _PULLED = ("metrics.jsonl", "wandb_run_id", "launches.jsonl")
 _WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
-_NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-")  # debris and staging names of local swaps and saves
+_NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-", OWNER_FILE)  # debris and staging names of local swaps and saves;
+# the staging folder's owner record (runtime/scratch)
 
 
 class MirrorError(DflashError):
@@ -109,13 +112,15 @@ class RunMirror:
             return self._push()
 
     def _push(self) -> int:
-        # Checkpoints listed first, metrics.jsonl uploaded next, then those checkpoints: every step before them was
-        # logged before they were saved, so the store's metrics.jsonl reaches every checkpoint it gets.
+        # Checkpoints listed first; then drafter/ and drafter-best/, then metrics.jsonl, then those checkpoints:
+        # every step before them was logged, and their best validation's weights exported, before they were
+        # saved, so the store's metrics.jsonl and drafter-best/ reach every checkpoint it gets (a resume does not
+        # export drafter-best/ again until a validation beats the checkpoint's best: a push killed between the
+        # checkpoints and drafter-best/ left the store without it, or with an older one, for good).
         steps = self._complete_steps()
-        pushed = sum(self._put(rel) for rel in self._changed_files())
+        pushed = sum(self._push_whole(folder) for folder in _WHOLE)
+        pushed += sum(self._put(rel) for rel in self._changed_files())
         pushed += self._push_checkpoints(steps)
-        for folder in _WHOLE:
-            pushed += self._push_whole(folder)
         return pushed
 
     def _changed_files(self) -> list[str]:
@@ -203,7 +208,7 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
     if is_local(fs):
         yield out.removeprefix("file://")  # the ranks take it as a path
         return
-    local = tempfile.mkdtemp(prefix="dflash-run-")
+    local = scratch_dir("dflash-run-")
     mirror = RunMirror(out, local, log_name)
     resumed = mirror.pull()
     on_line(f"run folder {out} is on an object store: the ranks write {local}, pushed to it every "
