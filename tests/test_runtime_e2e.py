@@ -512,7 +512,8 @@ def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(in
         launch_train(str(tok), one.plan, str(out), config, nproc_per_node=1, on_line=lambda _: None, timeout_s=600)
     first = str(info.value).splitlines()[0]
     assert first.startswith("training failed on rank 0: ShardError: ") and "part-00001.parquet" in first
-    assert f"full log: {out / 'train.log'}" in first and info.value.exit_code == 1
+    assert f"full log: {out / 'train.log'}" in first
+    assert info.value.exit_code == 2  # a part file missing is bad input (a ShardError), found by a rank
     assert "Traceback" in (out / "train.log").read_text()
 
 

@@ -519,12 +519,16 @@ def check_target_fit(cfg: ModelConfig) -> None:
 def fitted_layer_ids(cfg: ModelConfig, num_layers: int) -> list[int]:
     """model.target_layer_ids, or the default spread for a target of `num_layers`; DrafterError when they do not
     fit it, naming the default spread (a preset's ids are one depth's: Qwen3-8B's 36 layers)."""
-    default = default_target_layer_ids(num_layers, cfg.num_draft_layers)
+    if not cfg.target_layer_ids:
+        return default_target_layer_ids(num_layers, cfg.num_draft_layers)  # a spread that fits, or DrafterError
     try:
-        return check_layer_ids(cfg.target_layer_ids or default, num_layers)
+        return check_layer_ids(cfg.target_layer_ids, num_layers)
     except ValueError as exc:
-        hint = f"; unset it (null) for the default spread over this target's {num_layers} layers: {default}" \
-            if cfg.target_layer_ids else ""
+        try:
+            hint = (f"; unset it (null) for the default spread over this target's {num_layers} layers: "
+                    f"{default_target_layer_ids(num_layers, cfg.num_draft_layers)}")
+        except DrafterError:  # no default spread either: more drafter layers than the target can feed
+            hint = ""
         raise DrafterError(f"model.target_layer_ids: {exc}{hint}") from None
 
 
