@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from common.runs import build_inputs, write_config
+from common.runs import MASK_ID, build_inputs, write_config
 
 from dflash_core.errors import UsageError
 from dflash_core.monitor.sources import MetricsError
@@ -180,11 +180,16 @@ def test_two_ranks_one_killed_by_sigkill_blames_the_killed_one(tmp_path_factory,
 
 
 def test_a_rank_that_refuses_its_input_exits_2_not_1(one, tmp_path):
-    """A device this machine lacks is bad input (exit 2), whether the launcher or a rank finds it."""
+    """Input a rank refuses (a mask id past the target's vocabulary, found when the drafter is built) is bad input
+    (exit 2), whether the launcher or a rank finds it."""
+    config = tmp_path / "c.yaml"
+    write_config(config, one)
+    config.write_text(config.read_text().replace(f"mask_token_id: {MASK_ID}", "mask_token_id: 1000000"))
     with pytest.raises(TrainingFailed) as info:
-        launch_train(one.tokenized, one.plan, str(tmp_path / "run"), write_config(tmp_path / "c.yaml", one,
-                     device="cuda"), on_line=lambda _: None, timeout_s=300)
-    assert str(info.value).startswith("training failed on rank 0: DeviceError: ") and info.value.exit_code == 2
+        launch_train(one.tokenized, one.plan, str(tmp_path / "run"), str(config), on_line=lambda _: None,
+                     timeout_s=300)
+    assert str(info.value).startswith("training failed on rank 0: DrafterError: mask_token_id 1000000")
+    assert info.value.exit_code == 2
 
 
 def test_a_run_folder_under_home_is_one_folder(one, tmp_path, monkeypatch):
@@ -215,3 +220,13 @@ def test_bad_node_arguments_are_refused_before_anything_is_written(one, tmp_path
         launch_train(one.tokenized, one.plan, str(tmp_path / "run"), str(tmp_path / "c.yaml"), nnodes=nnodes,
                      node_rank=node_rank, rdzv_endpoint=endpoint, on_line=lambda _: None)
     assert info.value.exit_code == 2 and not (tmp_path / "run").exists()
+
+
+def test_only_input_a_rank_refuses_exits_2():
+    """A rank stopped by a signal (a preempted peer node) raises a DflashError that is no bad input: exit 1."""
+    from dflash_core.model.target import TargetError
+    from dflash_core.runtime.stopping import StoppedBySignal
+
+    stopped = json.loads(rank_error_line(3, StoppedBySignal("stopped on SIGTERM after plan step 9")).split(" ", 1)[1])
+    refused = json.loads(rank_error_line(0, TargetError("target_layer_ids [99]: bad")).split(" ", 1)[1])
+    assert "exit_code" not in stopped and refused["exit_code"] == 2

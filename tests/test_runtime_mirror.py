@@ -275,29 +275,41 @@ def test_a_push_killed_before_its_checkpoints_never_leaves_one_without_its_draft
     assert not any(name.startswith("checkpoints/") for name in _names(fs, remote))
 
 
-def test_scratch_folders_of_a_killed_launch_are_removed_by_the_next_and_no_others(tmp_path):
+def test_scratch_folders_of_a_killed_launch_are_removed_by_the_next_and_no_others(tmp_path, monkeypatch):
     """A launcher killed with SIGKILL never deletes its copies under TMPDIR (token shards: up to hundreds of GB);
-    the next launch on the machine removes those whose owner is gone, and only those."""
-    import socket
+    the next launch on the machine removes those no live launcher holds (the owner file's flock, which the kernel
+    drops with its process in whatever PID namespace it ran), and only those."""
     import subprocess
     import sys
 
-    from dflash_core.runtime.scratch import OWNER_FILE, sweep_scratch
+    from dflash_core.runtime.scratch import OWNER_FILE, disown_scratch, scratch_dir, sweep_scratch
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    owners = {"dflash-run-dead": {"pid": int(dead.stdout), "host": socket.gethostname()},
-              "dflash-tokenized-live": {"pid": os.getpid(), "host": socket.gethostname()},
-              "dflash-plan-elsewhere": {"pid": int(dead.stdout), "host": "another-node"},
-              "dflash-run-no-owner": None, "someone-else": {"pid": int(dead.stdout), "host": socket.gethostname()}}
-    for name, owner in owners.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "part-00000.parquet").write_bytes(b"x" * 1000)
-        if owner:
-            (tmp_path / name / OWNER_FILE).write_text(json.dumps(owner))
-    said: list[str] = []
-    assert sweep_scratch(said.append, root=str(tmp_path)) >= 1000
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(owners) - {"dflash-run-dead"})
-    assert len(said) == 1 and "dflash-run-dead" in said[0] and f"pid {dead.stdout.strip()}" in said[0]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches TMPDIR
+    mine, kept = scratch_dir("dflash-tokenized-"), scratch_dir("dflash-run-")
+    disown_scratch(kept)  # a staging folder whose final push failed: the user's to copy
+    holder = ("import fcntl, os, sys, time\nfrom dflash_core.runtime.scratch import scratch_dir\n"
+              "print(scratch_dir(sys.argv[1]), flush=True)\ntime.sleep(float(sys.argv[2]))")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    killed = subprocess.Popen([sys.executable, "-c", holder, "dflash-run-", "600"], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    live = subprocess.Popen([sys.executable, "-c", holder, "dflash-plan-", "600"], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        dead_folder, live_folder = killed.stdout.readline().strip(), live.stdout.readline().strip()
+        killed.kill()
+        killed.wait()
+        (tmp_path / "dflash-run-older-version").mkdir()  # no owner file: left alone
+        (Path(dead_folder) / "part-00000.parquet").write_bytes(b"x" * 1000)
+        said: list[str] = []
+        assert sweep_scratch(said.append) >= 1000
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {Path(f).name for f in (mine, kept, live_folder)} | {"dflash-run-older-version"}
+        assert len(said) == 1 and dead_folder in said[0] and "killed" in said[0]
+        assert not (Path(kept) / OWNER_FILE).exists() and (Path(live_folder) / OWNER_FILE).exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_staging_folder_names_its_owner_and_the_record_stays_off_the_store(remote, tmp_path, monkeypatch):

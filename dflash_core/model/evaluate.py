@@ -314,7 +314,8 @@ class _Run:
         self.temperature, self.seed, self._decoded = temperature, seed, 0
         self.greedy = TokenPicker(temperature).greedy
         self.stops = _stop_ids(tokenizer, target.model)
-        self.context: int | None = getattr(target.model.config, "max_position_embeddings", None)
+        # the text model's (a multimodal config such as Gemma 3's nests it under text_config)
+        self.context: int | None = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
         self._past_context = 0
         self._warm = not baseline  # timings matter only with a baseline to compare against
 

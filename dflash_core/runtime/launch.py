@@ -38,7 +38,7 @@ from dflash_core.runtime.ledger import (
 from dflash_core.runtime.process import ProcessFailed, first_rank_error, is_failure_line, run_process_group
 from dflash_core.runtime.run_mirror import staged_run
 from dflash_core.runtime.run_plan import check_plan
-from dflash_core.runtime.scratch import scratch_dir, sweep_scratch
+from dflash_core.runtime.scratch import remove_scratch, scratch_dir, sweep_scratch
 
 
 def torchrun_command(
@@ -341,7 +341,7 @@ def local_folder(uri: str, what: str, fix: str, prefix: str, on_line: Callable[[
         on_line(f"{what} copied in {time.monotonic() - start:.1f} s")
         yield local
     finally:
-        shutil.rmtree(local, ignore_errors=True)
+        remove_scratch(local)
 
 
 class TrainingFailed(DflashError):

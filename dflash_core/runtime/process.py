@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
-from dflash_core.errors import DflashError
+from dflash_core.errors import DflashError, InputError
 
 TAIL_LINES = 60
 RANK_ERROR = "DFLASH_RANK_ERROR "  # prefix of the line a failing rank prints last: its own error, as JSON
@@ -66,9 +66,9 @@ def rank_error_line(rank: int, exc: BaseException) -> str:
     notes = [str(n) for n in getattr(exc, "__notes__", ())]  # where a stage met it (the plan step and samples)
     message = "; ".join(filter(None, [message, *notes]))
     error: dict = {"rank": rank, "type": type(exc).__name__, "message": message[:2000]}
-    if isinstance(exc, DflashError):  # bad input (2) stays bad input through the launcher
-        error["exit_code"] = exc.exit_code
-    elif where := _raised_in(exc):
+    if isinstance(exc, InputError):  # bad input (2) stays bad input through the launcher; a rank stopped by a
+        error["exit_code"] = exc.exit_code  # signal, a failed push and the like are a failed run (1)
+    elif not isinstance(exc, DflashError) and (where := _raised_in(exc)):
         error["where"] = where
     return RANK_ERROR + json.dumps(error)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,7 +39,7 @@ import fsspec
 from dflash_core.atomic_dir import JOURNAL, OLD, STAGED, replace_dir
 from dflash_core.errors import DflashError
 from dflash_core.io import is_local, join_uri
-from dflash_core.runtime.scratch import OWNER_FILE, scratch_dir
+from dflash_core.runtime.scratch import OWNER_FILE, disown_scratch, remove_scratch, scratch_dir
 
 __all__ = ["RunMirror", "staged_run"]
 
@@ -210,7 +209,11 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
         return
     local = scratch_dir("dflash-run-")
     mirror = RunMirror(out, local, log_name)
-    resumed = mirror.pull()
+    try:
+        resumed = mirror.pull()
+    except BaseException:
+        remove_scratch(local)
+        raise
     on_line(f"run folder {out} is on an object store: the ranks write {local}, pushed to it every "
             f"{every_s:.0f} s and at the end" + (f" (resuming from its {resumed})" if resumed else ""))
     stop = threading.Event()
@@ -246,11 +249,12 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
                                f"everything the run wrote is kept in {local}: copy it there, or run the same "
                                f"command again once the store answers (it resumes from the newest checkpoint the "
                                f"store holds)")
+            disown_scratch(local)  # the user's to copy: no later launch's sweep deletes it
             if failed is None:
                 raise kept from exc
             on_line(f"error: {kept}")  # the run's own failure stays the error raised
         else:
-            shutil.rmtree(local, ignore_errors=True)
+            remove_scratch(local)
             if interrupted is not None:
                 raise interrupted
 

@@ -15,11 +15,13 @@ import sys
 import threading
 from types import FrameType
 
-from dflash_core.errors import DflashError
+from dflash_core.errors import EXIT_FAILED, DflashError
 
 
 class StoppedBySignal(DflashError):
     """Training stopped on SIGTERM after writing the checkpoint of the step it had reached."""
+
+    exit_code = EXIT_FAILED  # a stopped run, not bad input
 
 
 class StopRequest:
