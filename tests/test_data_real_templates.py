@@ -93,7 +93,7 @@ LAST_REPLY = {"single": "Hello! How can I help?", "multi": "A2 six", "reason": "
               "parallel": "It is 18 degrees at 9:00."}
 # drops that say a template cannot render the record faithfully (policy), as opposed to failures to place it
 POLICY = {"template_has_no_tools", "template_single_tool_call", "reasoning_dropped_by_template",
-          "template_drops_text_with_calls"}
+          "template_drops_text_with_calls", "template_rewrites_reply"}
 
 
 @functools.cache
@@ -303,23 +303,42 @@ REASONED = {
                  {"role": "assistant", "content": f"{SUM}\n</think>\n\n7 x 28 = 196."}],
     "mentions-tag": [{"role": "user", "content": "How do I get only the answer from DeepSeek-R1 output?"},
                      {"role": "assistant", "content": MENTION}],
+    "mentions-tag-earlier": [{"role": "user", "content": "How do I get only the answer from DeepSeek-R1 output?"},
+                             {"role": "assistant", "content": MENTION}, {"role": "user", "content": "Thanks."},
+                             {"role": "assistant", "content": "You are welcome."}],
 }
+# templates that render every reply as what follows its '</think>' (DeepSeek's), or every earlier one (QwQ's and
+# Nemotron's); DeepSeek's render no reasoning at all
+CUT_AT_TAG = {"r1distill": ("mentions-tag", "mentions-tag-earlier"), "dsv31": ("mentions-tag", "mentions-tag-earlier"),
+              "qwq": ("mentions-tag-earlier",), "nemotron": ("mentions-tag-earlier",)}
 
 
 @pytest.mark.parametrize("thinking", ["strip", "keep"])
-@pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45"])
+@pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45", "r1distill", "dsv31", "qwq", "nemotron"])
 def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text(name: str, thinking: str) -> None:
     """Reasoning given as a field and again inline in the content was left in the content: under strip Qwen3's
     template re-read it as reasoning and supervised it, Llama's trained it as text, under keep it came twice. A
     reply that only mentions '</think>' lost its first half (Llama), was dropped as template_mismatch (Qwen3) or
     got a made-up think block (keep). Now an inline block is always taken out (the field wins), and a '</think>'
-    without '<think>' ends reasoning only on a line of its own (DeepSeek-R1's)."""
+    without '<think>' ends reasoning only on a line of its own (DeepSeek-R1's). A template that still cuts such a
+    reply to what follows the tag (DeepSeek-R1's, V3.1's; QwQ's and Nemotron's in earlier turns) had the record
+    kept and the cut reply trained on: it is dropped as template_rewrites_reply (policy), naming the turn."""
     records = _preview(name, thinking, REASONED)
-    for rid in REASONED:
-        assert records[rid]["kept"], (name, thinking, rid, records[rid])
+    cut = CUT_AT_TAG.get(name, ())
     for rid in ("field-and-inline", "r1-style"):
+        if name in ("r1distill", "dsv31") and thinking == "keep":  # their templates render no reasoning
+            assert records[rid]["reason"] == "reasoning_dropped_by_template", (name, rid, records[rid])
+            continue
+        assert records[rid]["kept"], (name, thinking, rid, records[rid])
         supervised = "".join(_supervised(records[rid]))
         assert supervised.count("7*20=140") == (thinking == "keep"), (name, thinking, rid, supervised)
         assert "7 x 28 = 196." in supervised and "<think>\n<think>" not in supervised, supervised
-    mention = "".join(_supervised(records["mentions-tag"]))
-    assert MENTION in mention and "closes it with \n</think>" not in mention, (name, thinking, mention)
+    for rid in cut:
+        record = records[rid]
+        assert not record["kept"] and record["reason"] == "template_rewrites_reply", (name, thinking, rid, record)
+        assert "turn 1 ('assistant')" in record["detail"] and "</think>" in record["detail"], record["detail"]
+        assert record["reason"] in POLICY_REASONS  # the data is sound: it never fails the stage
+    for rid in ("mentions-tag", "mentions-tag-earlier"):
+        if rid not in cut:
+            mention = "".join(_supervised(records[rid]))
+            assert MENTION in mention and "closes it with \n</think>" not in mention, (name, thinking, rid, mention)

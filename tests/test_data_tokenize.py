@@ -399,6 +399,64 @@ def test_a_folder_of_several_splits_is_refused_naming_each_split_and_how_to_read
     assert len(list_files(str(tmp_path / "parts"))) == 3
 
 
+@pytest.mark.parametrize(("names", "held_out"), [
+    (["train.jsonl", "train_extra.jsonl"], None),  # training splits only: an ordinary folder
+    (["train_en.jsonl", "train_fr.jsonl"], None),
+    (["train_a.jsonl", "train_b.jsonl"], None),
+    (["data/train_sft-00000-of-00001.parquet", "data/train_gen-00000-of-00001.parquet"], None),
+    (["test.jsonl"], None),  # one split, held-out or not, is what was given
+    (["train.jsonl", "test.jsonl"], "test"),
+    (["train_en.jsonl", "dev_en.jsonl"], "dev_en"),
+    (["data/train-00000-of-00002.parquet", "data/validation-00000-of-00001.parquet"], "validation"),
+    (["train_extra.jsonl", "val.jsonl"], "val"),
+], ids=lambda v: "+".join(v) if isinstance(v, list) else f"held_out={v}")
+def test_a_folder_is_refused_only_when_a_held_out_split_lies_beside_another(
+        tmp_path: Path, names: list[str], held_out: str | None) -> None:
+    """train.jsonl beside train_extra.jsonl (or train_en beside train_fr) was refused as several splits whose
+    held-out ones would be trained on, though none is held out. Only a test/validation/val/dev split beside
+    data of another split is refused, and the error names it."""
+    from dflash_core.data.errors import DataError
+    from dflash_core.data.sources import list_files
+
+    _split_files(tmp_path / "d", [n for n in names if n.endswith(".parquet")])
+    for k, name in enumerate(n for n in names if n.endswith(".jsonl")):
+        write_jsonl(tmp_path / "d" / name, [to_sharegpt(c, i) for i, c in enumerate(conversations(2, seed=k))])
+    if held_out is None:
+        assert len(list_files(str(tmp_path / "d"))) == len(names)
+    else:
+        with pytest.raises(DataError, match=rf"held-out ones \({held_out}\) included"):
+            list_files(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize(("splits", "refused"), [
+    (["train"], False),  # what load_dataset(...).save_to_disk(d) writes for most datasets
+    (["train", "train_extra"], False),
+    (["train", "test"], True),
+    (["train", "validation"], True),
+    (["dev", "train_sft"], True),
+], ids=lambda v: "+".join(v) if isinstance(v, list) else f"refused={v}")
+def test_a_dataset_dict_is_refused_only_when_it_holds_a_held_out_split_beside_another(
+        tmp_path: Path, splits: list[str], refused: bool) -> None:
+    """A save_to_disk DatasetDict of a train split alone was refused as a folder of several splits. Its folders
+    are its splits: read whole unless one is held out and another is there too."""
+    datasets = pytest.importorskip("datasets")
+    from dflash_core.data.errors import DataError
+    from dflash_core.data.sources import list_files
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({split: datasets.Dataset.from_list([{"messages": c} for c in conversations(3, seed=k)])
+                          for k, split in enumerate(splits)}).save_to_disk(str(saved))
+    if refused:
+        with pytest.raises(DataError, match=rf"DatasetDict.*{', '.join(sorted(splits))};.*held-out"):
+            list_files(str(saved))
+    else:
+        files = list_files(str(saved))
+        assert sorted(f.name for f in files) == [f"{s}/data-00000-of-00001.arrow" for s in sorted(splits)]
+        summary = tokenize_dataset(str(saved), tokenizer_dir("chatml"), str(tmp_path / "out"), data_config(),
+                                   block_size=2)
+        assert summary["kept"] == 3 * len(splits)
+
+
 @pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.zstd"])
 def test_zstd_compressed_json_lines_are_read_as_a_file_and_in_a_folder(tmp_path: Path, suffix: str) -> None:
     """A .jsonl.zst given as the source was read as raw bytes (every record bad_utf8, the user told to fix

@@ -11,8 +11,10 @@ concatenated) is read whole: each object is one record.
 A compressed file, JSON array or Arrow file that ends early yields the records before the cut and then one
 `truncated_file` failure (the lost part cannot be counted); any other read error is one `unreadable` failure.
 
-A folder that holds several splits of one dataset (a `save_to_disk` DatasetDict, a hub snapshot's
-data/train-*.parquet beside data/test-*.parquet) is refused: read whole, its held-out splits would be trained on.
+A folder that holds a held-out split beside another split of one dataset (a `save_to_disk` DatasetDict with train
+and test, a hub snapshot's data/train-*.parquet beside data/test-*.parquet) is refused: read whole, its held-out
+split would be trained on. Training splits only (a DatasetDict of train alone, train_en.jsonl beside
+train_fr.jsonl) are read as they are.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ _DATASET_DICT = "dataset_dict.json"  # what `datasets` save_to_disk writes at th
 # data/test_sft-00000-of-00001-<hash>.parquet, test.jsonl) or a folder's name; UltraFeedback's and UltraChat's
 # splits carry a suffix (train_sft, test_gen, train_prefs), which makes them splits of their own
 _SPLIT = re.compile(r"^(?:train|test|validation|valid|val|dev)(?:_[a-z]+)?(?=$|[-.])", re.IGNORECASE)
+_HELD_OUT = ("test", "validation", "valid", "val", "dev")  # what a held-out split's name starts with
 
 
 @dataclass(frozen=True)
@@ -128,22 +131,25 @@ def list_files(source: str) -> list[SourceFile]:
 
 
 def _refuse_splits(fs: Any, source: str, root: str, paths: list[str]) -> None:
-    """Refuse a folder holding a `save_to_disk` DatasetDict or files of several splits (a hub snapshot): read
-    whole, its test split would be trained on. The error names each split and the source that reads it alone."""
+    """Refuse a folder holding a held-out split beside data of another split (a `save_to_disk` DatasetDict, whose
+    splits are its folders, or a hub snapshot's files): read whole, the held-out split would be trained on. Splits
+    that are all for training (train alone, train_en beside train_fr) are read. The error names each split and
+    the source that reads it alone."""
     saved = fs.isfile(f"{root}/{_DATASET_DICT}")
     splits: dict[str, list[tuple[list[str], int]]] = {}  # split name -> (path parts, index of the split's part)
     for p in paths:
         parts = _relative(p, root).split("/")
         if found := _split_of(parts, saved):
             splits.setdefault(found[0], []).append((parts, found[1]))
-    if not saved and len(splits) < 2:
+    held_out = sorted(name for name in splits if name.lower().startswith(_HELD_OUT))
+    if not held_out or len(splits) < 2:
         return
     base = source.rstrip("/")
     given = "; ".join(f"{name}: {base}/{_split_source(name, found)}" for name, found in sorted(splits.items()))
     what = f"a save_to_disk DatasetDict ({_DATASET_DICT})" if saved else "files of several splits"
-    raise DataError(f"{source}: the folder holds {what}: {', '.join(sorted(splits)) or 'none found'}; read whole, "
-                    f"every split would be trained on, held-out ones included. Give one split as the data source "
-                    f"(its folder, a glob or a file) instead: {given or 'the folder of one split'}")
+    raise DataError(f"{source}: the folder holds {what}: {', '.join(sorted(splits))}; read whole, every split "
+                    f"would be trained on, held-out ones ({', '.join(held_out)}) included. Give one split as the "
+                    f"data source (its folder, a glob or a file) instead: {given}")
 
 
 def _split_of(parts: list[str], saved: bool) -> tuple[str, int] | None:

@@ -11,7 +11,8 @@ writes is learnt, a `<think></think>` the prompt pre-fills with thinking off is 
 its tool calls, to the end-of-turn token (both learnt once per tokenizer); an empty assistant turn has none. A
 template that writes no end-of-turn (GLM-4.5's: the model ends a turn by writing the token that opens the next
 message) has that token supervised in its place; a last turn gets it appended (a user turn's, or a tool turn's
-after calls), as the model writes it there too.
+after calls), as the model writes it there too. A supervised span must hold its reply's answer text as written: a
+template that cuts it (DeepSeek-R1's keeps what follows a '</think>' the reply mentions) drops the record.
 One batched fast-tokenizer call over the real texts then maps the spans onto tokens.
 """
 
@@ -433,7 +434,7 @@ class ChatEncoder:
         lost = self._reasoning_left_out(conv, text)
         if lost is not None:
             return lost
-        return self._assistant_spans(messages, slots, spans, text, conv.unsupervised)
+        return self._assistant_spans(conv, messages, slots, spans, text)
 
     def _reasoning_left_out(self, conv: Conversation, text: str) -> Drop | None:
         """With data.thinking: keep, the last reply's reasoning must be in the render (earlier turns' may be left
@@ -463,17 +464,17 @@ class ChatEncoder:
         single = [{**m, "tool_calls": m["tool_calls"][:1]} if j in several else m for j, m in enumerate(messages)]
         return self._closed(self._render_one(single, kwargs), single)
 
-    def _assistant_spans(self, messages: Messages, slots: list[Slot], spans: dict[int, Span],
-                         text: str, unsupervised: set[int]) -> list[Span] | Drop:
+    def _assistant_spans(self, conv: Conversation, messages: Messages, slots: list[Slot], spans: dict[int, Span],
+                         text: str) -> list[Span] | Drop:
         """Each assistant turn's supervised span, from its slot spans; empty turns and the ones the data marks
-        not to train on have none."""
+        not to train on have none. A turn whose span lacks its answer text is a Drop (the template cut it)."""
         by_message: dict[int, list[Span]] = {}
         for k, span in spans.items():
             if span[1] > span[0]:
                 by_message.setdefault(slots[k][0], []).append(span)
         out: list[Span] = []
         for j, m in enumerate(messages):
-            if m["role"] != "assistant" or j in unsupervised or not (by_message.get(j) or m.get("tool_calls")):
+            if m["role"] != "assistant" or j in conv.unsupervised or not (by_message.get(j) or m.get("tool_calls")):
                 continue
             # after every earlier text and every earlier reply (a turn of calls only right after another one, or
             # after an empty tool result, has no text between them)
@@ -482,8 +483,21 @@ class ChatEncoder:
             turn = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
             if turn is None:
                 return Drop("template_mismatch", f"cannot place the tool calls of turn {j} in the rendered text")
+            answer = conv.messages[j].get("content")
+            if isinstance(answer, str) and answer.strip() not in text[turn[0]:turn[1]]:
+                return self._rewritten_reply(conv, j, text[turn[0]:turn[1]])
             out.append(turn)
         return out
+
+    def _rewritten_reply(self, conv: Conversation, j: int, rendered: str) -> Drop:
+        """Why a reply the template renders other than written is dropped: its supervised span would teach the
+        drafter text the model never wrote (DeepSeek-R1's and V3.1's templates keep only what follows a
+        '</think>', so a reply that mentions the tag loses what precedes it)."""
+        shown = rendered if len(rendered) <= 80 else f"{rendered[:38]}...{rendered[-38:]}"
+        return Drop("template_rewrites_reply", f"the chat template of '{self.name}' renders turn {j} "
+                    f"({conv.source(j)!r}) other than written, as {shown!r}; trained on, the drafter would learn a "
+                    f"reply the model never wrote (a template that keeps only what follows a '</think>', as "
+                    f"DeepSeek-R1's and V3.1's, cuts a reply that mentions the tag)")
 
     def _turn_span(self, text: str, own: list[Span], lo: int, hi: int, calls: bool) -> Span | None:
         """From the generation prompt's end (or the first text) to the end-of-turn after the last text/call."""
