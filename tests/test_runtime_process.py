@@ -145,7 +145,9 @@ def test_token_shards_on_an_object_store_are_copied_for_the_run_and_a_full_disk_
     lines: list[str] = []
     monkeypatch.setattr(launch, "_COPY_PROGRESS_S", 0.0)  # a progress line after every file but the last
     with launch.local_data(remote, lines.append) as copy:
-        assert sorted(os.listdir(copy)) == ["index.parquet", "manifest.json", "part-00000.parquet"]
+        # and the owner record a later launch's sweep of TMPDIR reads (runtime/scratch)
+        assert sorted(os.listdir(copy)) == [".dflash-owner.json", "index.parquet", "manifest.json",
+                                             "part-00000.parquet"]
         assert open(os.path.join(copy, "part-00000.parquet"), "rb").read() == b"p" * 1000
     assert not os.path.exists(copy) and "(3 files, 0.00 GiB)" in lines[0]
     assert [line.split(",")[0] for line in lines[1:3]] == ["copied 1/3 files", "copied 2/3 files"]
