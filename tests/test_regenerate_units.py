@@ -390,6 +390,26 @@ def test_a_reply_the_server_aborted_is_retried_and_one_cut_short_otherwise_drops
         assert result.messages == [convo[0], {"role": "assistant", "content": "4"}]
 
 
+def test_an_answer_with_no_choices_is_sent_again_not_taken_for_a_malformed_one():
+    """Some gateways answer 200 with `"choices": []` for a request they dropped: the record is not dropped for it,
+    the request is sent again (and after every try, Unavailable says what the server answered)."""
+    answers = [{"choices": []}, {"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}]}]
+    seen: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(1)
+        return httpx.Response(200, json=answers[min(len(seen) - 1, len(answers) - 1)])
+
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    assert asyncio.run(endpoint.chat({})).content == "4" and len(seen) == 2
+    answers[1] = {"choices": []}
+    seen.clear()
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    with pytest.raises(Unavailable, match="3 tries failed, last: the server answered 200 with no choices"):
+        asyncio.run(endpoint.chat({}))
+
+
 def test_a_reply_that_calls_tools_keeps_its_calls_and_ends_the_conversation():
     """With a tool parser (vLLM/SGLang --tool-call-parser) the server returns the calls apart from the text,
     often with no text at all: the turn keeps them, and tokenize reads them back. What the record holds after

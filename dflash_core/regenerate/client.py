@@ -180,6 +180,9 @@ class Endpoint:
                 continue
             if resp.status_code >= 400:
                 raise Rejected(resp.status_code, resp.text[:300])
+            if _no_choices(resp):  # some gateways answer a request they dropped (overload, a filter) so
+                last = "the server answered 200 with no choices"
+                continue
             reply = _reply(resp, self.url)
             if reply.finish_reason in ABORTED:
                 last = f"the server ended the reply with finish_reason {reply.finish_reason}"
@@ -203,6 +206,15 @@ def _retry_after(resp: httpx.Response) -> float:
         return min(max(float(resp.headers.get("retry-after", 0)), 0.0), _RETRY_AFTER_MAX_S)
     except ValueError:
         return 0.0
+
+
+def _no_choices(resp: httpx.Response) -> bool:
+    """A 200 whose JSON has an empty `choices` list: no reply yet, not a malformed one (sent again)."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("choices") == []
 
 
 def _reply(resp: httpx.Response, url: str) -> Reply:
