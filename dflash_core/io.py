@@ -24,9 +24,14 @@ def write_jsonl(path: str, records: Iterable[Any], *, sort_keys: bool = False, g
     return path
 
 
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """The protocol names of an fsspec filesystem (fsspec gives one name or a tuple)."""
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether an fsspec filesystem is the local disk (renames are atomic, os calls work on its paths)."""
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return "file" in protocols(fs)
 
 
 def expand_home(uri: str) -> str:

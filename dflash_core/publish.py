@@ -234,11 +234,6 @@ def _is_stale(holder: dict[str, Any]) -> bool:
     beat = holder.get("beat", holder.get("since"))
     if isinstance(beat, int | float) and time.time() - beat > LOCK_STALE_S:
         return True
-    return owner_gone(holder)
-
-
-def owner_gone(holder: dict[str, Any]) -> bool:
-    """Whether the owner a record names ({"pid", "host"}) ran on this host and is no longer running."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False
     try:

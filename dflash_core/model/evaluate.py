@@ -316,7 +316,7 @@ class _Run:
         self.stops = _stop_ids(tokenizer, target.model)
         # the text model's (a multimodal config such as Gemma 3's nests it under text_config)
         self.context: int | None = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
-        self._past_context = 0
+        self._warned_past_context = False
         self._warm = not baseline  # timings matter only with a baseline to compare against
 
     def _picker(self, k: int) -> TokenPicker:
@@ -355,12 +355,12 @@ class _Run:
         )
         new = out[0, ids.shape[0]:]
         past = self.context is not None and ids.shape[0] + new.shape[0] > self.context
-        if past and not self._past_context:
+        if past and not self._warned_past_context:
             log.warning("eval %s instance %d: a prompt of %d tokens + %d new ones exceed the target's "
                         "max_position_embeddings %d; decoded and counted as the reference does (the summary's "
                         "past_context counts such responses): lower --max-new-tokens or drop the long prompts",
                         suite, index, ids.shape[0], new.shape[0], self.context)
-        self._past_context += past
+        self._warned_past_context |= past
         response = Response(suite, index, lengths, int(new.shape[0]), seconds, past_context=past)
         if self.baseline:
             ref, base_seconds = _timed(

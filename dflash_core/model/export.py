@@ -17,6 +17,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import Qwen3Config
 
 from dflash_core.errors import InputError
+from dflash_core.io import protocols
 from dflash_core.model.attention import (
     SLIDING,
     AttentionError,
@@ -169,10 +170,9 @@ def read_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]
     except json.JSONDecodeError as exc:
         raise ExportError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     except Exception as exc:  # a remote store's own errors (no network, no access)
-        hub = "hf" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         also = (f" (there is no local folder {posixpath.dirname(path)}, so it was read as a Hugging Face hub "
                 f"repository; a local folder is given as ./{posixpath.dirname(path)} or by its full path)"
-                if hub else "")
+                if "hf" in protocols(fs) else "")
         raise ExportError(f"{path}: cannot be read: {type(exc).__name__}: {exc}{also}") from None
     if not isinstance(raw, dict):
         raise ExportError(f"{path}: not a JSON object")

@@ -119,7 +119,6 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, served: bool = True) -> list[int]:
     """Layer ids as a list, or TargetError naming the bad ones. `served` (a drafter to train or export, not one
     read to evaluate as it is) also holds them to what the serving engines capture: ids in increasing order, each

@@ -382,12 +382,13 @@ def check_nodes(nnodes: int | str, node_rank: int | None, rdzv_endpoint: str | N
     """Refuse a node count torchrun cannot take (N or MIN:MAX, 1 <= MIN <= MAX), a node rank outside it, and a
     multi-node launch without a rendezvous endpoint; UsageError."""
     text = str(nnodes)
-    low, _, high = text.partition(":")
-    if not (low.isdigit() and (high.isdigit() if _ else True)) or not 1 <= int(low) <= int(high or low):
+    low, sep, high = text.partition(":")
+    high = high if sep else low  # N is N:N ("2:" stays refused)
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
         raise UsageError(f"--nnodes {text}: give a node count N >= 1, or MIN:MAX with 1 <= MIN <= MAX for an "
                          "elastic launch")
-    if node_rank is not None and not 0 <= node_rank < int(high or low):
-        raise UsageError(f"--node-rank {node_rank}: a node's rank is 0..{int(high or low) - 1} for --nnodes {text} "
+    if node_rank is not None and not 0 <= node_rank < int(high):
+        raise UsageError(f"--node-rank {node_rank}: a node's rank is 0..{int(high) - 1} for --nnodes {text} "
                          "(0 on the first node)")
     if rdzv_endpoint is None and text != "1":
         raise UsageError(f"--nnodes {text}: a multi-node run needs --rdzv-endpoint host:port (the rendezvous, on "
