@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_core.data.errors import BadInputError, DataError
+from dflash_core.data.formats import record_id
 from dflash_core.data.shards import read_index, read_manifest
 from dflash_core.data.sources import JsonArrayElements
 from dflash_core.data.tokenize import tokenize_dataset
@@ -37,6 +38,11 @@ BAD_LINES: list[tuple[str, bytes]] = [
     ("non_text_content", b'{"conversations": [{"from": "human", "value": [{"type": "image", "url": "x"}]},'
                          b' {"from": "gpt", "value": "a"}]}'),
     ("wrong_schema", b'{"messages": [{"speaker": "user", "text": "a"}, {"speaker": "assistant", "text": "b"}]}'),
+    # lone surrogates outside turn text: a tool definition, a tool call's arguments (they crashed the stage)
+    ("bad_utf8", b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
+                 b'"tools": [{"type": "function", "function": {"name": "w", "description": "\\ud83d"}}]}'),
+    ("bad_utf8", b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", '
+                 b'"tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"x": "\\ud83d"}}}]}]}'),
 ]
 
 
@@ -62,6 +68,16 @@ def test_each_bad_record_is_counted_with_its_reason_and_location(tmp_path: Path)
     assert examples["unparsable"][0]["file"] == "mixed.jsonl" and examples["unparsable"][0]["line"] == 3
     assert [e["line"] for e in examples["wrong_schema"]] == [5, 6, 7, 8, 15]
     assert "narrator" in examples["unknown_role"][0]["detail"]
+    assert [e["detail"].split(" (")[0] for e in examples["bad_utf8"][-2:]] == [
+        "a lone surrogate in the tool definitions", "a lone surrogate in turn 1"]
+
+
+def test_a_lone_surrogate_in_a_record_id_is_written_as_its_escape(tmp_path: Path) -> None:
+    """Ids land in reports and manifests, which are UTF-8: an id cut mid-emoji is kept as its escape."""
+    line = json.dumps({**GOOD[0], "id": "r\ud83d"}).encode()
+    assert record_id(json.loads(line)) == "r\\ud83d"
+    summary = _run(_write(tmp_path / "d.jsonl", [line, b"not json"]), tmp_path / "out", max_bad_fraction=1.0)
+    assert summary["kept"] == 1
 
 
 def test_above_the_bad_fraction_the_stage_fails_showing_examples(tmp_path: Path) -> None:

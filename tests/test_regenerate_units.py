@@ -362,7 +362,9 @@ def _completing(replies: list[dict], seen: list[httpx.Request] | None = None) ->
     def answer(request: httpx.Request) -> httpx.Response:
         choice = replies[min(len(seen), len(replies) - 1)]
         seen.append(request)
-        return httpx.Response(200, json={"choices": [choice], "usage": {"completion_tokens": 3}})
+        # the JSON as servers write it (ASCII escapes: a lone surrogate in a reply arrives as one)
+        return httpx.Response(200, content=json.dumps({"choices": [choice], "usage": {"completion_tokens": 3}}),
+                              headers={"Content-Type": "application/json"})
 
     endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
     endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
@@ -478,6 +480,7 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
     flaky = False
     reasoning_only = False  # the whole answer under `reasoning`, content null (a mismatched reasoning parser)
     failing = False  # every POST answered 500 while GET /models still works (a gateway whose backend is gone)
+    no_tool_parser = False  # requests that carry tools refused, as by a vLLM without --tool-call-parser
 
     def log_message(self, *args) -> None:
         pass
@@ -497,6 +500,10 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if type(self).failing:
             self._send(500, {"error": {"message": "backend gone", "type": "InternalServerError", "code": 500}})
+        elif type(self).no_tool_parser and request.get("tools"):
+            self._send(400, {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and '
+                                                  '--tool-call-parser to be set', "type": "BadRequestError",
+                                       "param": None, "code": 400}})
         elif type(self).reasoning_only:
             self._send(200, {"choices": [{"message": {"role": "assistant", "content": None, "reasoning": "ok"},
                                           "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
@@ -519,6 +526,7 @@ def scripted_server():
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
     _Scripted.refuse_all = _Scripted.flaky = _Scripted.reasoning_only = _Scripted.failing = False
+    _Scripted.no_tool_parser = False
 
 
 def test_prompts_too_long_for_the_context_at_the_head_of_the_input_are_drops_not_a_failed_run(
@@ -733,6 +741,66 @@ def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dr
                                                                     concurrency=1))
     journaled = "".join(p.read_text() for p in (tmp_path / "two" / ".work").glob("*.journal.jsonl"))
     assert "rejected_by_server" not in journaled
+
+
+def test_refusals_of_requests_with_tools_are_not_cleared_by_replies_to_requests_without(scripted_server, tmp_path):
+    """A vLLM without a tool parser refuses only the requests that carry tools: replies to the plain records
+    between them do not make those refusals the records' own. The run stops naming the server's answer, with
+    nothing refused journaled, also when a second endpoint answers everything; a rerun against a server that
+    takes tools keeps every record."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": f"q{i}"}], **({"tools": tools} if i % 3 == 0 else {})}
+        for i in range(60)])
+    _Scripted.no_tool_parser = True
+    out = tmp_path / "out"
+    for concurrency in (1, 4):
+        with pytest.raises(RegenerateError, match=r"refused every one of the first \d+ requests with tools.*"
+                                                  r"tool choice requires.*refused too"):
+            regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server],
+                                                             concurrency=concurrency, send_tools=True))
+        journaled = "".join(p.read_text() for p in (out / ".work").glob("*.journal.jsonl"))
+        assert "rejected_by_server" not in journaled and "get_weather" not in journaled
+    # one endpoint without the parser beside a good one: its refusals are not drops either
+    with _serving(type("Good", (_Scripted,), {"no_tool_parser": False})) as good, pytest.raises(RegenerateError,
+                                                                          match=rf"{scripted_server} refused"):
+        regenerate_dataset(source, str(tmp_path / "two"), data_config(source, endpoints=[good, scripted_server],
+                                                                     concurrency=1, send_tools=True))
+    journaled = "".join(p.read_text() for p in (tmp_path / "two" / ".work").glob("*.journal.jsonl"))
+    assert "rejected_by_server" not in journaled
+    _Scripted.no_tool_parser = False
+    summary = regenerate_dataset(source, str(out), data_config(source, endpoints=[scripted_server], send_tools=True))
+    assert summary["complete"] and summary["kept"] == 60 and summary["dropped"] == {}
+    assert sum("tools" in r for r in output_records(out)) == 20
+
+
+def test_lone_surrogates_in_tools_ids_calls_or_replies_drop_the_record_not_the_run(scripted_server, tmp_path):
+    """A lone surrogate (a dump cut mid-emoji) in a tool definition, a tool call or a server's reply drops that
+    record as bad_utf8 / a malformed completion; in a record id it is written as its escape. Before, each one
+    stopped the run at the journal or the request, and every rerun again."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tools = [{"type": "function", "function": {"name": "w", "description": "weather \ud83d"}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "w", "arguments": {"city": "\ud83d"}}}]}
+    source = write_jsonl(tmp_path / "chats.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": "q"}], "tools": tools},
+        {"id": "b\ud83d", "messages": [{"role": "user", "content": "q"}]},
+        {"id": "c", "messages": [{"role": "user", "content": "q"}, call, {"role": "user", "content": "q2"}]},
+        {"id": "d", "messages": [{"role": "user", "content": "q"}]}])
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[scripted_server]))
+    assert summary["complete"] and summary["kept"] == 2 and summary["dropped"] == {"bad_utf8": 2}
+    assert [r["source"]["record"] for r in output_records(tmp_path / "out")] == [1, 3]
+    broken = {"message": {"role": "assistant", "content": "emoji \ud83d cut"}, "finish_reason": "stop"}
+    endpoint = _completing([broken])
+    with pytest.raises(Rejected, match="malformed completion.*surrogates not allowed"):
+        asyncio.run(endpoint.chat({"messages": []}))
 
 
 @contextlib.contextmanager

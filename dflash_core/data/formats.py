@@ -324,7 +324,8 @@ def record_id(record: Any) -> str | None:
         for k in ID_KEYS:
             value = record.get(k)
             if isinstance(value, str | int) and not isinstance(value, bool):
-                return str(value)
+                # a lone surrogate (a dump cut mid-emoji) written as its escape: reports and journals stay UTF-8
+                return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
     return None
 
 
@@ -600,7 +601,21 @@ def _finished(conv: Conversation, require_assistant: bool) -> Conversation | Dro
     if empty:
         conv = _left_out(conv, empty, [Drop("empty_system_turn", f"turn {j} ({conv.source(j)}) is empty; left out")
                                        for j in empty])
+    if bad := _lone_surrogate(conv):
+        return bad
     return _checked(conv) if require_assistant else conv
+
+
+def _lone_surrogate(conv: Conversation) -> Drop | None:
+    """A Drop when a turn (its tool calls, a tool result's id or name) or a tool definition holds a lone surrogate
+    that no tokenizer, server or UTF-8 file takes; turn text is checked as it is read (_utf8)."""
+    parts = [(f"turn {j} ({conv.source(j)})", m) for j, m in enumerate(conv.messages)]
+    for where, value in [*parts, ("the tool definitions", conv.tools)]:
+        try:
+            json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return Drop("bad_utf8", f"a lone surrogate in {where} (character {exc.start} of it as JSON)")
+    return None
 
 
 def _checked(conv: Conversation) -> Conversation | Drop:

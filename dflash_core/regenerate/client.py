@@ -9,6 +9,7 @@ the record, the endpoint stays in use."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -228,10 +229,14 @@ def _reply(resp: httpx.Response, url: str) -> Reply:
         calls = message.get("tool_calls") or None
         if calls is not None and not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise ValueError(f"tool_calls is not a list of function calls: {calls!r}"[:200])
-        return Reply(_text(message.get("content"), "content") or "", choice.get("finish_reason") or UNKNOWN_FINISH,
-                     tokens, _text(message.get("reasoning_content") or message.get("reasoning"), "reasoning"), calls)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {str(data)[:200]}") from None
+        reply = Reply(_text(message.get("content"), "content") or "", choice.get("finish_reason") or UNKNOWN_FINISH,
+                      tokens, _text(message.get("reasoning_content") or message.get("reasoning"), "reasoning"), calls)
+        # a lone surrogate (a gateway that cut an emoji in two) would stop the run where the journal is written
+        json.dumps([reply.content, reply.reasoning, calls], ensure_ascii=False).encode("utf-8")
+        return reply
+    except (KeyError, IndexError, TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        seen = str(data)[:200].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise Rejected(200, f"malformed completion from {url}: {_describe(exc)}: {seen}") from None
 
 
 def _text(value: Any, name: str) -> str | None:

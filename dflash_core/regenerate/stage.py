@@ -257,7 +257,8 @@ class _Run:
         self.sizes: dict[int, int] = {}
         self.last_shard = -1
         self.done = self.tokens = self.total = self.retried = self.resumed = 0
-        # by endpoint URL: refusals and empty replies held back until it keeps a reply or answers the probe
+        # by lane (_lane: an endpoint, with or without tools sent): refusals and empty replies held back until it
+        # keeps a reply or answers the probe
         self.trusted: set[str] = set()
         self.probing: set[str] = set()
         self.held: dict[str, list[tuple[Item, Regenerated]]] = {}
@@ -307,12 +308,13 @@ class _Run:
             while self.pending and self.failure is None:
                 await self.idle.wait()
             self._raise_failure()
-            for endpoint in endpoints:  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
-                if self.held.get(endpoint.url):  # one taken out since is asked through a live one
-                    await self._probe(endpoint, next((e for e in endpoints if e.alive), endpoint))
+            for lane in list(self.held):  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
+                endpoint = next(e for e in endpoints if lane.startswith(e.url + " "))
+                if self.held.get(lane):  # one taken out since is asked through a live one
+                    await self._probe(lane, endpoint, next((e for e in endpoints if e.alive), endpoint))
                     self._raise_failure()
-                    if held := self.held.get(endpoint.url):
-                        raise self._systemic(endpoint, held, "the one-line question could not be sent to tell")
+                    if held := self.held.get(lane):
+                        raise self._systemic(lane, endpoint, held, "the one-line question could not be sent to tell")
         finally:
             for w in workers:
                 w.cancel()
@@ -401,23 +403,30 @@ class _Run:
         journaled (a rerun after the fix sends them again), a reply says they were the records' own (journaled
         as drops). So at the start of a run and later alike, endpoint by endpoint: a server restarted mid-run
         with other settings (another --served-model-name: HTTP 404, without its tool parser, another API key)
-        stops the run instead of dropping the rest of the input, even while other endpoints answer."""
-        drop, key = result.drop, endpoint.url
+        stops the run instead of dropping the rest of the input, even while other endpoints answer. Requests
+        with tools and without are held apart (two lanes of the endpoint): a reply to a plain request does not
+        vouch for refusals of requests that carried tools (a vLLM without --tool-call-parser refuses only those)."""
+        drop, key = result.drop, self._lane(endpoint, item)
         if result.refused or drop is not None and drop.reason in ("rejected_by_server", "empty_reply"):
             held = self.held.setdefault(key, [])
             held.append((item, result))
             if len(held) >= _SYSTEMIC_REFUSALS and key not in self.probing:
-                await self._probe(endpoint)
+                await self._probe(key, endpoint)
             return
         if drop is None and (self.held.get(key) or key not in self.trusted):
-            self._trust(endpoint)
+            self._trust(key)
         self._record(item, result)
 
-    async def _probe(self, endpoint: Endpoint, ask: Endpoint | None = None) -> None:
+    def _lane(self, endpoint: Endpoint, item: Item) -> str:
+        """The endpoint's URL, and whether the record's tools are sent with its requests."""
+        if not self.cfg.send_tools:
+            return f"{endpoint.url} "
+        return f"{endpoint.url} {'with' if isinstance(item.chat, Chat) and item.chat.tools else 'without'} tools"
+
+    async def _probe(self, key: str, endpoint: Endpoint, ask: Endpoint | None = None) -> None:
         """Ask the one-line question (with the tools of a held record when tools are sent) of `endpoint` (or
-        `ask`): trust it when it answers, stop the run when it refuses or answers empty, hold on when it cannot
-        be reached."""
-        key = endpoint.url
+        `ask`) for the lane `key`: trust the lane when it is answered, stop the run when it is refused or answered
+        empty, hold on when it cannot be reached."""
         held = list(self.held.get(key, []))
         if not held:
             return
@@ -427,7 +436,7 @@ class _Run:
             reply = await self._send(ask or endpoint, _PROBE, tools)
         except Rejected as exc:
             same = _why(held[0][1]).startswith(str(exc))
-            self._fail(self._systemic(endpoint, held, "a one-line question with the same settings was refused too"
+            self._fail(self._systemic(key, endpoint, held, "a one-line question with the same settings was refused too"
                                       + ("" if same else f" ({exc})")))
             return
         except Unavailable:  # cannot tell now: the next held outcome (or the end of the input) asks again
@@ -435,22 +444,23 @@ class _Run:
         finally:
             self.probing.discard(key)
         if not reply.content.strip() and not reply.tool_calls and reply.finish_reason in FINISHED:
-            self._fail(self._systemic(endpoint, held, "a one-line question with the same settings was answered "
+            self._fail(self._systemic(key, endpoint, held, "a one-line question with the same settings was answered "
                                       f"empty too ({empty_reply(reply, 1, self.keep_thinking)})"))
             return
-        self._trust(endpoint)
+        self._trust(key)
 
-    def _trust(self, endpoint: Endpoint) -> None:
-        """The endpoint answers: the outcomes held for it are the records' own."""
-        self.trusted.add(endpoint.url)
-        for item, result in self.held.pop(endpoint.url, []):
+    def _trust(self, key: str) -> None:
+        """The lane answers: the outcomes held for it are the records' own."""
+        self.trusted.add(key)
+        for item, result in self.held.pop(key, []):
             self._record(item, result)
 
-    def _systemic(self, endpoint: Endpoint, held: list[tuple[Item, Regenerated]], probe: str) -> RegenerateError:
-        n = len(held)
-        which = (f"the last {n} requests in a row, after replies had been kept (its settings changed: a restart "
+    def _systemic(self, key: str, endpoint: Endpoint, held: list[tuple[Item, Regenerated]],
+                  probe: str) -> RegenerateError:
+        n, lane = len(held), key.removeprefix(endpoint.url).rstrip()
+        which = (f"the last {n} requests{lane} in a row, after replies had been kept (its settings changed: a restart "
                  f"with another --served-model-name, without its tool parser, with an API key?)"
-                 if endpoint.url in self.trusted else f"every one of the first {n} requests, before a reply could "
+                 if key in self.trusted else f"every one of the first {n} requests{lane}, before a reply could "
                  f"be kept")
         return RegenerateError(
             f"the server {endpoint.url} refused {which} or answered them empty (first: {_why(held[0][1])}), and "
