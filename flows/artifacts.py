@@ -10,6 +10,8 @@ import base64
 import io
 import math
 import re
+import signal
+import threading
 import time
 from typing import Any, cast
 from uuid import UUID
@@ -123,7 +125,26 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else md_text(str(value))
+
+
+def md_text(text: str) -> str:
+    """Free text (an error, a path, a reason) as one markdown line that renders as written: a `|` would split a
+    table cell, `<root>` vanish as an HTML tag, a newline start a stray row."""
+    return " ".join(text.split("\n")).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def stop_reason(exc: BaseException) -> tuple[str, bool]:
+    """Why a stage stopped, one line, and whether a signal stopped it (a cancel from the UI or CLI, a pod's
+    eviction: SIGTERM, or an interrupt) rather than a failure of its own."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, TerminationSignal | KeyboardInterrupt):
+        number = getattr(exc, "signal", signal.SIGINT)
+        cause = "Ctrl-C" if number == signal.SIGINT else "a cancel from the UI or CLI, or the machine's eviction"
+        return (f"stopped by {signal.Signals(number).name} ({cause}); the run folder keeps its checkpoints: run it "
+                f"again to resume", True)
+    return (str(exc).split("; full log:", 1)[0].strip().splitlines() or [""])[0] or type(exc).__name__, False
 
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -218,17 +239,22 @@ class TrainingProgress:
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
         self.picture, self.plotted_at, self.finished = "", -math.inf, False
-        self.stopped: str | None = None  # why the launch failed, once it has
+        self.stopped: tuple[str, bool] | None = None  # why the launch stopped, once it has (stop_reason)
+        self.lock = threading.Lock()  # the follower's poll and the task's final one never interleave
         # Called from a synchronous task, so these return the ids themselves, not coroutines.
         self.bar_id = cast(UUID, create_progress_artifact(0.0, key="training-progress",
                                                           description=f"0 / {self.num_steps} optimizer steps"))
         self.page_id = cast(UUID, create_markdown_artifact(self.page(), key="training-live",
                                                            description="Live training figures and curves"))
 
-    def poll(self, final: bool = False, stopped: str | None = None) -> None:
+    def poll(self, final: bool = False, stopped: tuple[str, bool] | None = None) -> None:
         """Read the records appended since the last poll; update the bar, the page, and (throttled) the curves.
-        `final`: the launch ended (the curves are drawn whatever the throttle); `stopped`: it failed, and why (the
-        page says so in place of an ETA)."""
+        `final`: the launch ended (the curves are drawn whatever the throttle); `stopped`: it failed or was
+        cancelled, and why (stop_reason: the page says so in place of an ETA)."""
+        with self.lock:
+            self._poll(final, stopped)
+
+    def _poll(self, final: bool, stopped: tuple[str, bool] | None) -> None:
         self.stopped = stopped
         new = self.tail.read_new()
         if self.tail.restarted:  # metrics.jsonl rewritten (a resume logs the steps after its checkpoint again)
@@ -257,13 +283,18 @@ class TrainingProgress:
                    "grad norm (pre-clip)": last.get("grad_norm"), "clip": last.get("clip"),
                    "tokens/s": _rate(last.get("tokens_per_s")), "TFLOP/s": _tflops(last.get("tflops")),
                    "MFU": _percent(last.get("mfu")),
-                   "ETA": "stopped (failed)" if self.stopped else "finished" if self.finished else duration(eta)}
+                   "ETA": self._stopped_eta() or ("finished" if self.finished else duration(eta))}
         if self.gpus:  # the run's cost (all its launches) by the newest record, and at this pace to the finish
             elapsed = max(0.0, float(last.get("time") or self.started) - self.started)
             now = self.earlier_gpu_hours + self.gpus * elapsed / 3600
             finish = "" if eta is None else f" (at finish ~{now + self.gpus * eta / 3600:,.1f})"
             figures["GPU-hours"] = f"{now:,.1f}{finish}"
         return figures
+
+    def _stopped_eta(self) -> str | None:
+        if self.stopped is None:
+            return None
+        return "stopped (cancelled)" if self.stopped[1] else "stopped (failed)"
 
     def line(self) -> str:
         """The figures in one line, for the progress bar."""
@@ -276,7 +307,7 @@ class TrainingProgress:
         """The live page: the figures table, the latest validation, the curves."""
         lines = ["## Training", markdown_table([self.figures()]), ""]
         if self.stopped:
-            lines[1:1] = [f"**Stopped**: {self.stopped}", ""]
+            lines[1:1] = [f"**{'Cancelled' if self.stopped[1] else 'Stopped'}**: {md_text(self.stopped[0])}", ""]
         if self.val:
             lines += ["### Validation", markdown_table([_val_row(r) for r in self.val[-5:]]), ""]
         if self.picture:
@@ -358,10 +389,10 @@ def report_markdown(report: dict[str, Any], report_dir: str, drafter_dir: str) -
 
 def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
                     report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
-                    failure: tuple[str, str] | None = None) -> str:
+                    failure: tuple[str, str, bool] | None = None) -> str:
     """The flow run's summary artifact: data, plan, training, stability, drafter/promotion, and the pictures.
-    A run that failed after planning (`failure`: the stage and its error) gets one too: what it did, what it cost
-    (the launch ledger), and why it stopped."""
+    A run that failed or was cancelled after planning (`failure`: the stage, why (stop_reason) and whether a
+    signal stopped it) gets one too: what it did, what it cost (the launch ledger), and why it stopped."""
     text = summary_markdown(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion,
                             failure=failure)
     create_markdown_artifact(text, key="run-summary", description="The run in five lines")
@@ -370,12 +401,12 @@ def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[s
 
 def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
                      report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
-                     failure: tuple[str, str] | None = None) -> str:
+                     failure: tuple[str, str, bool] | None = None) -> str:
     """The summary page (see publish_summary); validation curves appear when metrics.jsonl has val records."""
     steps, val = read_records(storage.join(run_dir, "metrics.jsonl"))
     lines = ["# Run summary", ""]
     if failure:
-        lines += [f"**FAILED** in `{failure[0]}`: {failure[1]}", ""]
+        lines += [f"**{'CANCELLED' if failure[2] else 'FAILED'}** in `{failure[0]}`: {md_text(failure[1])}", ""]
     lines += [f"1. **Data**: {_data_line(data)}",
               f"2. **Plan**: {_plan_line(plan)}",
               f"3. **Training**: {_train_line(train, val) if train else _stopped_train_line(steps, run_dir)}",

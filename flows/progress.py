@@ -33,7 +33,21 @@ class LogThrottle:
         self.emit(line)
 
 
-def follow_metrics(progress: ProgressSink, stop: threading.Event, every_s: float) -> None:
-    """Poll `progress` every `every_s` seconds until `stop` is set."""
+def follow_metrics(progress: ProgressSink, stop: threading.Event, every_s: float,
+                   warn: Callable[[str], Any] | None = None) -> None:
+    """Poll `progress` every `every_s` seconds until `stop` is set. A poll that fails (the Prefect API restarting,
+    a database blip: Prefect's client does not retry a refused connection) is tried again at the next one; `warn`
+    hears of the first failure of a streak and of the recovery, so the page never freezes in silence for the rest
+    of a run that goes on training."""
+    failed = 0
     while not stop.wait(every_s):
-        progress.poll()
+        try:
+            progress.poll()
+        except Exception as exc:  # noqa: BLE001 - the page is not the run: keep following
+            failed += 1
+            if failed == 1 and warn is not None:
+                warn(f"training progress: an update failed ({exc!r}); trying again every {every_s:g} s")
+            continue
+        if failed and warn is not None:
+            warn(f"training progress: updated again after {failed} failed attempts")
+        failed = 0

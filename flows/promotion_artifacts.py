@@ -6,18 +6,18 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
 
-from flows.artifacts import storage_link
+from flows.artifacts import md_text, storage_link
 
 
 def promotion_markdown(decision: dict[str, Any]) -> str:
     """The decision as a markdown table: tau of both drafters on the same prompts, and why."""
     outcome = "PROMOTED" if decision["promoted"] else "NOT PROMOTED"
     prompts = decision["eval_set"]
-    incumbent = decision.get("incumbent_run") or "none (nothing promoted yet)"
+    incumbent = md_text(decision.get("incumbent_run") or "none (nothing promoted yet)")
     lines = [
-        f"# Promotion: **{outcome}**", "", decision["reason"], "",
+        f"# Promotion: **{outcome}**", "", md_text(decision["reason"]), "",
         "| drafter | run | tau | block size |", "|---|---|---|---|",
-        f"| new | {decision['run']} | {_fmt(decision['tau'])} | {_fmt(decision.get('block_size'))} |",
+        f"| new | {md_text(decision['run'])} | {_fmt(decision['tau'])} | {_fmt(decision.get('block_size'))} |",
         f"| promoted (incumbent) | {incumbent} | {_fmt(decision['incumbent_tau'])} | "
         f"{_fmt(decision.get('incumbent_block_size'))} |", "",
         f"Stability verdict: {decision['verdict']}. Evaluation prompts: the first {prompts['limit']} of "
@@ -43,4 +43,4 @@ def publish_promotion(decision: dict[str, Any]) -> None:
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)
+    return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else md_text(str(value))

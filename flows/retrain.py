@@ -15,7 +15,7 @@ from dflash_core.model.drafter import check_target_fit
 from dflash_core.promotion.store import check_incumbent
 from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks
-from flows.artifacts import publish_summary
+from flows.artifacts import publish_summary, stop_reason
 
 # what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
 TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from",
@@ -48,10 +48,9 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
 
 
 def _publish_failed(summary: dict[str, Any], stage: str, exc: BaseException) -> None:
-    """The run-summary page of a run that failed in `stage` (its own failure must not hide exc)."""
-    error = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+    """The run-summary page of a run that failed or was cancelled in `stage` (its own failure must not hide exc)."""
     try:
-        publish_summary(**summary, failure=(stage, error))
+        publish_summary(**summary, failure=(stage, *stop_reason(exc)))
     except Exception as page_error:  # noqa: BLE001 - the stage's error is the one to raise
         get_run_logger().warning("run-summary: not published for the failed run: %r", page_error)
 
@@ -113,7 +112,7 @@ def retrain_drafter(
         scores = tasks.evaluate(config, drafter)
         stage = "promote"
         decision = tasks.promote(config, run_dir, drafter, report["verdict"], scores)  # "no" is not a failure
-    except Exception as exc:
+    except BaseException as exc:  # a cancel (Prefect's TerminationSignal) too: what the run did and cost
         _publish_failed(summary, stage, exc)
         raise
     publish_summary(**summary, promotion=decision)

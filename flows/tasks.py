@@ -14,7 +14,7 @@ from prefect.context import TaskRunContext
 from dflash_core.config import PipelineConfig, write_run_config
 from dflash_core.errors import InputError
 from flows import storage
-from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_samples
+from flows.artifacts import TrainingProgress, publish_plan, publish_report, publish_samples, stop_reason
 from flows.progress import LogThrottle, follow_metrics
 from flows.promotion_artifacts import publish_promotion
 
@@ -172,16 +172,16 @@ def train(config: PipelineConfig, tokenized: str, plan_dir: str, out: str, num_s
                                 gpus=train_gpus(resolved.train, config.train.nproc_per_node, 1),
                                 earlier_gpu_hours=earlier["gpu_hours"] or 0.0)
     stop = threading.Event()
-    follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0))
+    follower = threading.Thread(target=follow_metrics, daemon=True, args=(progress, stop, 2.0, logger.warning))
     follower.start()
-    stopped: str | None = None
+    stopped: tuple[str, bool] | None = None
     try:
         summary = launch_train(tokenized=tokenized, plan=plan_dir, out=out,
                                config=lambda: write_run_config(resolved, out),  # written under the run's lock
                                nproc_per_node=config.train.nproc_per_node, on_line=LogThrottle(logger.info),
                                timeout_s=config.train.timeout_s, grace_s=config.train.stop_grace_s)
     except BaseException as exc:
-        stopped = str(exc).split("; full log:", 1)[0] or type(exc).__name__
+        stopped = stop_reason(exc)
         raise
     finally:
         stop.set()

@@ -305,6 +305,66 @@ def test_live_page_follows_metrics_and_validation(failed_run, tmp_path):
     assert gpu.line().endswith(" · GPU-hours 2.7 (at finish ~3.6)")
 
 
+@pytest.mark.parametrize("k", [4, 6, 12])
+def test_the_plan_picture_keeps_bucket_labels_apart(k):
+    """The production preset's six buckets with 5-digit edges ran their tick labels together."""
+    from dflash_core.plan.plots import plan_figure
+
+    edges = [0, 1024, 2048, 4617, 9983, 16384, 24576, 32768, 49152, 65536, 98304, 131072, 196608][:k + 1]
+    buckets = [{"bucket": i, "lo": edges[i] + (i > 0), "hi": edges[i + 1], "sample_share": 1 / k,
+                "batch_share": 1 / k, "samples_per_batch": 100 / (i + 1)} for i in range(k)]
+    order = {"longest_run": {str(i): 2 for i in range(k)}, "random_shuffle_longest_run": {str(i): 6 for i in range(k)}}
+    fig = plan_figure({"buckets": buckets, "order": order, "num_micro_batches": 400, "num_steps": 50},
+                      np.arange(400) % k, 0)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[:2]:
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels()]
+        assert len(boxes) == k and all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:], strict=False))
+    notes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    assert all(a.x1 < b.x0 for a, b in zip(notes, notes[1:], strict=False))
+
+
+def test_curves_of_one_step_have_whole_step_ticks():
+    from dflash_core.monitor.curves import curves_figure
+
+    fig = curves_figure([{"step": 0, "loss": 2.0, "grad_norm": 1.0}], [])
+    fig.canvas.draw()
+    ticks = [t.get_position()[0] for t in fig.axes[0].get_xticklabels()]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_free_text_renders_as_written_in_tables_and_pages(failed_run):
+    """Errors and reasons carry `|`, `<path>` and newlines: each stays one cell, one line, shown as written."""
+    text = "x | y\nz (dflash eval --against <root>/promoted/drafter)"
+    table = artifacts.markdown_table([{"reason": text, "n": 1}])
+    assert table.splitlines()[2] == ("| x \\| y z (dflash eval --against &lt;root&gt;/promoted/drafter) | 1 |")
+    run, records, _ = failed_run
+    inputs = _synthetic_inputs(run, records)
+    page = artifacts.summary_markdown(**{**inputs, "train": None}, report=None, failure=("promote", text, False))
+    assert "**FAILED** in `promote`: x \\| y z (dflash eval --against &lt;root&gt;/promoted/drafter)" in page
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_cancelled_run_says_so_on_its_pages(failed_run, tmp_path):
+    """A cancel from the UI (Prefect's TerminationSignal, SIGTERM) or an interrupt is no failure of the run: the
+    pages say it was stopped by the signal and that a rerun resumes, not 'failed (TerminationSignal)'."""
+    from prefect.exceptions import TerminationSignal
+
+    why, cancelled = artifacts.stop_reason(TerminationSignal(signal=15))
+    assert cancelled and why.startswith("stopped by SIGTERM (a cancel from the UI or CLI") and "resume" in why
+    assert artifacts.stop_reason(KeyboardInterrupt())[0].startswith("stopped by SIGINT")
+    assert artifacts.stop_reason(RuntimeError("rank 0: OOM; full log: /x/train.log")) == ("rank 0: OOM", False)
+    _log(str(tmp_path / "metrics.jsonl"), range(5), loss=2.0)
+    progress = artifacts.TrainingProgress(40, str(tmp_path / "metrics.jsonl"))
+    progress.poll(final=True, stopped=(why, cancelled))
+    assert progress.figures()["ETA"] == "stopped (cancelled)" and f"**Cancelled**: {why}" in progress.page()
+    run, records, _ = failed_run
+    inputs = _synthetic_inputs(run, records)
+    page = artifacts.summary_markdown(**{**inputs, "train": None}, report=None, failure=("train", why, cancelled))
+    assert page.startswith(f"# Run summary\n\n**CANCELLED** in `train`: {why}")
+
+
 def test_live_page_shows_each_step_once_after_a_resume_rewrites_the_metrics(tmp_path):
     uri = str(tmp_path / "metrics.jsonl")
     _log(uri, range(30), loss=2.0)

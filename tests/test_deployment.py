@@ -173,3 +173,7 @@ def _cancel_mid_training(stack: Stack, tmp_path: Path) -> None:
     newest = CheckpointManager(run_dir / "checkpoints", keep=2).newest_loadable()
     assert newest is not None and newest.step == int(stopped[2]) == int(stopped[1]) + 1 < 100
     assert not worker_processes(tmp_path)
+    # the page of the cancelled night says so, with what it did and cost (it had no summary at all)
+    pages = stack.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]},
+                                                           "key": {"any_": ["run-summary"]}}})
+    assert pages and "**CANCELLED** in `train`: stopped by SIGTERM" in pages[0]["data"], pages

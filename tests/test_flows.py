@@ -105,6 +105,29 @@ def test_a_warm_start_that_is_no_drafter_fails_the_flow_before_any_data_work(tmp
     assert not (tmp_path / "store" / "tokenized").exists() and not (tmp_path / "store" / "runs").exists()
 
 
+def test_a_cancelled_run_gets_its_summary_page(tmp_path, example_assets, monkeypatch):
+    """A cancel from the UI reaches the flow as Prefect's TerminationSignal, an interrupt as KeyboardInterrupt:
+    BaseExceptions both, and the run-summary page, which a cancelled or evicted night needs most (what it did and
+    cost), used to be skipped for them. (A TerminationSignal raised in-process would end pytest: Prefect sends
+    the signal again once the flow run is settled; stop_reason's test covers its wording.)"""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    import dflash_core.runtime.launch as launch
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "launch_train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        retrain_drafter(config=fast_config(tmp_path / "store"), run_name="cancelled")
+    with get_client(sync_client=True) as client:
+        [run] = client.read_flow_runs(limit=1, sort=FlowRunSort.START_TIME_DESC)
+    summary = artifact_text(run.id, "run-summary")
+    assert "**CANCELLED** in `train`: stopped by SIGINT (Ctrl-C); the run folder keeps" in summary
+    assert "**Cancelled**: stopped by SIGINT" in artifact_text(run.id, "training-live")
+
+
 def test_training_timeout_kills_every_process(tmp_path, example_assets):
     cfg = fast_config(tmp_path / "store", **{"train.max_steps": None, "train.timeout_s": 4.0,
                                                "plan.epochs": 50})

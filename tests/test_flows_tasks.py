@@ -144,3 +144,50 @@ def test_follow_metrics_polls_until_stopped():
     polls = recorder.polls
     time.sleep(0.1)
     assert not follower.is_alive() and recorder.polls == polls  # no poll after stop
+
+
+class _Outage(_Recorder):
+    """A page whose updates fail while the Prefect API is down (polls 2 to 4), as httpx's refused connection."""
+
+    def poll(self, final: bool = False) -> None:
+        super().poll(final)
+        if 2 <= self.polls <= 4:
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+
+
+@pytest.mark.timeout(30)
+def test_follow_metrics_goes_on_after_failed_updates_and_says_so_once():
+    """An API blip used to end the follower thread: the bar and page froze for the rest of a run that trained on."""
+    outage, stop, said = _Outage(), threading.Event(), []
+    follower = threading.Thread(target=follow_metrics, args=(outage, stop, 0.01, said.append))
+    follower.start()
+    try:
+        deadline = time.monotonic() + 10
+        while outage.polls < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        follower.join(10)
+    assert outage.polls >= 8 and not follower.is_alive()
+    assert len(said) == 2 and "an update failed (ConnectionRefusedError" in said[0]
+    assert said[1] == "training progress: updated again after 3 failed attempts"
+
+
+def test_the_dataset_event_cli_fails_when_the_event_cannot_reach_a_server(capsys):
+    """prefect's emit_event only queues an event: a cron job announcing new data to a server that is down (or to
+    no server at all) was told it succeeded, and nothing retrained. Now it exits 1 saying why."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.events import main
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    for url, said in ((f"http://127.0.0.1:{closed}/api", f"the event was not sent to http://127.0.0.1:{closed}/api"),
+                      (None, "PREFECT_API_URL is not set")):
+        with temporary_settings({PREFECT_API_URL: url}), pytest.raises(SystemExit) as stopped:
+            main(["--data-uri", "s3://bucket/chat/"])
+        assert stopped.value.code == 1
+        assert said in capsys.readouterr().err

@@ -63,6 +63,9 @@ def _nan(value: float | None) -> float:
 def _finish(ax: Axes, ylabel: str) -> None:
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = ax.dataLim.intervalx
+    if np.isfinite([lo, hi]).all() and hi - lo < 2:  # one or two steps so far: whole-step ticks, not 0.015s
+        ax.set_xlim(lo - 1, hi + 1)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

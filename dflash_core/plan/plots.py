@@ -29,7 +29,12 @@ def plan_figure(summary: dict, buckets: np.ndarray, seed: int) -> Figure:
     grid = fig.add_gridspec(2, 2, height_ratios=[1.5, 1])
     share_ax, run_ax = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     strip_ax = fig.add_subplot(grid[1, :])
-    labels = [f"{b['bucket']}\n{b['lo']}-{b['hi']}" for b in summary["buckets"]]
+    # a bucket's edges on one line while four fit side by side, else on two (six 5-digit edges ran together), in
+    # thousands past six buckets (the batch-plan table has them exact)
+    k = len(summary["buckets"])
+    edge = (lambda n: f"{n / 1000:.3g}k" if n >= 10_000 else str(n)) if k > 6 else str
+    joint = "-" if k <= 4 else "-\n"
+    labels = [f"{b['bucket']}\n{edge(b['lo'])}{joint}{edge(b['hi'])}" for b in summary["buckets"]]
     _shares_panel(share_ax, summary["buckets"], labels)
     _runs_panel(run_ax, summary["order"], labels)
     shuffled = np.random.default_rng(seed).permutation(buckets)
@@ -45,14 +50,16 @@ def _shares_panel(ax: Axes, buckets: list[dict], labels: list[str]) -> None:
     batches = [b["batch_share"] for b in buckets]
     ax.bar(x - 0.2, samples, 0.4, color="tab:blue", label="share of samples")
     ax.bar(x + 0.2, batches, 0.4, color="tab:red", label="share of batches")
+    many = len(buckets) > 6  # the notes stand upright where they would run into each other
     for i, b in enumerate(buckets):
         ax.annotate(f"{b['samples_per_batch']:.0f}/batch", (i, max(samples[i], batches[i])), ha="center",
-                    va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(x, labels, fontsize=8)
+                    va="bottom", fontsize=7 if many else 8, rotation=90 if many else 0, xytext=(0, 2),
+                    textcoords="offset points")
+    ax.set_xticks(x, labels, fontsize=7 if many else 8)
     ax.set_xlabel("bucket (tokens)")
-    ax.set_ylim(0, max(samples + batches) * 1.2)
+    ax.set_ylim(0, max(samples + batches) * (1.7 if many else 1.45))  # room for the notes under the legend
     ax.set_title("Share of samples vs share of batches per bucket", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def _runs_panel(ax: Axes, order: dict, labels: list[str]) -> None:
@@ -66,8 +73,8 @@ def _runs_panel(ax: Axes, order: dict, labels: list[str]) -> None:
         for xi, v in zip(xs, values, strict=True):
             ax.annotate(str(v), (xi, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
                         textcoords="offset points")
-    ax.set_xticks(x, [labels[i] for i in x], fontsize=8)
-    ax.set_ylim(0, max(planned + shuffled) * 1.25)
+    ax.set_xticks(x, [labels[i] for i in x], fontsize=7 if len(labels) > 6 else 8)
+    ax.set_ylim(0, max(planned + shuffled) * 1.45)  # room for the counts under the legend
     ax.set_ylabel("longest same-bucket run (micro-batches)")
     ax.set_title("Longest run of consecutive same-bucket batches", fontsize=10)
     ax.legend(fontsize=8)
