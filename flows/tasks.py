@@ -19,7 +19,17 @@ from flows.progress import LogThrottle, follow_metrics
 from flows.promotion_artifacts import publish_promotion
 
 
-@task(name="fingerprint-inputs", retries=2, retry_delay_seconds=5)
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry what may pass next time (storage or network I/O, a server that was down), never bad input: an
+    InputError (bad records over data.max_bad_fraction, a missing file, a plan that cannot be made) fails the same
+    way again after a whole pass over the data, while GPUs wait. An endpoint that failed may be back."""
+    from dflash_core.regenerate.errors import EndpointError
+
+    exc = state.result(raise_on_failure=False)
+    return not isinstance(exc, InputError) or isinstance(exc, EndpointError)
+
+
+@task(name="fingerprint-inputs", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying)
 def fingerprint_inputs(config: PipelineConfig) -> str:
     """Content fingerprint of the chat data, the tokenizer files and the tokenize parameters."""
     from dflash_core.data.fingerprint import input_fingerprint
@@ -53,8 +63,8 @@ def plan_reads_back(out: str) -> None:
     read_plan(out)
 
 
-@task(name="tokenize", retries=2, retry_delay_seconds=10, cache_key_fn=_content_key,
-      persist_result=True)
+@task(name="tokenize", retries=2, retry_delay_seconds=10, retry_condition_fn=_worth_retrying,
+      cache_key_fn=_content_key, persist_result=True)
 def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, Any]:
     """Chat data -> token shards (skipped when the same content was tokenized into `out` before)."""
     from dflash_core.data.tokenize import finished_summary, tokenize_dataset
@@ -75,7 +85,7 @@ def _regenerate_key(context: TaskRunContext, params: dict[str, Any]) -> str:
     return f"{context.task.name}-{params['fingerprint']}-{params.get('shards')}"
 
 
-@task(name="fingerprint-regenerate", retries=2, retry_delay_seconds=5)
+@task(name="fingerprint-regenerate", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying)
 def fingerprint_regenerate(config: PipelineConfig) -> str:
     """Content fingerprint of the chat data, the target and the sampling settings."""
     from dflash_core.regenerate.stage import regenerate_fingerprint
@@ -93,7 +103,8 @@ def count_regenerate_records(config: PipelineConfig) -> int:
     return count_records(list_files(config.data.source), config.data)
 
 
-@task(name="regenerate", retries=1, retry_delay_seconds=10, cache_key_fn=_regenerate_key, persist_result=True)
+@task(name="regenerate", retries=1, retry_delay_seconds=10, retry_condition_fn=_worth_retrying,
+      cache_key_fn=_regenerate_key, persist_result=True)
 def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[int] | None = None,
                records: int | None = None) -> dict[str, Any]:
     """The target re-answers the chat data into `out` (resumes a partial `out`; all shards unless given;
@@ -119,7 +130,8 @@ def plan_fingerprint(tokenized_fingerprint: str, config: PipelineConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-@task(name="plan", retries=2, retry_delay_seconds=5, cache_key_fn=_content_key, persist_result=True)
+@task(name="plan", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying, cache_key_fn=_content_key,
+      persist_result=True)
 def plan(config: PipelineConfig, tokenized: str, fingerprint: str, out: str) -> dict[str, Any]:
     """Buckets, batches and the interleaved order; publishes the plan artifacts."""
     from dflash_core.data.shards import read_manifest

@@ -98,6 +98,42 @@ def test_failed_check_fails_the_flow_with_the_reason(tmp_path, example_assets, m
     assert "stability-report" in artifact_keys(state.state_details.flow_run_id)
 
 
+def test_bad_input_fails_its_task_at_once_and_a_transient_error_is_retried(tmp_path, example_assets, monkeypatch):
+    """Bad data is an InputError: the same pass fails the same way again, so its task is not retried (tokenize
+    used to run three whole passes over a large dataset, GPUs waiting, before the run failed). An I/O error that
+    may pass is still retried."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows import tasks
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"conversations": 5}) + "\n" for _ in range(20)))
+    state = retrain_drafter(config=fast_config(tmp_path / "store", **{"data.source": str(bad)}), return_state=True)
+    assert state.is_failed() and "bad input" in state.message
+
+    def runs(flow_run_id) -> dict[str, int]:
+        with get_client(sync_client=True) as client:
+            found = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return {r.name.rsplit("-", 1)[0]: r.run_count for r in found}
+
+    assert runs(state.state_details.flow_run_id)["tokenize"] == 1
+    calls = []
+    real = tasks.fingerprint_inputs.fn
+
+    def flaky(config):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("connection reset by peer")
+        return real(config)
+
+    monkeypatch.setattr(tasks, "fingerprint_inputs", tasks.fingerprint_inputs.with_options(retry_delay_seconds=0))
+    monkeypatch.setattr(tasks.fingerprint_inputs, "fn", flaky)
+    state = retrain_drafter(config=fast_config(tmp_path / "store2", **{"train.max_steps": 1}), return_state=True)
+    assert state.is_completed(), state.message
+    assert runs(state.state_details.flow_run_id)["fingerprint-inputs"] == 2
+
+
 def test_a_warm_start_that_is_no_drafter_fails_the_flow_before_any_data_work(tmp_path, example_assets):
     state = retrain_drafter(config=fast_config(tmp_path / "store", **{"train.init_from": str(tmp_path / "none")}),
                             return_state=True)
