@@ -12,6 +12,7 @@ from prefect.states import Failed, State
 from dflash_core.config import PipelineConfig
 from dflash_core.data.shards import check_shards
 from dflash_core.model.drafter import check_target_fit
+from dflash_core.model.instances import read_instances
 from dflash_core.promotion.store import check_incumbent
 from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks
@@ -70,11 +71,14 @@ def retrain_drafter(
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root
     # a promoted drafter the gate could not measure (damaged, or for another target) fails the run now, not after
-    # the GPU hours; so does a warm start that is not a whole drafter folder for this target
+    # the GPU hours; so do a warm start that is not a whole drafter folder for this target and eval prompts that
+    # cannot be read
     target = (config.model.target, config.model.trust_remote_code)
     check_incumbent(root, *target)
     check_init_from(config.train.init_from, *target)
     check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
+    if config.eval.data:  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
+        read_instances(config.eval.data, config.eval.limit)
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)

@@ -139,6 +139,13 @@ def test_a_warm_start_that_is_no_drafter_fails_the_flow_before_any_data_work(tmp
                             return_state=True)
     assert state.is_failed() and "none/config.json: missing" in state.message
     assert not (tmp_path / "store" / "tokenized").exists() and not (tmp_path / "store" / "runs").exists()
+    # eval prompts that are missing or hold none: found after a night's training before, and again every night
+    (tmp_path / "empty.jsonl").write_text("")
+    for prompts, said in (("missing.jsonl", "no such file"), ("empty.jsonl", "no instances")):
+        state = retrain_drafter(config=fast_config(tmp_path / "store", **{"eval.data": str(tmp_path / prompts)}),
+                                return_state=True)
+        assert state.is_failed() and f"{prompts}: {said}" in state.message
+        assert not (tmp_path / "store" / "tokenized").exists()
 
 
 def test_a_cancelled_run_gets_its_summary_page(tmp_path, example_assets, monkeypatch):
