@@ -1,6 +1,7 @@
 """Stage outputs are published whole or not at all, and one writer at a time holds an output folder.
 
-`staged_output(out, stage)` locks `out` (a sibling `<out>.lock` file naming its owner), hands the stage a fresh
+`staged_output(out, stage)` locks `out` (a sibling `<out>.lock` file naming its owner; see output_lock for the
+`<out>.lock.hold` that keeps it held while processes the owner started run), hands the stage a fresh
 temporary sibling folder to write into, and publishes it as `out` only when the stage returns: on a local disk
 by an atomic exchange of the two folders (renameat2 RENAME_EXCHANGE; elsewhere `atomic_dir.swap_in`, whose
 debris `atomic_dir.recover` repairs), then the old folder is deleted. A failure or Ctrl-C deletes the temporary folder and leaves `out` exactly as it
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
@@ -35,6 +37,7 @@ from dflash_core.io import is_local, join_uri
 STAGE_MARKER = ".dflash-stage.json"
 LOCK_HEARTBEAT_S = 60.0  # a held lock is rewritten this often with the time
 LOCK_STALE_S = 600.0  # a lock not rewritten for this long is a dead holder's, whatever host it was on
+HOLD_SUFFIX = ".hold"  # <out>.lock.hold: flocked (shared) by the holder and the processes it lets join
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 log = logging.getLogger(__name__)
@@ -80,7 +83,7 @@ def check_output(out: str, stage: str, own_files: tuple[str, ...] = (), overwrit
                               "replace it; pick another --out")
     if locking and fs.exists(root + ".lock"):  # a live writer: fail at once, before any slow set-up
         holder = _read_lock(fs, root + ".lock")
-        if not _is_stale(holder):
+        if _lock_state(fs, root + ".lock", holder) == "live":  # one `stopping` is output_lock's to wait for
             raise OutputLockedError(_locked_message(out, root + ".lock", holder))
     if fs.exists(root) and not fs.isdir(root):
         raise OutputError(f"--out {out} is an existing file, not a folder; choose a folder path")
@@ -124,11 +127,16 @@ def _creatable_parent(fs: fsspec.AbstractFileSystem, root: str, out: str) -> Non
 
 
 @contextlib.contextmanager
-def output_lock(out: str, stage: str) -> Iterator[None]:
+def output_lock(out: str, stage: str, wait_s: float = 0.0,
+                say: Callable[[str], None] = log.warning) -> Iterator[str | None]:
     """Hold `<out>.lock` for the block; a live holder makes this fail at once with its pid and host. The holder
     rewrites the lock every LOCK_HEARTBEAT_S: a lock not rewritten for LOCK_STALE_S is a dead holder's, on
     whatever host (a preempted node, a killed pod), and is taken over, as is one whose owner on this host is
-    gone."""
+    gone, unless processes it started are still running: on a local disk the holder keeps a shared flock on
+    `<out>.lock.hold`, the path it yields (None elsewhere), and processes that may outlive it (the ranks of a
+    launcher killed outright, stopping with a checkpoint) hold it too (join_hold); the kernel drops each with its
+    process. A lock whose owner is gone but whose hold is held is waited for up to `wait_s` (saying so through
+    `say`), then refused; the lock is only let go, at the end of the block, once nothing else holds it."""
     fs, root = fsspec.core.url_to_fs(out)
     lock = root.rstrip("/") + ".lock"
     parent = lock.rsplit("/", 1)[0] if "/" in lock else "."
@@ -136,16 +144,85 @@ def output_lock(out: str, stage: str) -> Iterator[None]:
         fs.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {parent} for --out {out}: {exc.strerror or exc}") from None
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": time.time()}
-    _acquire(fs, lock, owner, out)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": time.time(),
+             "hold": is_local(fs)}  # a hold not taken after all (no flock there) is never found held
+    _acquire(fs, lock, owner, out, wait_s, say)
+    hold = _take_hold(fs, lock)
     beat = _Heartbeat(fs, lock, owner)
     beat.start()
     try:
-        yield
+        yield None if hold is None else lock + HOLD_SUFFIX
     finally:
         beat.stop()
+        _let_go(fs, lock, owner, hold)
+
+
+def join_hold(hold: str | None) -> int | None:
+    """Keep the lock whose hold file is `hold` (output_lock's) from looking abandoned while this process runs:
+    a shared flock on it, released when the returned descriptor is closed or the process ends; None when there
+    is no hold to join."""
+    if not hold:
+        return None
+    try:
+        fd = os.open(hold, os.O_RDONLY | os.O_CLOEXEC)  # never created here: a hold is its lock holder's
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:  # a filesystem without flock: the lock's pid and beat are all there is
+        os.close(fd)
+        return None
+    return fd
+
+
+def _take_hold(fs: fsspec.AbstractFileSystem, lock: str) -> int | None:
+    """The new holder's own share of `<lock>.hold` (created), None off a local disk or where flock fails."""
+    if not is_local(fs):
+        return None
+    try:
+        os.close(os.open(lock + HOLD_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    except OSError:
+        return None
+    fd = join_hold(lock + HOLD_SUFFIX)
+    if fd is None:  # no flock on this filesystem: no hold file either
         with contextlib.suppress(OSError):
-            fs.rm(lock)
+            os.unlink(lock + HOLD_SUFFIX)
+    return fd
+
+
+def _held(hold: str) -> bool:
+    """Whether any process holds `hold` (a shared flock, which an exclusive one, tried, meets)."""
+    try:
+        fd = os.open(hold, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # no flock here: the pid and the beat decide
+    finally:
+        os.close(fd)  # closing drops the lock this took
+    return False
+
+
+def _let_go(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], hold: int | None) -> None:
+    """Remove the lock, and its hold first, unless a process this holder let join still holds it (ranks that
+    outlived a torchrun killed at the end of their grace): the lock then stays, marked `left`, and the next
+    writer, this process's own retry included, waits for them."""
+    if hold is not None:
+        os.close(hold)
+        if _held(lock + HOLD_SUFFIX):
+            log.warning("%s stays until the processes started under it have exited (`fuser -v %s` lists them)",
+                        lock, lock + HOLD_SUFFIX)
+            with contextlib.suppress(OSError):
+                _write_lock(fs, lock, {**owner, "left": time.time()})
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(lock + HOLD_SUFFIX)
+    with contextlib.suppress(OSError):
+        fs.rm(lock)
 
 
 class _Heartbeat(threading.Thread):
@@ -190,7 +267,8 @@ def _write_lock(fs: fsspec.AbstractFileSystem, lock: str, holder: dict[str, Any]
             json.dump(holder, fh)
 
 
-def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str) -> None:
+def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], out: str, wait_s: float,
+             say: Callable[[str], None]) -> None:
     for _ in range(2):  # the second try follows the removal of a stale lock
         if is_local(fs):
             try:
@@ -207,8 +285,11 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
             _write_lock(fs, lock, owner)
             return
         holder = _read_lock(fs, lock)
-        if not _is_stale(holder):
+        state = _lock_state(fs, lock, holder)
+        if state == "live":
             raise OutputLockedError(_locked_message(out, lock, holder))
+        if state == "stopping":
+            _await_stop(lock, holder, out, wait_s, say)
         with contextlib.suppress(OSError):
             fs.rm(lock)
     raise OutputLockedError(f"--out {out}: could not take the lock {lock}; another writer raced for it")
@@ -220,12 +301,40 @@ def _locked_message(out: str, lock: str, holder: dict[str, Any]) -> str:
             f"stage {holder.get('stage')}, since {since}); wait for it, or delete {lock} if that process is gone")
 
 
+def _await_stop(lock: str, holder: dict[str, Any], out: str, wait_s: float, say: Callable[[str], None]) -> None:
+    """Wait up to `wait_s` for the processes a gone holder left running (they hold `<lock>.hold`) to exit;
+    OutputLockedError, saying so, when they have not."""
+    hold, who = lock + HOLD_SUFFIX, f"pid {holder.get('pid')} on {holder.get('host')}, stage {holder.get('stage')}"
+    deadline = time.monotonic() + wait_s
+    if wait_s > 0:
+        say(f"--out {out}: the last writer ({who}) has ended, but processes it started are still stopping (the "
+            f"ranks of a killed launch write their checkpoint first); waiting up to {wait_s:.0f} s for them to exit")
+    while _held(hold):
+        if time.monotonic() >= deadline:
+            waited = f" after {wait_s:.0f} s" if wait_s > 0 else ""
+            raise OutputLockedError(
+                f"--out {out}: the last writer ({who}) has ended, but processes it started are still running or "
+                f"stopping{waited} (the ranks of a killed launch write their checkpoint first); run the same command "
+                f"again once they have exited (`fuser -v {hold}` lists them)")
+        time.sleep(0.2)
+
+
 def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
     try:
         with fs.open(lock, "r") as fh:
             return json.load(fh)
     except (OSError, ValueError):
         return {}  # a lock file being written this instant, or garbage: treat as held, with unknown owner
+
+
+def _lock_state(fs: fsspec.AbstractFileSystem, lock: str, holder: dict[str, Any]) -> str:
+    """`live` (its holder runs), `stopping` (its holder is gone or has let go, `left`, but processes it started
+    still hold `<lock>.hold`) or `stale` (to be taken over)."""
+    if not holder.get("left") and not _is_stale(holder):
+        return "live"
+    if holder.get("hold") and is_local(fs) and _held(lock + HOLD_SUFFIX):
+        return "stopping"
+    return "stale"
 
 
 def _is_stale(holder: dict[str, Any]) -> bool:

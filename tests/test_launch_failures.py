@@ -230,3 +230,75 @@ def test_only_input_a_rank_refuses_exits_2():
     stopped = json.loads(rank_error_line(3, StoppedBySignal("stopped on SIGTERM after plan step 9")).split(" ", 1)[1])
     refused = json.loads(rank_error_line(0, TargetError("target_layer_ids [99]: bad")).split(" ", 1)[1])
     assert "exit_code" not in stopped and refused["exit_code"] == 2
+
+
+def _rank_pid(out: str) -> int | None:
+    """The pid of the rank that trains into `out` (its command line names it), None before it has started."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                args = fh.read().decode(errors="replace").split("\0")
+        except (OSError, ValueError):
+            continue
+        if "dflash_core.runtime.worker" in args and out in args:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_outright_leaves_its_ranks_to_stop_and_its_launch_in_the_ledger(one, tmp_path):
+    """`kill -9` of the launcher (an OOM kill, a Prefect worker killing the flow run's process): its ranks get
+    SIGTERM and must write the checkpoint of the step they reached (the handler's message to the dead launcher's
+    pipe failed first and ended the rank without one); the run folder stays locked until they have exited (the
+    lock was taken over at once, and a relaunch trained beside them); and the launch is in launches.jsonl (it was
+    appended only at the launcher's end), counted as an interrupted one."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from common.runs import REPO
+
+    from dflash_core.publish import OutputLockedError, output_lock
+    from dflash_core.runtime.ledger import INTERRUPTED, read_launches
+
+    out = str(tmp_path / "run")
+    config = write_config(tmp_path / "c.yaml", one, checkpoint_every=100)  # the stop's checkpoint is the only one
+    code = ("import dflash_core.runtime.ledger as ledger; ledger.BEAT_S = 0.5; "
+            "from dflash_core.runtime.launch import launch_train; "
+            f"launch_train({one.tokenized!r}, {one.plan!r}, {out!r}, {config!r}, timeout_s=600, grace_s=60)")
+    env = {**os.environ, "DFLASH_FAULT": "slow@0", "PYTHONPATH": str(REPO)}
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    rank = _rank_pid(out)
+    assert rank is not None, (tmp_path / "launcher.log").read_text()[-3000:]
+    os.kill(rank, signal.SIGSTOP)  # the rank holds on for as long as the test needs it to
+    launcher.kill()
+    launcher.wait()
+    lines: list[str] = []
+    try:
+        with pytest.raises(OutputLockedError, match="processes it started are still running or stopping"):
+            with output_lock(out, "train"):
+                pass
+        result: list = []
+        relaunch = threading.Thread(target=lambda: result.append(launch_train(
+            one.tokenized, one.plan, out, config, on_line=lines.append, timeout_s=600, grace_s=60)))
+        relaunch.start()
+        while relaunch.is_alive() and not any("waiting up to 70 s for them to exit" in x for x in lines):
+            time.sleep(0.05)
+    finally:
+        os.kill(rank, signal.SIGCONT)  # it goes on, meets the SIGTERM torchrun passed on, checkpoints, exits
+    relaunch.join(300)
+    assert result, "\n".join(lines[-40:])
+    [stop] = [int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").iterdir()
+              if p.name.startswith("step-") and p.name != f"step-{result[0]['num_steps']}"]
+    assert 2 <= stop < result[0]["num_steps"] and result[0]["start_step"] == stop  # resumed from the stop's
+    killed, resumed = read_launches(out)
+    assert killed["outcome"] == INTERRUPTED and killed["wall_s"] > 0 and resumed["outcome"] == "completed"
+    assert result[0]["cost"]["launches"] == 2 and result[0]["cost"]["failed_launches"] == 1
+    assert any(x.startswith("this run was launched 1 time(s) before (1 failed; the last was interrupted") for x in lines)

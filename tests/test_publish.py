@@ -231,3 +231,88 @@ def test_a_stage_without_overwrite_does_not_offer_it(tmp_path: Path) -> None:
         check_output(str(out), "check", overwritable=False)  # check and train have no --overwrite flag
     with pytest.raises(OutputError, match="or pass --overwrite to replace it$"):
         check_output(str(out), "plan")
+
+
+# A writer (a training launcher) that starts a process which joins its lock's hold (a rank) and may outlive it.
+HOLDER = """
+import subprocess, sys, time
+from dflash_core.publish import output_lock
+with output_lock(sys.argv[1], "train") as hold:
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time; from dflash_core.publish import join_hold; "
+                             "assert join_hold(sys.argv[1]) is not None; print('joined', flush=True); time.sleep(60)",
+                             hold], stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline() == "joined\\n"
+    print(rank.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def _kill(pid: int) -> None:
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone once /proc says so (a zombie has closed its files: its flock too)
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split()[2] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+
+
+def test_a_writer_killed_outright_keeps_its_folder_locked_while_the_processes_it_started_run(tmp_path: Path) -> None:
+    """`kill -9` of a training launcher: its lock used to be taken over at once (its pid was gone) while its
+    ranks, stopping with a checkpoint, still wrote the run folder; a relaunch then trained into it beside them."""
+    import subprocess
+    import sys
+    import threading
+
+    out = str(tmp_path / "run")
+    writer = subprocess.Popen([sys.executable, "-c", HOLDER, out], stdout=subprocess.PIPE, text=True)
+    rank = int(writer.stdout.readline())
+    _kill(writer.pid)
+    writer.wait()
+    try:
+        check_output(out, "train", overwritable=False)  # not refused at once: output_lock waits for them
+        with pytest.raises(OutputLockedError, match=r"\(pid \d+ on .*, stage train\) has ended, but processes it "
+                                                    r"started are still running or stopping .*fuser -v .*run.lock.hold"):
+            with output_lock(out, "train"):
+                pass
+        said: list[str] = []
+        threading.Timer(0.5, _kill, (rank,)).start()  # the rank exits while the next writer waits
+        with output_lock(out, "train", wait_s=30, say=said.append):
+            assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+        assert len(said) == 1 and "waiting up to 30 s for them to exit" in said[0]
+    finally:
+        _kill(rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no lock, no hold left
+
+
+def test_a_lock_stays_while_a_process_started_under_it_outlives_the_block(tmp_path: Path) -> None:
+    """Ranks that outlive their launch (torchrun killed at the end of their grace) keep the run folder locked,
+    against a retry from the same process too, until they exit."""
+    import subprocess
+    import sys
+
+    from dflash_core.publish import join_hold
+
+    out = str(tmp_path / "run")
+    with output_lock(out, "train") as hold:
+        assert hold == f"{out}.lock.hold" and join_hold(None) is None
+        fd = join_hold(hold)
+        assert fd is not None
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(fd,))
+        os.close(fd)  # the child holds the open file, and with it the shared flock join_hold took on it
+    try:
+        assert json.loads((tmp_path / "run.lock").read_text())["left"] > 0
+        with pytest.raises(OutputLockedError, match="still running or stopping"):
+            with output_lock(out, "train"):
+                pass
+    finally:
+        _kill(rank.pid)
+        rank.wait()
+    with output_lock(out, "train"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -86,3 +86,57 @@ def test_the_run_cost_adds_every_launch_failed_ones_included():
         "this run was launched 2 time(s) before (1 failed; the last failed: training failed on rank 3: "
         "OutOfMemoryError: CUDA out of memory); GPU-hours so far: 12.00")
     assert json.loads(json.dumps(cost)) == cost  # it travels in the summary line
+
+
+def test_a_launch_is_in_the_ledger_from_its_start_and_one_never_finished_reads_as_interrupted(tmp_path, monkeypatch):
+    """A launcher killed outright (SIGKILL, an OOM kill) never reached the end where it appended its record: the
+    launch, and the GPU time it held, were missing from the ledger and the run's cost."""
+    import time
+
+    from dflash_core.runtime import ledger
+    from dflash_core.runtime.ledger import INTERRUPTED, NO_END, LaunchEntry
+
+    monkeypatch.setattr(ledger, "BEAT_S", 0.05)
+    (tmp_path / LEDGER).write_text('{"started": "t0", "wall_s": 36')  # a line a crash cut short
+    clock = time.monotonic()
+
+    def running() -> dict:
+        return launch_record(started="t1", wall_s=time.monotonic() - clock, nodes=1, nproc_per_node=8, gpus=8,
+                             summary=None, error=None, running=True)
+
+    killed = LaunchEntry(str(tmp_path), running)  # its launcher is killed while it runs: nothing finishes it
+    assert running()["outcome"] == "running"
+    killed.start()
+    time.sleep(0.5)
+    killed.ended.set()  # (the kill: no more rewrites)
+    killed.join()
+    [record] = read_launches(str(tmp_path))
+    assert record["outcome"] == INTERRUPTED and record["error"] == NO_END and record["started"] == "t1"
+    assert 0.2 < record["wall_s"] < 1.0 and record["gpu_hours"] == round(8 * record["wall_s"] / 3600, 4)
+    done = launch_record(started="t2", wall_s=60.0, nodes=1, nproc_per_node=8, gpus=8,
+                         summary={"start_step": 10, "steps": 5, "steps_redone": 2}, error=None)
+    resumed = LaunchEntry(str(tmp_path), lambda: {**done, "outcome": "running"})
+    assert read_launches(str(tmp_path))[1]["outcome"] == INTERRUPTED  # read while it runs: it reads so too
+    resumed.start()
+    resumed.finish(done)
+    assert read_launches(str(tmp_path)) == [record, done]
+    assert (tmp_path / LEDGER).read_text().count("\n") == 3  # the cut line, the killed launch, the resume
+    cost = run_cost(read_launches(str(tmp_path)))
+    assert cost["launches"] == 2 and cost["failed_launches"] == 1
+    assert cost["failed_gpu_hours"] == record["gpu_hours"] and cost["wall_s"] == round(record["wall_s"] + 60, 3)
+    assert earlier_launches_line([record]).startswith(
+        "this run was launched 1 time(s) before (1 failed; the last was interrupted: no end recorded: its launcher "
+        "was killed outright")
+
+
+def test_a_record_rewritten_after_its_ledger_was_cut_short_is_appended(tmp_path):
+    from dflash_core.runtime.ledger import rewrite_launch
+
+    offset = append_launch(str(tmp_path), {"started": "t0", "outcome": "completed"})
+    at = append_launch(str(tmp_path), {"started": "t1", "outcome": "running"})
+    assert offset == 0 and at > 0
+    rewrite_launch(str(tmp_path), at, {"started": "t1", "outcome": "failed"})
+    assert [r["outcome"] for r in read_launches(str(tmp_path))] == ["completed", "failed"]
+    (tmp_path / LEDGER).write_text("")  # someone emptied it while the launch ran
+    rewrite_launch(str(tmp_path), at, {"started": "t1", "outcome": "completed"})
+    assert read_launches(str(tmp_path)) == [{"started": "t1", "outcome": "completed"}]

@@ -169,3 +169,58 @@ def test_each_node_of_a_run_logs_to_its_own_file(monkeypatch):
     assert node_log_name(2, 1) == "train.node-1.log"
     monkeypatch.setattr("socket.gethostname", lambda: "pod-b")
     assert node_log_name("1:4", None) == "train.pod-b.log"  # elastic: only the rendezvous knows its place
+
+
+def _closed_pipe() -> int:
+    """The write end of a pipe whose reader is gone (a launcher killed outright): every write fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+def test_a_sigterm_after_the_launcher_was_killed_is_still_recorded(monkeypatch):
+    """The rank's stderr is the pipe to a launcher killed outright: its SIGTERM handler's message failed with
+    BrokenPipeError before it recorded the request, which then ended the rank with no stop checkpoint."""
+    import signal
+
+    from dflash_core.runtime.stopping import StopRequest
+
+    broken, saved = _closed_pipe(), os.dup(2)
+    monkeypatch.setattr(sys, "stderr", os.fdopen(os.dup(broken), "w"))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        os.dup2(broken, 2)
+        stop = StopRequest(rank=3).install()
+        stop.armed = True  # training steps run
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs in this (the main) thread at the next bytecode
+        assert stop.requested
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(broken)
+        signal.signal(signal.SIGTERM, before)
+
+
+# A rank whose launcher is gone once it has printed its first line: it goes on printing (a note, the failure
+# report, the summary) and must end as it would have, not on BrokenPipeError.
+OUTLIVES_READER = (
+    "import sys, traceback; from dflash_core.runtime.process import survive_closed_output;"
+    "survive_closed_output(); print('started', flush=True); sys.stdin.readline();"
+    "[print('step', i, flush=True) or print('note', i, file=sys.stderr) for i in range(3)];"
+    "traceback.print_stack(); sys.stdout.buffer.write(b'raw'); sys.stdout.flush(); sys.stderr.flush();"
+    "print('rank ended as it would have', file=open(sys.argv[1], 'w'))"
+)
+
+
+def test_a_rank_outlives_the_reader_of_its_output(tmp_path):
+    import subprocess
+
+    done = tmp_path / "done"
+    rank = subprocess.Popen([sys.executable, "-c", OUTLIVES_READER, str(done)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert rank.stdout.readline() == "started\n"
+    rank.stdout.close()  # the launcher is gone: the pipe has no reader
+    rank.stdin.write("go\n")
+    rank.stdin.close()
+    assert rank.wait(timeout=30) == 0 and done.read_text() == "rank ended as it would have\n"

@@ -27,6 +27,7 @@ from dflash_core.plan.io import read_plan
 from dflash_core.publish import check_output, mark_stage, output_lock
 from dflash_core.runtime.ledger import (
     LEDGER,
+    LaunchEntry,
     append_launch,
     earlier_launches_line,
     job_gpus,
@@ -91,6 +92,9 @@ _COPY_PROGRESS_S = 10.0  # a line about the local copy of the token shards at mo
 # OMP_NUM_THREADS as the user set it ("" when unset): the worker's intra-op threads follow it, not the 1 the
 # launcher sets for torchrun (see runtime/efficiency.py intra_op_threads)
 ASKED_THREADS_ENV = "DFLASH_OMP_NUM_THREADS"
+# the run folder lock's hold file (publish.output_lock), which every rank joins: a launcher killed outright lets go
+# of nothing while its ranks still run (they stop with a checkpoint), so a relaunch waits for them
+HOLD_ENV = "DFLASH_RUN_LOCK_HOLD"
 
 
 def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -132,7 +136,8 @@ def launch_train(
     On timeout or `cancel` the ranks get SIGTERM and `grace_s` seconds to checkpoint and stop (runtime/stopping).
     `config` is the path of the config file the workers read, or what writes it (`<out>/config.yaml`) and returns
     its path, called once the run folder is locked: a second launch into the same folder fails on the lock without
-    touching the running one's config. Token shards and the plan folder on an object store are copied to this
+    touching the running one's config; one into a folder whose last launcher was killed outright waits up to
+    `grace_s` + 10 s for that launch's ranks, which hold its lock, to stop (publish.output_lock). Token shards and the plan folder on an object store are copied to this
     machine's disk first (local_data, local_plan); a run folder on one is trained in a local folder mirrored to it
     (run_mirror)."""
     check_nodes(nnodes, node_rank, rdzv_endpoint)  # before any folder is made or launch recorded
@@ -150,8 +155,9 @@ def launch_train(
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_cancels(cancel))  # the launcher's own SIGTERM: the ranks checkpoint first
-        if first_node:
-            stack.enter_context(output_lock(out, "train"))
+        if first_node:  # a killed launch's ranks still stopping: waited for as long as they may take, and a bit
+            hold = stack.enter_context(output_lock(out, "train", wait_s=grace_s + 10, say=on_line))
+            full_env.update({HOLD_ENV: hold} if hold else {})
         started, clock = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), time.monotonic()
         mark_stage(out, "train")  # the next launch into it resumes it, whatever config file it was given
         if not isinstance(config, str):  # this launch writes <out>/config.yaml: a failed one puts the old back
@@ -183,16 +189,17 @@ def launch_train(
         earlier = read_launches(run_dir) if first_node else []  # this run's launches before this one
         if earlier:
             collect(earlier_launches_line(earlier))
-        local = stack.enter_context(local_data(tokenized, collect))
-        local_plan_dir = stack.enter_context(local_plan(plan, collect))  # checked above where it is (check_inputs)
-        cmd = torchrun_command(
-            local, local_plan_dir, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint,
-            rdzv_id,
-        )
-
+        entry = _ledger_entry(run_dir, started, clock, nnodes, nproc_per_node, config_path, collect) if first_node \
+            else None
         summary: dict | None = None
         error: str | None = "interrupted"
         try:
+            local = stack.enter_context(local_data(tokenized, collect))
+            local_plan_dir = stack.enter_context(local_plan(plan, collect))  # checked above where it is (check_inputs)
+            cmd = torchrun_command(
+                local, local_plan_dir, run_dir, config_path, nproc_per_node, nnodes, node_rank, rdzv_backend,
+                rdzv_endpoint, rdzv_id,
+            )
             run_process_group(cmd, env=full_env, on_line=collect, timeout_s=timeout_s, cancel=cancel, grace_s=grace_s)
             try:
                 summary = parse_summary(lines)
@@ -204,9 +211,12 @@ def launch_train(
             failed = TrainingFailed.from_process(exc, first_rank_error(errors), kept_log, log.error)
             error = str(failed).split("; full log:", 1)[0]
             raise failed from None
+        except DflashError as exc:  # the copy of the token shards or of the plan failed
+            error = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise
         finally:
             if first_node:  # one record per launch of the run, in the folder the mirror pushes
-                summary = _record_launch(run_dir, earlier, started, time.monotonic() - clock, nnodes,
+                summary = _record_launch(run_dir, entry, earlier, started, time.monotonic() - clock, nnodes,
                                          nproc_per_node, config_path, summary, error, collect)
     assert summary is not None
     if run_dir != out:  # the paths the ranks wrote, as the store names them
@@ -215,16 +225,40 @@ def launch_train(
     return summary
 
 
-def _record_launch(run_dir: str, earlier: list[dict], started: str, wall_s: float, nnodes: int | str,
-                   nproc_per_node: int, config_path: str, summary: dict | None, error: str | None,
-                   say: Callable[[str], None]) -> dict | None:
-    """Append this launch to the run's ledger (runtime/ledger.py; `earlier`: its records as this launch found
-    them); the summary gains `cost`: the run's so far."""
+def _ledger_entry(run_dir: str, started: str, clock: float, nnodes: int | str, nproc_per_node: int,
+                  config_path: str, say: Callable[[str], None]) -> LaunchEntry | None:
+    """This launch in the run's ledger from its start (runtime/ledger.py), `running` until _record_launch writes
+    how it ended: a launcher killed outright never gets there, and its launch still counts. None when the ledger
+    cannot be written (said; the end is tried again)."""
+    nodes = launch_nodes(nnodes, None, nproc_per_node)
+    gpus = job_gpus(config_path, nproc_per_node, nodes)
+
+    def running() -> dict:
+        return launch_record(started=started, wall_s=time.monotonic() - clock, nodes=nodes,
+                             nproc_per_node=nproc_per_node, gpus=gpus, summary=None, error=None, running=True)
+
+    try:
+        entry = LaunchEntry(run_dir, running)
+    except OSError as exc:
+        say(f"warning: could not append this launch to {join_uri(run_dir, LEDGER)}: {exc}")
+        return None
+    entry.start()
+    return entry
+
+
+def _record_launch(run_dir: str, entry: LaunchEntry | None, earlier: list[dict], started: str, wall_s: float,
+                   nnodes: int | str, nproc_per_node: int, config_path: str, summary: dict | None,
+                   error: str | None, say: Callable[[str], None]) -> dict | None:
+    """Write how this launch ended in the run's ledger, over its `running` record (`entry`; appended when there is
+    none; `earlier`: the ledger's records as this launch found them); the summary gains `cost`: the run's so far."""
     nodes = launch_nodes(nnodes, summary, nproc_per_node)
     record = launch_record(started=started, wall_s=wall_s, nodes=nodes, nproc_per_node=nproc_per_node,
                            gpus=job_gpus(config_path, nproc_per_node, nodes), summary=summary, error=error)
     try:
-        append_launch(run_dir, record)
+        if entry is None:
+            append_launch(run_dir, record)
+        else:
+            entry.finish(record)
     except OSError as exc:  # the ledger is an account, not the run: a full disk here must not hide the outcome
         say(f"warning: could not append this launch to {join_uri(run_dir, LEDGER)}: {exc}")
         return summary

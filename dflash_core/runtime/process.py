@@ -1,13 +1,16 @@
 """Run a command as its own process group, stream its lines, and kill the whole group when we stop waiting.
 
 torchrun starts one process per rank (and they may start their own helpers); killing only the direct child
-would leave ranks holding GPUs. Everything runs in a new session, so one `killpg` reaches all of them.
+would leave ranks holding GPUs. The command runs in a new session, and `killpg` reaches it and what stays in its
+group; torchrun (torch 2.13) starts each rank in a session of its own, passes our signals on to them, and a rank
+whose torchrun is gone gets SIGTERM (die_with_parent).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import io
 import json
 import os
 import re
@@ -153,6 +156,49 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
+
+
+class _UnreadOutput(io.RawIOBase):
+    """The descriptor under sys.stdout or sys.stderr, written as it is until its reader is gone (EPIPE), then
+    pointed at /dev/null: what is written after that is dropped, never an error."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self.fd)
+
+    def write(self, data) -> int:  # data: any bytes-like object, as for RawIOBase
+        try:
+            return os.write(self.fd, data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.fd)
+            os.close(devnull)
+            return len(memoryview(data))
+
+
+def survive_closed_output() -> None:
+    """Make sys.stdout and sys.stderr drop what they cannot write once their reader is gone, instead of raising.
+
+    A rank writes into the pipe its launcher reads. A launcher killed outright (SIGKILL, an OOM kill) closes its
+    end, and Python, which ignores SIGPIPE, raises BrokenPipeError at the next print: in the training loop, in the
+    report of a failure, in the summary. Raised there it would end the rank before the checkpoint of the SIGTERM
+    that follows the launcher's death (die_with_parent), or hide the rank's real outcome. Nobody is left to read
+    those lines anyway (train.log is the launcher's)."""
+    for name in ("stdout", "stderr"):
+        old = getattr(sys, name)
+        old.flush()
+        new = io.TextIOWrapper(io.BufferedWriter(_UnreadOutput(old.fileno())), encoding=old.encoding,
+                               errors=old.errors, line_buffering=True, write_through=True)
+        setattr(sys, name, new)
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -9,9 +9,9 @@ The launcher leaves the ranks `train.stop_grace_s` seconds between its SIGTERM a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 
@@ -42,10 +42,15 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if not self.event.is_set():
-            print(f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step, "
-                  "then stopping", file=sys.stderr, flush=True)
-        self.event.set()
+        if self.event.is_set():
+            return
+        self.event.set()  # first: saying so below may fail, the request must not
+        # Straight to the descriptor, errors ignored: the launcher that reads it may be gone (killed outright: the
+        # write fails with EPIPE), and a print here could also meet a print of the main thread's in sys.stderr's
+        # buffer (a reentrant call); either would raise into the training loop and lose the stop checkpoint.
+        with contextlib.suppress(OSError):
+            os.write(2, f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step, "
+                        "then stopping\n".encode())
 
     @property
     def requested(self) -> bool:

@@ -20,12 +20,13 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from dflash_core.errors import InputError
+from dflash_core.publish import join_hold
 from dflash_core.runtime.config import RunConfig, load_run_config
 from dflash_core.runtime.distributed import DistEnv, resolve_device, shutdown
 from dflash_core.runtime.efficiency import intra_op_threads
 from dflash_core.runtime.faults import FaultPlan
-from dflash_core.runtime.launch import asked_threads
-from dflash_core.runtime.process import die_with_parent, rank_error_line
+from dflash_core.runtime.launch import HOLD_ENV, asked_threads
+from dflash_core.runtime.process import die_with_parent, rank_error_line, survive_closed_output
 from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.stopping import StopRequest
 from dflash_core.runtime.trainer import Trainer, summary_line
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; exits the process (status 1 with the traceback on any error)."""
     args = parse_args(argv)
     die_with_parent()  # a torchrun agent killed outright must not leave this rank running
+    survive_closed_output()  # a launcher killed outright: its SIGTERM still ends in a checkpoint, not an EPIPE
+    join_hold(os.environ.get(HOLD_ENV))  # the run folder stays locked until this rank has exited
     env = DistEnv.from_env()
     stop = StopRequest(env.rank).install()  # SIGTERM: checkpoint the step reached, then stop
     transformers_logging.disable_progress_bar()  # one loading bar per rank and replica is noise in the log
