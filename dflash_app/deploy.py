@@ -19,8 +19,11 @@ from flows import retrain
 
 @flow(name="retrain-drafter", log_prints=True)
 def retrain_drafter(
-    config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
+    config: PipelineConfig, run_name: str | None = None, data_source: str | None = None,
+    skip_unchanged: bool = False,
 ) -> dict[str, Any]:
-    """Retrain a DFlash drafter: tokenize, plan, train, check (see flows.retrain.retrain_drafter)."""
+    """Retrain a DFlash drafter: tokenize, plan, train, check (see flows.retrain.retrain_drafter; the nightly
+    deployments set skip_unchanged: a night with no new data takes no GPU)."""
     source = resolve_uri(data_source) if data_source else None
-    return retrain.retrain_drafter.fn(resolve_config(config), run_name=run_name, data_source=source)
+    return retrain.retrain_drafter.fn(resolve_config(config), run_name=run_name, data_source=source,
+                                      skip_unchanged=skip_unchanged)

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow, get_run_logger, unmapped
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
@@ -15,8 +16,8 @@ from dflash_core.model.drafter import check_target_fit
 from dflash_core.model.instances import read_instances
 from dflash_core.promotion.store import check_incumbent
 from dflash_core.runtime.warm_start import check_init_from
-from flows import storage, tasks
-from flows.artifacts import publish_summary, stop_reason
+from flows import storage, tasks, unchanged
+from flows.artifacts import md_text, publish_summary, stop_reason
 
 # what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
 TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from",
@@ -58,12 +59,15 @@ def _publish_failed(summary: dict[str, Any], stage: str, exc: BaseException) -> 
 
 @flow(name="retrain-drafter", log_prints=True)
 def retrain_drafter(
-    config: PipelineConfig, run_name: str | None = None, data_source: str | None = None
+    config: PipelineConfig, run_name: str | None = None, data_source: str | None = None,
+    skip_unchanged: bool = False,
 ) -> dict[str, Any] | State:
     """Retrain a DFlash drafter: tokenize, plan, train, check, evaluate, promote. A failed check fails the flow
     run; a drafter that is not promoted (not better, or a 'warn' verdict) does not.
 
     `data_source` overrides `config.data.source` (the dataset-updated trigger passes the new data's URI).
+    `skip_unchanged` ends the run after planning when a completed run had the same data, settings and promoted
+    drafter (flows.unchanged: a nightly schedule firing with no new data), before any GPU is taken.
     The config's URIs must be resolved (the application layer resolves example://, see dflash_app.deploy).
     """
     logger = get_run_logger()
@@ -91,6 +95,12 @@ def retrain_drafter(
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json", tasks.plan_reads_back)(config, tokenized, plan_fp,
                                                                                          plan_dir)
     tasks.publish_plan_artifacts(plan_summary, plan_dir)
+    if skip_unchanged and (earlier := unchanged.trained_before(root, unchanged.training_key(config, plan_fp))):
+        message = unchanged.skip_message(earlier)
+        logger.info(message)
+        create_markdown_artifact(f"# Run summary\n\n**SKIPPED**: {md_text(message)}", key="run-summary",
+                                 description="The run in five lines")
+        return {"skipped": message, "run": earlier["run"], "plan": plan_dir, "tokenized": tokenized}
     run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
     # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact; also
     # when a later stage fails (what the run did and cost, and why it stopped).
@@ -120,5 +130,7 @@ def retrain_drafter(
         _publish_failed(summary, stage, exc)
         raise
     publish_summary(**summary, promotion=decision)
+    unchanged.record_trained(config, plan_fp, {"run": run_dir, "verdict": report["verdict"],
+                                               "promoted": decision["promoted"], "tau": decision["tau"]})
     return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
             "incumbent_tau": decision["incumbent_tau"], "gain": decision["gain"], "promotion": decision["reason"]}

@@ -123,6 +123,7 @@ def test_deploy_run_and_trigger_on_a_real_server(stack, tmp_path, example_assets
     assert EXPECTED_ARTIFACTS <= {a["key"] for a in artifacts if a["key"]}
     assert (tmp_path / "store" / "runs" / "deployed" / "drafter" / "model.safetensors").exists()
     deployment = stack.post("/deployments/filter", {})[0]
+    assert deployment["parameters"]["skip_unchanged"] is True  # a night without new data takes no GPU
     assert deployment["schedules"] and deployment["schedules"][0]["schedule"]["cron"] == "0 2 * * *"
     limit = deployment["global_concurrency_limit"]  # one run at a time; the next one queues
     assert limit["limit"] == 1 and deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"

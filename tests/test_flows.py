@@ -53,6 +53,16 @@ def test_flow_end_to_end_then_cached(tmp_path, example_assets):
     # The artifacts of the plan are published on cached runs too.
     assert EXPECTED_ARTIFACTS <= artifact_keys(again.state_details.flow_run_id)
 
+    # A night with nothing new (same data, settings and promoted drafter): with skip_unchanged it ends after the
+    # plan, naming the run it would repeat, and takes no GPU; flows.unchanged's test covers what changes the key.
+    skipped = retrain_drafter(config=cfg, run_name="skipped", skip_unchanged=True, return_state=True)
+    assert skipped.is_completed(), skipped.message
+    message = skipped.result()["skipped"]
+    assert message.startswith("skipped: nothing changed since run ") and "runs/second" in message
+    assert "train" not in task_states(skipped.state_details.flow_run_id)
+    assert not (tmp_path / "store" / "runs" / "skipped").exists()
+    assert "**SKIPPED**: skipped: nothing changed" in artifact_text(skipped.state_details.flow_run_id, "run-summary")
+
     # A cached output that no longer reads back (a copy cut short) is made again, not handed on from the cache
     # (every later run on this Prefect server failed on it).
     [plan_file] = (tmp_path / "store" / "plans").glob("*/plan.parquet")

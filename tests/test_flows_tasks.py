@@ -191,3 +191,26 @@ def test_the_dataset_event_cli_fails_when_the_event_cannot_reach_a_server(capsys
             main(["--data-uri", "s3://bucket/chat/"])
         assert stopped.value.code == 1
         assert said in capsys.readouterr().err
+
+
+def test_the_training_key_changes_with_the_plan_a_setting_or_the_promoted_drafter(tmp_path):
+    """flows.unchanged: a run is skipped only when it would repeat one (same plan, settings and incumbent)."""
+    from common.flows import fast_config
+
+    from flows import unchanged
+
+    cfg = fast_config(tmp_path / "store")
+    key = unchanged.training_key(cfg, "plan-a")
+    assert unchanged.training_key(fast_config(tmp_path / "store"), "plan-a") == key
+    assert unchanged.training_key(cfg, "plan-b") != key  # new data, or new tokenize/plan settings
+    assert unchanged.training_key(fast_config(tmp_path / "store", **{"train.lr": 1e-3}), "plan-a") != key
+    assert unchanged.training_key(fast_config(tmp_path / "store", **{"eval.min_gain": 0.1}), "plan-a") != key
+    assert unchanged.trained_before(cfg.storage.root, key) is None
+    unchanged.record_trained(cfg, "plan-a", {"run": "runs/x", "verdict": "pass", "promoted": False, "tau": 1.5})
+    assert unchanged.trained_before(cfg.storage.root, key)["run"] == "runs/x"
+    promoted = tmp_path / "store" / "promoted"
+    promoted.mkdir()
+    (promoted / "promoted.json").write_text(json.dumps({"run": "runs/x", "time": "2026-12-04T02:00:00+00:00"}))
+    assert unchanged.training_key(cfg, "plan-a") != key  # a new promoted drafter: another warm start, another bar
+    (tmp_path / "store" / "trained" / f"{key[:32]}.json").write_text("{cut sho")
+    assert unchanged.trained_before(cfg.storage.root, key) is None  # a record that does not read: train

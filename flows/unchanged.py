@@ -1,0 +1,64 @@
+"""Nights with nothing new: a flow run whose training would repeat one already done is skipped.
+
+A nightly schedule fires whether or not data arrived, and runs queued behind a long one (or while the worker was
+down) all start on the same data. A run is the same as an earlier one when its plan (the data's content, the
+tokenize and plan settings: plan_fp), its model, train, check and eval settings, and the promoted drafter it
+warm-starts from and must beat are all the same: it would train the same drafter again (same seed) and reach
+the same decision. Each completed flow run records its key under `<root>/trained/`, the key of the state it
+left behind (a promotion changes the incumbent); `skip_unchanged` then skips a run whose key is recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+
+from dflash_core.config import PipelineConfig
+from dflash_core.promotion.store import read_promoted, record_id
+from flows import storage
+
+TRAINED_DIR = "trained"
+
+
+def training_key(config: PipelineConfig, plan_fp: str) -> str:
+    """What a training run and its promotion decision depend on, as one hash (see the module doc)."""
+    settings = {name: getattr(config, name).model_dump(mode="json") for name in ("model", "train", "check", "eval")}
+    identity = {"plan": plan_fp, "settings": settings, "incumbent": record_id(read_promoted(config.storage.root))}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def trained_before(root: str, key: str) -> dict[str, Any] | None:
+    """The record of the completed run that had this key, or None (also for a record that does not read)."""
+    try:
+        with fsspec.open(_path(root, key), "r") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("run") else None
+
+
+def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any]) -> None:
+    """Record a completed run under the key of the state it leaves (read after its promotion decision)."""
+    path = _path(config.storage.root, training_key(config, plan_fp))
+    fs, local = fsspec.core.url_to_fs(path)
+    fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(local, "w") as fh:
+        json.dump({**outcome, "time": datetime.now(UTC).isoformat(timespec="seconds")}, fh, indent=2)
+
+
+def skip_message(record: dict[str, Any]) -> str:
+    """Why a run is skipped, naming the earlier run and how to train anyway."""
+    tau = record.get("tau")
+    return (f"skipped: nothing changed since run {record['run']} ({record.get('time')}): the same data, settings "
+            f"and promoted drafter, so training would repeat it (verdict {record.get('verdict')}, "
+            f"{'promoted' if record.get('promoted') else 'not promoted'}"
+            f"{f', tau {tau:.4f}' if isinstance(tau, float) else ''}); new data, a changed setting or a new "
+            f"promoted drafter runs again, as does skip_unchanged: false")
+
+
+def _path(root: str, key: str) -> str:
+    return storage.join(root, TRAINED_DIR, f"{key[:32]}.json")
