@@ -4,19 +4,23 @@
     python -m bench.efficiency --device cpu --tiny       # the same code on a tiny shape (a test of the script)
 
 Recipe shape (DFLASH_SPEC.md): a random-init Qwen3-8B-shaped target in bf16 (hidden 4096, 32/8 heads of 128,
-MLP 12288, vocab 151936) built with 34 of its 36 layers -- the forward stops at layer 33, the last captured one,
-so layers 34-35 never run and only their memory is saved -- a 5-layer drafter fed by layers [1, 9, 17, 25, 33],
-block 16, 512 anchors, 3072-token sequences (loss on all but a 10% prompt), AdamW, clip 1.0, bf16 autocast,
-gradient checkpointing on (as the 8-GPU preset; --no-checkpointing to turn it off).
+MLP 12288, vocab 151936) built with 35 of its 36 layers -- the forward stops at layer 33, the last captured one,
+so layer 34 is built but never runs (a target's last layer cannot be captured) and layer 35's memory is saved --
+a 5-layer drafter fed by layers [1, 9, 17, 25, 33], block 16, 512 anchors, 3072-token sequences (loss on all but
+a 10% prompt), AdamW, clip 1.0, bf16 autocast, gradient checkpointing on (as the 8-GPU preset; --no-checkpointing
+to turn it off).
 For each path the production step runs (DrafterTrainLoop: forward, backward, step-normalised gradients, clip,
 AdamW) on precomputed target features:
 - at --seqs sequences per micro-batch: drafter step time (after --warmup steps; flex compiles in them),
   tokens/s, drafter MFU, the target forward's time, the whole step's MFU (target forward + drafter step), peak
   memory, and the first step's loss (both paths see the same anchors: the losses must agree);
 - the largest number of sequences per micro-batch that fits in the device's memory with the target resident
-  (doubling, then bisection; capped by --max-seqs and the --budget-s time budget, both stated in the output).
+  (doubling, then bisection; capped by --max-seqs and by the path's equal share of --budget-s, counted from the
+  start of its own search, after its warm-up and compile; `capped_at` says which stopped it).
 Also printed for the shape, analytically: the visible fraction of the dense attention pairs, the attention FLOPs
 dense vs visible, and the bytes of attention scores a dense kernel would hold per sequence and layer.
+Each path's result is printed as a JSON line as soon as it is measured (a run cut off later keeps it), then the
+whole result as one JSON object on the last line.
 On CPU torch's FlexAttention has no backward; the tiny mode lifts torch's device check so the unfused reference
 implementation runs (as tests/test_model_attention.py does): it tests this script, its timings mean nothing.
 """
@@ -221,6 +225,13 @@ def largest_fit(c: Contender, args: argparse.Namespace, deadline: float) -> dict
             "tried": tried}
 
 
+def max_seqs_ratio(sdpa: dict[str, Any], flex: dict[str, Any], max_seqs: int) -> float | None:
+    """flex / sdpa largest micro-batch; None unless both searches found their limit or reached --max-seqs (a search
+    the budget stopped says nothing about the memory)."""
+    conclusive = all(r["settled"] or r["capped_at"] == max_seqs for r in (sdpa, flex))
+    return round(flex["max_seqs"] / sdpa["max_seqs"], 3) if conclusive and sdpa["max_seqs"] else None
+
+
 def analytic(shape: dict) -> dict[str, Any]:
     """Work and score memory of the attention per sequence and drafter layer: dense vs visible pairs."""
     s, b, a = shape["seq_len"], shape["block_size"], shape["num_anchors"]
@@ -280,19 +291,19 @@ def _run(args: argparse.Namespace, device: torch.device, shape: dict[str, Any]) 
                        "stops after the last captured layer)",
         "peak_tflops": peak, "analytic": analytic(shape), "paths": {},
     }
-    for i, path in enumerate(PATHS):
+    for path in PATHS:
         c = Contender(target, shape, path, args)
         result = measure_step(c, args.seqs, args, peak)
-        # each path gets an equal share of what is left of the budget for its memory search
-        deadline = time.perf_counter() + (args.budget_s - (time.perf_counter() - started)) / (len(PATHS) - i)
-        result.update(largest_fit(c, args, deadline))
+        # an equal share of the budget for each path's memory search, counted from its start: flex's compile (in
+        # measure_step) must not eat into its search
+        result.update(largest_fit(c, args, time.perf_counter() + args.budget_s / len(PATHS)))
         out["paths"][path] = result
         c.close()
-        print(f"# {path}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        print(json.dumps({"path": path, **result}), flush=True)
     sdpa, flex = out["paths"]["sdpa"], out["paths"]["flex"]
     out["flex_vs_sdpa"] = {
         "drafter_step_speedup": round(sdpa["drafter_step_s"] / flex["drafter_step_s"], 3),
-        "max_seqs_ratio": round(flex["max_seqs"] / sdpa["max_seqs"], 3) if sdpa["max_seqs"] else None,
+        "max_seqs_ratio": max_seqs_ratio(sdpa, flex, args.max_seqs),
         "peak_mem_ratio": round(flex["peak_mem_gb"] / sdpa["peak_mem_gb"], 3) if sdpa["peak_mem_gb"] else None,
         "first_loss_rel_diff": abs(flex["first_loss"] - sdpa["first_loss"]) / abs(sdpa["first_loss"]),
     }
@@ -310,7 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (flex compiles in them)")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--max-seqs", type=int, default=64, help="upper end of the memory search")
-    p.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget of the whole run (search stops)")
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="seconds for the memory searches, an equal share per path counted from its search's start")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 dense peak")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="turn drafter gradient checkpointing off (the 8-GPU preset has it on)")
@@ -318,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run and print one JSON object."""
+    """Run; print each path's JSON line as it finishes, then the whole result as one JSON object."""
     args = parse_args(argv)
     print(json.dumps(run(args)), flush=True)
     return 0

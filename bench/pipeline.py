@@ -47,9 +47,11 @@ from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings
 
 # CPU scenarios: small models whose relative costs put the bottleneck in one stage or the other; wide enough
-# (256) that matrix products, which release the GIL, dominate over Python overhead
+# (256) that matrix products, which release the GIL, dominate over Python overhead. A drafter layer needs a
+# target layer of its own below the target's last (default_target_layer_ids): 2 drafter layers, 3 target layers
+# (the forward stops after layer 1, so the target still runs 2 layers)
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "drafter-bound": dict(hidden=256, target_layers=2, draft_layers=2, vocab=2048, num_anchors=64, block_size=8),
+    "drafter-bound": dict(hidden=256, target_layers=3, draft_layers=2, vocab=2048, num_anchors=64, block_size=8),
     "target-bound": dict(hidden=256, target_layers=8, draft_layers=1, vocab=2048, num_anchors=8, block_size=8),
 }
 
@@ -306,11 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         names = list(SCENARIOS) if args.scenario == "both" else [args.scenario]
         shapes = {n: Shape(**SCENARIOS[n]) for n in names}
     root = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
-    results = [run_scenario(name, shape, args, root / name) for name, shape in shapes.items()]
+    # the worker's config first: a run that crashes or times out mid-measurement still leaves it next to the
+    # inputs it built, and bench/gpu_check.sh goes on to its worker part
     if args.worker_config:
         name, shape = list(shapes.items())[-1]
         write_worker_config(Path(args.worker_config), str(root / name / "target"), shape, args.steps, args.device,
                             args.dtype)
+    results = [run_scenario(name, shape, args, root / name) for name, shape in shapes.items()]
     print(json.dumps({"device": args.device, "torch_threads": args.torch_threads, "results": results}))
     return 0
 

@@ -168,20 +168,26 @@ def tau(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; throughput's options are taken before or after its name."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode")
-    for p in (parser, sub.add_parser("throughput", help="tokens/s: naive client, stage, ceiling")):
-        p.add_argument("--records", type=int, default=48)
-        p.add_argument("--naive-records", type=int, default=16)
-        p.add_argument("--max-tokens", type=int, default=64)
-        p.add_argument("--concurrency", type=int, default=16)
+    throughput_parser = sub.add_parser("throughput", help="tokens/s: naive client, stage, ceiling")
+    for field, default in (("records", 48), ("naive_records", 16), ("max_tokens", 64), ("concurrency", 16)):
+        flag = f"--{field.replace('_', '-')}"
+        parser.add_argument(flag, type=int, default=default)
+        # the subcommand's copy sets only what is given after it: its defaults would undo the options before it
+        throughput_parser.add_argument(flag, type=int, default=argparse.SUPPRESS)
     p = sub.add_parser("tau", help="tau of drafters trained on original vs regenerated replies")
     p.add_argument("--regen", help="a finished `dflash regenerate` of the example to reuse (default: run it)")
     p.add_argument("--work", help="folder for the runs (default: a new temporary folder, kept)")
     p.add_argument("--limit", type=int, default=32, help="held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     print(json.dumps(tau(args) if args.mode == "tau" else throughput(args), indent=2))
 
 
