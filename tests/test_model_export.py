@@ -12,7 +12,13 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from dflash_core.model.attention import LayerAttention
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
-from dflash_core.model.export import ExportError, load_dflash, read_drafter_config, save_dflash
+from dflash_core.model.export import (
+    ExportError,
+    check_drafter_folder,
+    load_dflash,
+    read_drafter_config,
+    save_dflash,
+)
 from dflash_core.model.target import TargetModel
 from dflash_core.runtime.warm_start import load_warm_start
 
@@ -170,6 +176,31 @@ def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter,
     with pytest.raises(ExportError, match=says) as err:
         load_dflash(str(tmp_path / "d"), target)
     assert str(tmp_path / "d" / "config.json") in str(err.value)
+
+
+def test_a_layer_count_transformers_refuses_is_an_export_error_naming_the_file(tmp_path, target, drafter):
+    """num_hidden_layers that is not the number of layer_types: transformers' strict config refuses it with its
+    own error type, which escaped everything that catches ExportError (the gate's measuring of the incumbent,
+    the start checks); it is an ExportError naming config.json, from the folder check (no target, no tensor
+    read) as from load_dflash."""
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    says = rf"{tmp_path / 'd' / 'config.json'}: `num_hidden_layers` \(3\) must be equal to the number of `layer_types`"
+    with pytest.raises(ExportError, match=says):
+        check_drafter_folder(str(tmp_path / "d"))
+    with pytest.raises(ExportError, match=says):
+        load_dflash(str(tmp_path / "d"), target)
+    del cfg["layer_types"], cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ExportError, match=r"model.safetensors: tensor names do not match the config: missing "
+                                          r"\['layers.2.input_layernorm.weight'"):
+        check_drafter_folder(str(tmp_path / "d"))  # no target, no ids: the drafter's own tensors still checked
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))  # 3 target layers, the default spread's 2:
+    with pytest.raises(ExportError, match=r"fc.weight \(64, 192\) != \(64, 128\)"):
+        check_drafter_folder(str(tmp_path / "d"))
+    with pytest.raises(ExportError, match=r"fc.weight \(64, 192\) != \(64, 128\)"):
+        load_dflash(str(tmp_path / "d"), target)
 
 
 def test_round_trip_gives_identical_outputs(tmp_path, target, drafter):

@@ -31,6 +31,23 @@ def _drafter(folder, marker: str) -> str:
     return folder
 
 
+def _sharded(drafter, folder: str) -> list[str]:
+    """A real drafter saved as two shards and the index naming them, as larger published drafters are (and as
+    today's production drafter may be copied into promoted/drafter by hand); its file names."""
+    from safetensors.torch import load_file, save_file
+
+    save_dflash(drafter, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    os.remove(f"{folder}/model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, f"{folder}/{file}")
+    with open(f"{folder}/model.safetensors.index.json", "w") as fh:
+        json.dump({"metadata": {}, "weight_map": {k: file for file, part in shards.items() for k in part}}, fh)
+    return sorted(["config.json", "model.safetensors.index.json", *shards])
+
+
 def _read(uri: str) -> str:
     with fsspec.open(uri, "r") as fh:
         return fh.read()
@@ -248,6 +265,81 @@ def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fa
         store.check_incumbent(root)
 
 
+def test_a_sharded_drafter_placed_by_hand_is_measured_kept_and_warm_started_from(tmp_path, monkeypatch):
+    """Today's production drafter placed by hand in shards (index + shards, no model.safetensors, no promoted.json)
+    is a drafter like any other: the start check reads it, the gate measures it and keeps it when the new one is
+    not better, and warm starts start from it. It was taken for "nothing promoted": replaced unmeasured, the
+    warm start trained from scratch, the start check passed."""
+    target, root = save_tiny_qwen3(tmp_path / "target"), str(tmp_path / "store")
+    files = _sharded(tiny_drafter(tiny_target()), promoted_drafter(root))
+    store.check_incumbent(root, target)  # whole, for this target
+    cfg = _cfg(root, **{"eval.min_gain": 100.0})
+    measured: list[str] = []
+
+    def tau_of(cfg, target, drafter_dir):
+        measured.append(drafter_dir)
+        return {"tau": 1.0 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]}
+
+    monkeypatch.setattr(gate, "_tau", tau_of)
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    new_dir = _drafter(str(tmp_path / "runs" / "b" / "drafter"), "B")
+    scores = gate.measure(cfg, new_dir)
+    assert measured == [new_dir, promoted_drafter(root)] and scores["incumbent_run"] == gate.PLACED
+    decision = promote_if_better(cfg, "runs/b", new_dir, "pass", scores)
+    assert not decision["promoted"] and "does not beat the promoted drafter's 1.0000 by more than 100.0" in \
+        decision["reason"]
+    assert sorted(os.listdir(promoted_drafter(root))) == files and read_promoted(root) is None
+    warm = cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": "promoted"})})
+    assert store.resolve_init_from(warm).train.init_from == promoted_drafter(root)
+    os.remove(f"{promoted_drafter(root)}/model-00002-of-00002.safetensors")  # a copy that did not finish:
+    with pytest.raises(store.PromotionError, match=r"model-00002-of-00002.safetensors: missing .*copy the drafter "
+                                                   r"placed there by hand again"):
+        store.check_incumbent(root, target)  # refused at the start, not taken for "nothing promoted"
+
+
+def test_a_sharded_drafter_is_promoted_whole_and_found_again_by_its_retry(tmp_path):
+    """Promoting a sharded drafter copies config.json, the index and every shard it names (not config.json and a
+    model.safetensors it does not have); a retry of the run finds it promoted, byte for byte."""
+    root, run = str(tmp_path / "store"), str(tmp_path / "runs" / "a")
+    files = _sharded(tiny_drafter(tiny_target()), f"{run}/drafter")
+    decision = promote_if_better(_cfg(root), run, f"{run}/drafter", "pass", _scores(1.4))
+    assert decision["promoted"] and sorted(os.listdir(promoted_drafter(root))) == files
+    assert store.missing_files(root) == [] and store.holds(root, f"{run}/drafter")
+    os.remove(f"{promoted_drafter(root)}/model-00001-of-00002.safetensors")
+    assert not store.holds(root, f"{run}/drafter")
+    assert store.missing_files(root) == ["model-00001-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    ({"num_hidden_layers": 3}, r"config.json: `num_hidden_layers` \(3\) must be equal to the number of `layer_types` "
+                               r"\(2\)"),
+    ({"dflash_config": {"mask_token_id": None}}, r"missing fields \['dflash_config.mask_token_id'\]"),
+    ({"layer_types": ["linear_attention"] * 2}, r"\['linear_attention'\] are not DFlash drafter layers"),
+    ({"layer_types": None, "num_hidden_layers": 3}, r"model.safetensors: tensor names do not match the config: "
+                                                    r"missing \['layers.2.input_layernorm.weight'"),
+    ({"intermediate_size": 96}, r"mlp.gate_proj.weight \(128, 64\) != \(96, 64\)"),
+], ids=["layer-count", "no-mask-id", "linear-layers", "a-layer-more", "ffn-width"])
+def test_an_incumbent_config_the_gate_would_refuse_fails_before_training(tmp_path, edit, says):
+    """The start check passed promoted drafters whose config.json load_dflash then refused (no mask token id,
+    layer types it does not run, a layer count that is not the layer types' (a raw transformers error that even
+    escaped the gate), tensors the config does not make): the night trained, then never promoted or failed. The
+    start check now reads config.json as load_dflash does and the weights' headers (no tensor loaded)."""
+    target, root = save_tiny_qwen3(tmp_path / "target"), str(tmp_path / "store")
+    save_dflash(tiny_drafter(tiny_target()), promoted_drafter(root))
+    config = tmp_path / "store" / "promoted" / "drafter" / "config.json"
+    raw = json.loads(config.read_text())
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            raw[key] = {k: v for k, v in {**raw[key], **value}.items() if v is not None}
+        elif value is None:
+            del raw[key]
+        else:
+            raw[key] = value
+    config.write_text(json.dumps(raw))
+    with pytest.raises(store.PromotionError, match=says):
+        store.check_incumbent(root, target)
+
+
 def test_the_gate_never_replaces_a_drafter_it_could_not_measure_or_serving_is_not_set_for(root, monkeypatch):
     """An incumbent that fails to decode (damaged after the flow's start check) is kept, not treated as absent; a
     better drafter of another block size waits for eval.allow_block_size_change (serving's setting must change
@@ -364,6 +456,32 @@ def test_a_wandb_failure_after_the_swap_is_reported_not_raised(tmp_path, monkeyp
     decision = promote_if_better(cfg, str(run), _drafter(str(run / "drafter"), "A"), "pass", _scores(1.4))
     assert decision["promoted"] and decision["wandb_artifact"] is None and read_promoted(root)["run"] == str(run)
     assert "W&B model artifact was not logged (ConnectionError: api.wandb.ai unreachable)" in decision["reason"]
+
+
+def test_a_retried_run_logs_the_wandb_model_its_first_attempt_did_not(tmp_path, monkeypatch):
+    """A run that stopped between the promotion swap and the W&B model (a crash, W&B down) is retried: it finds
+    its drafter already promoted and now logs the model (with the promoted record) and moves `production`; it
+    said nothing and logged nothing before. W&B still down: the retry says the artifact was not logged."""
+    root, run = str(tmp_path / "store"), str(tmp_path / "run")
+    cfg = load_config("tiny-cpu", {"storage.root": root, "wandb.mode": "offline"})
+    logged: list[tuple] = []
+
+    def unreachable(*args):
+        raise ConnectionError("api.wandb.ai unreachable")
+
+    monkeypatch.setattr(gate, "log_model_artifact", unreachable)
+    first = promote_if_better(cfg, run, _drafter(f"{run}/drafter", "A"), "pass", _scores(1.4))
+    assert first["promoted"] and first["wandb_artifact"] is None
+    retried = promote_if_better(cfg, run, f"{run}/drafter", "pass", _scores(1.4, 1.4, root))
+    assert retried["reason"].startswith("this run's drafter is already the promoted one")
+    assert "the W&B model artifact was not logged (ConnectionError" in retried["reason"]
+    monkeypatch.setattr(gate, "log_model_artifact", lambda *args: logged.append(args) or "dflash-drafter:production")
+    retried = promote_if_better(cfg, run, f"{run}/drafter", "pass", _scores(1.4, 1.4, root))
+    assert retried["promoted"] and retried["wandb_artifact"] == "dflash-drafter:production"
+    [(_, drafter, record, run_dir)] = logged
+    assert (drafter, record, run_dir) == (promoted_drafter(root), read_promoted(root), run)
+    disabled = promote_if_better(_cfg(root), run, f"{run}/drafter", "pass", _scores(1.4, 1.4, root))
+    assert disabled["promoted"] and disabled["wandb_artifact"] is None and len(logged) == 1
 
 
 def test_overlapping_runs_never_replace_a_drafter_they_were_not_compared_with(root):

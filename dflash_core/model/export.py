@@ -12,8 +12,10 @@ from typing import Any
 import fsspec
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch import nn
 from transformers import Qwen3Config
 
 from dflash_core.errors import InputError
@@ -26,7 +28,7 @@ from dflash_core.model.attention import (
     layer_spelling,
 )
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
-from dflash_core.model.target import TargetModel, target_dims
+from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -127,10 +129,13 @@ def load_dflash(
 ) -> DFlashDrafter:
     """Read a drafter folder onto `target`'s device: safetensors only (no pickle); names, shapes checked."""
     fs, root = fsspec.core.url_to_fs(drafter_location(in_dir))
-    config = _read_config(fs, posixpath.join(root, CONFIG_FILE), target)
+    path = posixpath.join(root, CONFIG_FILE)
+    config = _checked_config(path, _drafter_config_json(fs, path),
+                             (target.hidden_size, target.vocab_size, target.num_layers))
     drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, num_anchors, gamma)
     tensors = read_weights(fs, root)
-    _check_tensors(posixpath.join(root, WEIGHTS_FILE), tensors, drafter.state_dict())
+    _check_tensors(_weights_path(fs, root), {k: tuple(v.shape) for k, v in tensors.items()},
+                   {k: tuple(v.shape) for k, v in drafter.state_dict().items()})
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     return drafter.to(device=target.device, dtype=dtype)
 
@@ -197,13 +202,29 @@ def read_weights(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, torch.Te
 
 def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     """The weight files of a drafter folder: model.safetensors, else the shards its index names."""
-    index_path = posixpath.join(root, INDEX_FILE)
-    if fs.exists(posixpath.join(root, WEIGHTS_FILE)) or not fs.exists(index_path):
+    if not _sharded(fs, root):
         return [WEIGHTS_FILE]
+    index_path = posixpath.join(root, INDEX_FILE)
     weight_map = read_config_json(fs, index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
         raise ExportError(f"{index_path}: no weight_map naming the shards")
     return sorted(set(weight_map.values()))
+
+
+def drafter_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """Every file of a drafter folder, as copying or comparing it needs them: config.json and model.safetensors,
+    or config.json, model.safetensors.index.json and the shards the index names."""
+    return [CONFIG_FILE, *([INDEX_FILE] if _sharded(fs, root) else []), *_weight_files(fs, root)]
+
+
+def _sharded(fs: fsspec.AbstractFileSystem, root: str) -> bool:
+    """A folder saved in shards: an index and no single model.safetensors (which wins when both are there)."""
+    return not fs.exists(posixpath.join(root, WEIGHTS_FILE)) and fs.exists(posixpath.join(root, INDEX_FILE))
+
+
+def _weights_path(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """The file a tensor mismatch is reported against: model.safetensors, or the index of the shards."""
+    return posixpath.join(root, INDEX_FILE if _sharded(fs, root) else WEIGHTS_FILE)
 
 
 def _missing_weights(path: str) -> ExportError:
@@ -213,23 +234,34 @@ def _missing_weights(path: str) -> ExportError:
 
 def check_drafter_folder(uri: str, target: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
     """What can be checked of a drafter folder before a run pays for training on it, without loading a tensor:
-    config.json is a DFlash drafter's, each weights file is whole (its safetensors header read, the file's size
-    the one the header describes: a copy cut short is caught here, not when the gate loads it after training),
-    and, given the target (path or hub id; its config alone is read), the drafter was trained for that target.
+    config.json is a DFlash drafter's and passes everything load_dflash checks of it (its fields, the Qwen3
+    config transformers builds from it, each layer's attention), each weights file is whole (its safetensors
+    header read, the file's size the one the header describes: a copy cut short is caught here, not when the gate
+    loads it after training), the headers' tensor names and shapes are the ones the config makes, and, given the
+    target (path or hub id; its config alone is read), the drafter was trained for that target.
     Returns config.json; ExportError names the file and the fault."""
     fs, root = fsspec.core.url_to_fs(drafter_location(uri))
     path = posixpath.join(root, CONFIG_FILE)
     raw = _drafter_config_json(fs, path)
+    shapes: dict[str, tuple[int, ...]] = {}
     for name in _weight_files(fs, root):
-        _check_whole(fs, posixpath.join(root, name))
-    if target is not None and (dims := target_dims(target, trust_remote_code)) is not None:
-        _check_fits(path, raw, *dims)
+        shapes |= _check_whole(fs, posixpath.join(root, name))
+    dims = target_dims(target, trust_remote_code) if target is not None else None
+    config = _checked_config(path, raw, dims)
+    _check_tensors(_weights_path(fs, root), shapes, _expected_shapes(config))
     return raw
 
 
-def _check_whole(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def _expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes of a drafter built from `config`, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config, nn.Embedding(1, 1), nn.Linear(1, 1, bias=False))
+    return {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+
+
+def _check_whole(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, tuple[int, ...]]:
     """A safetensors file's 8-byte header length, its JSON header, and the file's size against the last tensor's
-    end (safetensors refuses a file whose data does not end exactly there)."""
+    end (safetensors refuses a file whose data does not end exactly there); returns the header's tensor shapes."""
     try:
         size = fs.size(path)
         with fs.open(path, "rb") as fh:
@@ -245,12 +277,15 @@ def _check_whole(fs: fsspec.AbstractFileSystem, path: str) -> None:
     except OSError as exc:  # a remote store's own errors (no network, no access)
         raise ExportError(f"{path}: cannot be read: {type(exc).__name__}: {exc}") from None
     try:
-        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+        shapes = {k: tuple(int(d) for d in t["shape"]) for k, t in tensors.items()}
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         raise ExportError(f"{path}: not a safetensors file (its header lists no tensors as safetensors does)") from None
     if size != 8 + length + end:
         raise ExportError(f"{path}: {size} bytes where its header describes {8 + length + end}: the file was cut "
                           "short or written over; copy it again from where it was trained")
+    return shapes
 
 
 def _check_fits(path: str, raw: dict[str, Any], hidden_size: int, vocab_size: int, num_layers: int) -> None:
@@ -262,8 +297,12 @@ def _check_fits(path: str, raw: dict[str, Any], hidden_size: int, vocab_size: in
         raise ExportError(f"{path}: this drafter was trained for another target: {details}")
 
 
-def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) -> Qwen3Config:
-    raw = _drafter_config_json(fs, path)
+def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] | None) -> Qwen3Config:
+    """The drafter's Qwen3 config from its config.json `raw`, with every check load_dflash makes of it before a
+    tensor is read: the fields it needs, the target it was trained for (given `dims`: the target's hidden size,
+    vocab size and layers), the features this implementation runs, transformers' own validation and each layer's
+    attention. ExportError names `path` and the fault."""
+    raw = dict(raw)
     dflash: Any = raw.get("dflash_config")
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
@@ -272,21 +311,22 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
         missing.append("dflash_config.mask_token_id")
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
-    raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": config_layer_ids(raw, target.num_layers)}
-    raw.setdefault("num_target_layers", target.num_layers)
-    _check_fits(path, raw, target.hidden_size, target.vocab_size, target.num_layers)
-    try:
-        target.check_layer_ids(dflash["target_layer_ids"], served=False)  # published drafters load as they are
-    except ValueError as exc:
-        raise ExportError(f"{path}: dflash_config.{exc}") from None
-    if not 0 <= dflash["mask_token_id"] < target.vocab_size:
-        raise ExportError(
-            f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab"
-        )
+    layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
+    raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": layer_ids}
+    # without the target: the depth its ids need (only the drafter's own tensors are checked then)
+    raw.setdefault("num_target_layers", dims[2] if dims else max(layer_ids, default=0) + 1)
+    if dims:
+        _check_fits(path, raw, *dims)
+        try:
+            check_layer_ids(layer_ids, dims[2], served=False)  # published drafters load as they are
+        except ValueError as exc:
+            raise ExportError(f"{path}: dflash_config.{exc}") from None
     _check_supported(path, raw)
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
-    config = _qwen3_config(raw)
+    config = _qwen3_config(raw, path)
+    if not (isinstance(dflash["mask_token_id"], int) and 0 <= dflash["mask_token_id"] < config.vocab_size):
+        raise ExportError(f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab")
     try:
         layers = layer_attention(config)
     except AttentionError as exc:
@@ -296,12 +336,28 @@ def _read_config(fs: fsspec.AbstractFileSystem, path: str, target: TargetModel) 
     return config
 
 
-def _qwen3_config(raw: dict[str, Any]) -> Qwen3Config:
+def _layer_ids(path: str, raw: dict[str, Any], num_target_layers: int | None) -> list[int]:
+    """config_layer_ids, faults as ExportError; with neither ids nor the target's depth, as many placeholders as
+    the default spread gives (one per drafter layer): only the shapes of the drafter's own tensors need them."""
+    try:
+        if num_target_layers is None and raw["dflash_config"].get("target_layer_ids") is None:
+            return list(range(int(raw["num_hidden_layers"])))
+        return config_layer_ids(raw, int(num_target_layers or 0)) or []  # never None: num_hidden_layers is there
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{path}: dflash_config.target_layer_ids: {exc}") from None
+
+
+def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
+    """Qwen3Config from a drafter's config.json; ExportError (naming `path`) for what transformers refuses."""
     if SLIDING in (raw.get("layer_types") or []) and raw.get("sliding_window") and not raw.get("use_sliding_window"):
         raw = {**raw, "use_sliding_window": True}  # transformers would drop the window the layers name
     # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
     # drafters' spelling) into rope_parameters; without rope_theta it would fall back to 10000
-    return Qwen3Config.from_dict(raw)
+    try:
+        return Qwen3Config.from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError) as exc:  # its strict dataclass validation, e.g.
+        # `num_hidden_layers` (3) must be equal to the number of `layer_types` (2)
+        raise ExportError(f"{path}: {exc.__cause__ or exc}") from None
 
 
 def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:
@@ -347,17 +403,14 @@ def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int
     return [int(i) for i in layer_ids]
 
 
-def _check_tensors(path: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+def _check_tensors(path: str, shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """The tensors' names and shapes (from the file or its header) against those the config makes."""
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:
         raise ExportError(
             f"{path}: tensor names do not match the config: missing {missing}, unexpected {unexpected}"
         )
-    bad = [
-        f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}"
-        for k, v in expected.items()
-        if tensors[k].shape != v.shape
-    ]
+    bad = [f"{k} {shapes[k]} != {v}" for k, v in expected.items() if shapes[k] != v]
     if bad:
         raise ExportError(f"{path}: tensor shapes do not match the config: {'; '.join(bad)}")

@@ -11,14 +11,14 @@ from typing import Any
 import fsspec
 
 from dflash_core.config import PipelineConfig
+from dflash_core.model.export import drafter_files
 from dflash_core.model.paired import DEFAULT_CONFIDENCE, paired_gain
 from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sinks import wandb_mode
 from dflash_core.promotion.store import (
-    DRAFTER_FILES,
     PromotionConflict,
+    drafter_present,
     holds,
-    missing_files,
     promote,
     promoted_drafter,
     read_promoted,
@@ -60,7 +60,7 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     incumbent = read_promoted(cfg.storage.root)
     # a drafter placed there by hand (no promoted.json: today's production drafter, seeded) is an incumbent too:
     # it is measured and must be beaten, as warm starts already start from it
-    placed = incumbent is None and not missing_files(cfg.storage.root)
+    placed = incumbent is None and drafter_present(cfg.storage.root)
     old, incumbent_error = None, None
     if incumbent is not None or placed:
         try:
@@ -119,7 +119,10 @@ def promote_if_better(
     if scores.get("incumbent_run") == run_dir and holds(cfg.storage.root, drafter_dir):
         reason = "this run's drafter is already the promoted one (an earlier attempt of this run promoted it)"
         log.info("promotion: already (%s)", reason)
-        return decision | {"promoted": True, "reason": reason, "promoted_drafter": promoted_drafter(cfg.storage.root)}
+        decision |= {"promoted": True, "reason": reason, "promoted_drafter": promoted_drafter(cfg.storage.root)}
+        # the earlier attempt may have stopped between the swap and the W&B model: log it (again: W&B keeps one
+        # version of identical files and moves `production` to it)
+        return _mirror(cfg, decision, read_promoted(cfg.storage.root) or {}, run_dir)
     ok, reason = decide(verdict, scores["tau"], scores["incumbent_tau"], cfg.eval.min_gain, gain,
                         cfg.eval.confidence)
     if scores.get("incumbent_error"):  # an incumbent is there but could not be decoded: never replaced unmeasured
@@ -143,14 +146,19 @@ def promote_if_better(
     except PromotionConflict as exc:  # another run promoted meanwhile: fail closed, keep theirs
         log.warning("promotion: no (%s)", exc)
         return decision | {"promoted": False, "reason": str(exc)}
-    if wandb_mode(cfg.wandb) != "disabled":
-        try:
-            decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record,
-                                                            run_dir)
-        except Exception as exc:  # noqa: BLE001 - the drafter is promoted: a failed mirror must not hide that
-            log.warning("promotion: the W&B model artifact was not logged: %r", exc)
-            decision["reason"] += (f"; the W&B model artifact was not logged ({type(exc).__name__}: {exc}): "
-                                   f"the promoted drafter on storage is the one in service")
+    return _mirror(cfg, decision, record, run_dir)
+
+
+def _mirror(cfg: PipelineConfig, decision: dict[str, Any], record: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """The promoted drafter logged as the W&B model (unless W&B is disabled); a failure is said in the reason."""
+    if wandb_mode(cfg.wandb) == "disabled":
+        return decision
+    try:
+        decision["wandb_artifact"] = log_model_artifact(cfg.wandb, decision["promoted_drafter"], record, run_dir)
+    except Exception as exc:  # noqa: BLE001 - the drafter is promoted: a failed mirror must not hide that
+        log.warning("promotion: the W&B model artifact was not logged: %r", exc)
+        decision["reason"] += (f"; the W&B model artifact was not logged ({type(exc).__name__}: {exc}): "
+                               f"the promoted drafter on storage is the one in service")
     return decision
 
 
@@ -160,7 +168,7 @@ def log_model_artifact(cfg: WandbConfig, drafter_dir: str, metadata: dict[str, A
 
     with tempfile.TemporaryDirectory(prefix="dflash-promote-") as tmp:
         fs, root = fsspec.core.url_to_fs(drafter_dir)
-        for name in DRAFTER_FILES:  # a local copy: W&B adds local files, wherever the storage root is
+        for name in drafter_files(fs, root):  # a local copy: W&B adds local files, wherever the storage root is
             fs.get(f"{root}/{name}", f"{tmp}/{name}")
         wandb_dir = run_dir if "://" not in run_dir else tmp
         run = wandb.init(project=cfg.project, entity=cfg.entity, job_type="promote", mode=wandb_mode(cfg),

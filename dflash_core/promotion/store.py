@@ -1,5 +1,9 @@
 """The promoted drafter on storage: `<root>/promoted/drafter/` (serving format) + `<root>/promoted/promoted.json`.
 
+The drafter folder is config.json + model.safetensors, or config.json + model.safetensors.index.json + the shards
+it names (a production drafter placed there by hand may be sharded): its files are the ones export.drafter_files
+lists, and every one of them is copied, compared and checked.
+
 The whole `promoted/` folder is replaced at once (dflash_core.atomic_dir): a new drafter is copied into a
 temporary sibling together with its promoted.json, then swapped in, so a crash at any point leaves either the
 previous promoted drafter and its record, or the new ones.
@@ -27,12 +31,18 @@ from dflash_core.atomic_dir import recover, replace_dir
 from dflash_core.config import PipelineConfig
 from dflash_core.errors import DflashError
 from dflash_core.io import is_local
+from dflash_core.model.export import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    check_drafter_folder,
+    drafter_files,
+)
 from dflash_core.publish import OutputLockedError, output_lock
 from dflash_core.runtime.warm_start import PROMOTED
 
 PROMOTED_DIR, DRAFTER_DIR, RECORD_FILE = "promoted", "drafter", "promoted.json"
-# the serving format's files (dflash_core.model.export), named here so reading the store needs no torch
-DRAFTER_FILES = ("config.json", "model.safetensors")
 LOCK_WAIT_S = 30.0  # how long a promotion waits for the lock before it counts as another run's promotion
 
 
@@ -67,32 +77,38 @@ def read_promoted(root: str) -> dict[str, Any] | None:
     return _record(fs, path)
 
 
-def missing_files(root: str) -> list[str]:
-    """The serving files the promoted drafter folder lacks (all of them while nothing is promoted)."""
+def drafter_present(root: str) -> bool:
+    """Whether the promoted drafter folder holds a drafter, whole or not: config.json, model.safetensors or the
+    index of a sharded one (with or without a promoted.json). Such a folder is an incumbent, measured or refused,
+    never "nothing promoted"."""
     fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
-    return [name for name in DRAFTER_FILES if not fs.exists(posixpath.join(path, name))]
+    return any(fs.exists(posixpath.join(path, name)) for name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE))
+
+
+def missing_files(root: str) -> list[str]:
+    """The files the promoted drafter folder lacks: config.json and model.safetensors, or the shards its
+    model.safetensors.index.json names (config.json and model.safetensors while nothing is there).
+    ExportError for an index that names no shards."""
+    fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
+    return [name for name in drafter_files(fs, path) if not fs.exists(posixpath.join(path, name))]
 
 
 def check_incumbent(root: str, target: str | None = None, trust_remote_code: bool = False) -> None:
     """Before a run pays for training: the promoted drafter (recorded or placed by hand) must be one the gate can
     measure on this target, or the run would train and then fail measuring it, every night. A promoted.json whose
-    drafter lacks files, a config.json or weights file that is damaged (cut short, not JSON), or a drafter trained
-    for another target (given `target`: its config is compared, no weights loaded) is a PromotionError now."""
-    record, missing = read_promoted(root), missing_files(root)
-    where = _join(root, PROMOTED_DIR)
-    if record is not None and missing:
-        raise PromotionError(
-            f"{where}: promoted.json names run {record.get('run')} but its drafter lacks "
-            f"{', '.join(missing)}: restore the files (the run's drafter/ folder: {record.get('drafter')}) or "
-            f"delete {where} to promote the next stable drafter without a comparison")
-    if missing:
+    drafter lacks files, a drafter placed by hand that is not whole, a config.json that load_dflash would refuse
+    (fields, layer types, tensor names and shapes against the weights' headers), a weights file that is damaged
+    (cut short, not safetensors), or a drafter trained for another target (given `target`: its config is
+    compared) is a PromotionError now; no weights are loaded."""
+    record, where = read_promoted(root), _join(root, PROMOTED_DIR)
+    if record is None and not drafter_present(root):
         return  # nothing promoted
-    from dflash_core.model.export import (  # torch: only when a drafter is there
-        ExportError,
-        check_drafter_folder,
-    )
-
     try:
+        if record is not None and (missing := missing_files(root)):
+            raise PromotionError(
+                f"{where}: promoted.json names run {record.get('run')} but its drafter lacks "
+                f"{', '.join(missing)}: restore the files (the run's drafter/ folder: {record.get('drafter')}) or "
+                f"delete {where} to promote the next stable drafter without a comparison")
         check_drafter_folder(promoted_drafter(root), target, trust_remote_code)
     except ExportError as exc:
         source = f" ({record['drafter']})" if record and record.get("drafter") else ""
@@ -106,13 +122,18 @@ def check_incumbent(root: str, target: str | None = None, trust_remote_code: boo
 
 def holds(root: str, drafter_dir: str) -> bool:
     """Whether the promoted drafter is `drafter_dir`'s, byte for byte (a retried run finding its own promotion)."""
-    if missing_files(root):
-        return False
     fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
     src_fs, src = fsspec.core.url_to_fs(drafter_dir)
-    for name in DRAFTER_FILES:
+    try:
+        names = drafter_files(src_fs, src)
+        if names != drafter_files(fs, path):
+            return False
+    except ExportError:  # an index naming no shards: not a drafter this run wrote
+        return False
+    for name in names:
         a, b = posixpath.join(path, name), posixpath.join(src, name)
-        if not src_fs.exists(b) or fs.size(a) != src_fs.size(b) or _sha256(fs, a) != _sha256(src_fs, b):
+        if not (fs.exists(a) and src_fs.exists(b)) or fs.size(a) != src_fs.size(b) \
+                or _sha256(fs, a) != _sha256(src_fs, b):
             return False
     return True
 
@@ -131,16 +152,18 @@ def record_id(record: dict[str, Any] | None) -> list[Any] | None:
 
 
 def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[Any] | None) -> str:
-    """Copy a drafter folder to `<root>/promoted/drafter` with `record` as promoted.json, if the promoted drafter
-    is still `measured` (record_id of the one the new drafter was compared with); returns the drafter path.
-    PromotionConflict when it is not, or when another promotion holds the lock."""
+    """Copy a drafter folder (every file of it: export.drafter_files) to `<root>/promoted/drafter` with `record`
+    as promoted.json, if the promoted drafter is still `measured` (record_id of the one the new drafter was
+    compared with); returns the drafter path. PromotionConflict when it is not, or when another promotion holds
+    the lock."""
     src_fs, src = fsspec.core.url_to_fs(drafter_dir)
     fs, path = fsspec.core.url_to_fs(_join(root, PROMOTED_DIR))
+    names = drafter_files(src_fs, src)
 
     def write(staged: str) -> None:
         sfs, spath = fsspec.core.url_to_fs(staged)
         sfs.makedirs(posixpath.join(spath, DRAFTER_DIR), exist_ok=True)
-        for name in DRAFTER_FILES:
+        for name in names:
             copy_file(src_fs, posixpath.join(src, name), sfs, posixpath.join(spath, DRAFTER_DIR, name))
         with sfs.open(posixpath.join(spath, RECORD_FILE), "w") as fh:
             json.dump(record, fh, indent=2)
@@ -208,7 +231,9 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     if cfg.train.init_from != PROMOTED:
         return cfg
     path = promoted_drafter(cfg.storage.root)
-    if not missing_files(cfg.storage.root):
+    # a drafter there (placed by hand too, sharded too) or a record of one: a damaged one is refused by the
+    # init_from check, not silently replaced by a fresh start
+    if drafter_present(cfg.storage.root) or read_promoted(cfg.storage.root) is not None:
         log.info("train.init_from: promoted -> %s", path)
         resolved: str | None = path
     else:
