@@ -20,13 +20,30 @@ from flows.promotion_artifacts import publish_promotion
 
 
 def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry what may pass next time (storage or network I/O, a server that was down), never bad input: an
-    InputError (bad records over data.max_bad_fraction, a missing file, a plan that cannot be made) fails the same
-    way again after a whole pass over the data, while GPUs wait. An endpoint that failed may be back."""
+    """Retry what may pass next time, never bad input: an InputError (bad records over data.max_bad_fraction, a
+    missing file, a plan that cannot be made) fails the same way again after a whole pass over the data, while GPUs
+    wait. What may pass: any other error, an endpoint that failed (it may be back), and an InputError that an I/O
+    error caused (a shard read whose connection was reset) or that counts only files that could not be read."""
+    from dflash_core.data.errors import BadInputError
     from dflash_core.regenerate.errors import EndpointError
 
     exc = state.result(raise_on_failure=False)
-    return not isinstance(exc, InputError) or isinstance(exc, EndpointError)
+    if not isinstance(exc, InputError) or isinstance(exc, EndpointError):
+        return True
+    if isinstance(exc, BadInputError) and exc.reasons and exc.reasons <= {"unreadable"}:
+        return True
+    return _caused_by_io(exc)
+
+
+def _caused_by_io(exc: BaseException) -> bool:
+    """Whether an OSError that may not happen again (not a missing file or a refused permission) is behind it."""
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:
+        if isinstance(cause, OSError) and not isinstance(
+                cause, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @task(name="fingerprint-inputs", retries=2, retry_delay_seconds=5, retry_condition_fn=_worth_retrying)

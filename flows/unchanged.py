@@ -2,10 +2,11 @@
 
 A nightly schedule fires whether or not data arrived, and runs queued behind a long one (or while the worker was
 down) all start on the same data. A run is the same as an earlier one when its plan (the data's content, the
-tokenize and plan settings: plan_fp), its model, train, check and eval settings, and the promoted drafter it
-warm-starts from and must beat are all the same: it would train the same drafter again (same seed) and reach
-the same decision. Each completed flow run records its key under `<root>/trained/`, the key of the state it
-left behind (a promotion changes the incumbent); `skip_unchanged` then skips a run whose key is recorded.
+tokenize and plan settings: plan_fp), its model, train, check and eval settings are those of a completed run, and
+the promoted drafter (which it warm-starts from and must beat) is the one that run left: either the one it started
+from and did not beat (training would repeat it, same seed, same decision), or its own, promoted (training would
+only go over the same data again). Each completed flow run records its key under `<root>/trained/`, the key of
+the state it left behind; `skip_unchanged` then skips a run whose key is recorded.
 """
 
 from __future__ import annotations
@@ -18,17 +19,36 @@ from typing import Any
 import fsspec
 
 from dflash_core.config import PipelineConfig
-from dflash_core.promotion.store import read_promoted, record_id
+from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
 from flows import storage
 
 TRAINED_DIR = "trained"
 
 
 def training_key(config: PipelineConfig, plan_fp: str) -> str:
-    """What a training run and its promotion decision depend on, as one hash (see the module doc)."""
+    """What a training run and its promotion decision depend on, as one hash (see the module doc). The promoted
+    drafter counts by its record and its files (one placed by hand has no record; a file replaced by hand
+    changes too), a `train.init_from` folder by its files, not its path."""
+    root = config.storage.root
     settings = {name: getattr(config, name).model_dump(mode="json") for name in ("model", "train", "check", "eval")}
-    identity = {"plan": plan_fp, "settings": settings, "incumbent": record_id(read_promoted(config.storage.root))}
+    init_from = config.train.init_from
+    identity = {"plan": plan_fp, "settings": settings,
+                "incumbent": [record_id(read_promoted(root)), _files(promoted_drafter(root))],
+                "init_from": _files(init_from) if init_from not in (None, "promoted") else None}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _files(folder: str) -> list[list[Any]]:
+    """Each file of a folder with its size and modification stamp (mtime, an object store's ETag or update time):
+    a changed drafter changes them, without reading its weights."""
+    try:
+        fs, path = fsspec.core.url_to_fs(folder)
+        found = fs.find(path, detail=True)
+    except (OSError, ValueError):
+        return []
+    stamp = ("mtime", "ETag", "etag", "LastModified", "updated", "md5Hash")
+    return sorted([name.removeprefix(path), info.get("size"), next((info[k] for k in stamp if info.get(k)), None)]
+                  for name, info in found.items())
 
 
 def trained_before(root: str, key: str) -> dict[str, Any] | None:

@@ -214,3 +214,54 @@ def test_the_training_key_changes_with_the_plan_a_setting_or_the_promoted_drafte
     assert unchanged.training_key(cfg, "plan-a") != key  # a new promoted drafter: another warm start, another bar
     (tmp_path / "store" / "trained" / f"{key[:32]}.json").write_text("{cut sho")
     assert unchanged.trained_before(cfg.storage.root, key) is None  # a record that does not read: train
+
+    # a drafter placed by hand (no promoted.json), or replaced by hand, is a new incumbent too
+    hand = fast_config(tmp_path / "hand")
+    before = unchanged.training_key(hand, "plan-a")
+    drafter = tmp_path / "hand" / "promoted" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"x" * 10)
+    placed = unchanged.training_key(hand, "plan-a")
+    assert placed != before
+    (drafter / "model.safetensors").write_bytes(b"y" * 11)
+    assert unchanged.training_key(hand, "plan-a") != placed
+    # a train.init_from folder counts by its files, not its path (a release location rewritten in place)
+    start = tmp_path / "release"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"x" * 10)
+    warm = fast_config(tmp_path / "hand", **{"train.init_from": str(start)})
+    first = unchanged.training_key(warm, "plan-a")
+    (start / "model.safetensors").write_bytes(b"z" * 12)
+    assert unchanged.training_key(warm, "plan-a") != first
+
+
+def test_only_input_errors_that_may_pass_next_time_are_retried():
+    """Bad input fails its task at once; an error that may pass is retried: any other error, a failed endpoint,
+    an InputError an I/O error caused (a shard read whose connection was reset), bad input that is only files that
+    could not be read."""
+    from prefect.states import Failed
+
+    from dflash_core.data.errors import BadInputError
+    from dflash_core.data.shards import ShardError
+    from dflash_core.plan.errors import PlanError
+    from dflash_core.regenerate.errors import EndpointError, RegenerateError
+    from flows.tasks import _worth_retrying
+
+    def caused(error: Exception, cause: BaseException) -> Exception:
+        try:
+            raise error from cause
+        except Exception as exc:  # noqa: BLE001 - the exception with its cause, as the stages raise it
+            return exc
+
+    def retried(exc: BaseException) -> bool:
+        return _worth_retrying(None, None, Failed(data=exc))
+
+    assert not retried(BadInputError("3 of 20 records are bad input", frozenset({"wrong_schema", "unreadable"})))
+    assert not retried(PlanError("a sample longer than plan.max_tokens"))
+    assert not retried(RegenerateError("the server refused every one of the first 8 requests"))
+    assert not retried(caused(ShardError("x/index.parquet: missing"), FileNotFoundError(2, "no such file")))
+    assert retried(caused(ShardError("x/index.parquet: unreadable"), ConnectionResetError(104, "reset by peer")))
+    assert retried(BadInputError("1 of 1 records are bad input", frozenset({"unreadable"})))
+    assert retried(EndpointError("every endpoint failed"))
+    assert retried(OSError("connection reset by peer"))
