@@ -130,7 +130,11 @@ def retrain_drafter(
         _publish_failed(summary, stage, exc)
         raise
     publish_summary(**summary, promotion=decision)
-    unchanged.record_trained(config, plan_fp, {"run": run_dir, "verdict": report["verdict"],
-                                               "promoted": decision["promoted"], "tau": decision["tau"]})
+    try:  # what skip_unchanged reads; a run that trained and decided does not fail for want of it
+        unchanged.record_trained(config, plan_fp, {"run": run_dir, "verdict": report["verdict"],
+                                                   "promoted": decision["promoted"], "tau": decision["tau"]})
+    except Exception as exc:  # noqa: BLE001 - the next night trains again, which is the safe side
+        logger.warning("trained/: the record of this run was not written (%r); skip_unchanged will not skip "
+                       "a night that repeats it", exc)
     return {**result, "promoted": decision["promoted"], "tau": decision["tau"],
             "incumbent_tau": decision["incumbent_tau"], "gain": decision["gain"], "promotion": decision["reason"]}
