@@ -16,6 +16,12 @@ class DflashError(Exception):
     exit_code: int = EXIT_BAD_INPUT  # 2: bad input; 1: a run that failed (subclasses override)
 
 
+class TransientError(DflashError):
+    """A storage or network failure that may pass (a connection reset mid-read): run again (exit code 1)."""
+
+    exit_code = EXIT_FAILED
+
+
 class InputError(DflashError, ValueError):
     """Input the pipeline cannot use: a config, data, a plan, a command line (exit code 2)."""
 

@@ -132,7 +132,8 @@ def retrain_drafter(
     publish_summary(**summary, promotion=decision)
     try:  # what skip_unchanged reads; a run that trained and decided does not fail for want of it
         unchanged.record_trained(config, plan_fp, {"run": run_dir, "verdict": report["verdict"],
-                                                   "promoted": decision["promoted"], "tau": decision["tau"]})
+                                                   "promoted": decision["promoted"], "tau": decision["tau"]},
+                                 measured=scores.get("incumbent_id"))
     except Exception as exc:  # noqa: BLE001 - the next night trains again, which is the safe side
         logger.warning("trained/: the record of this run was not written (%r); skip_unchanged will not skip "
                        "a night that repeats it", exc)

@@ -21,26 +21,21 @@ from flows.promotion_artifacts import publish_promotion
 
 def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     """Retry what may pass next time, never bad input: an InputError (bad records over data.max_bad_fraction, a
-    missing file, a plan that cannot be made) fails the same way again after a whole pass over the data, while GPUs
-    wait. What may pass: any other error, an endpoint that failed (it may be back), and an InputError that an I/O
-    error caused (a shard read whose connection was reset) or that counts only files that could not be read."""
-    from dflash_core.data.errors import BadInputError
+    corrupt or missing file, a plan that cannot be made) fails the same way again after a whole pass over the data,
+    while GPUs wait. What may pass: any other error (a TransientError: a read whose connection was reset), an
+    endpoint that failed (it may be back), and an InputError a network failure caused (a shard read cut off)."""
     from dflash_core.regenerate.errors import EndpointError
 
     exc = state.result(raise_on_failure=False)
-    if not isinstance(exc, InputError) or isinstance(exc, EndpointError):
-        return True
-    if isinstance(exc, BadInputError) and exc.reasons and exc.reasons <= {"unreadable"}:
-        return True
-    return _caused_by_io(exc)
+    return not isinstance(exc, InputError) or isinstance(exc, EndpointError) or _caused_by_network(exc)
 
 
-def _caused_by_io(exc: BaseException) -> bool:
-    """Whether an OSError that may not happen again (not a missing file or a refused permission) is behind it."""
+def _caused_by_network(exc: BaseException) -> bool:
+    """Whether a connection failure or a timeout is behind it (not a corrupt file: gzip's and pyarrow's errors
+    are OSErrors too, and fail the same way again)."""
     cause = exc.__cause__ or exc.__context__
     while cause is not None:
-        if isinstance(cause, OSError) and not isinstance(
-                cause, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        if isinstance(cause, ConnectionError | TimeoutError):
             return True
         cause = cause.__cause__ or cause.__context__
     return False

@@ -19,6 +19,7 @@ from typing import Any
 import fsspec
 
 from dflash_core.config import PipelineConfig
+from dflash_core.model.export import drafter_location
 from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
 from flows import storage
 
@@ -34,19 +35,20 @@ def training_key(config: PipelineConfig, plan_fp: str) -> str:
     init_from = config.train.init_from
     identity = {"plan": plan_fp, "settings": settings,
                 "incumbent": [record_id(read_promoted(root)), _files(promoted_drafter(root))],
-                "init_from": _files(init_from) if init_from not in (None, "promoted") else None}
+                "init_from": _files(drafter_location(init_from)) if init_from not in (None, "promoted") else None}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _files(folder: str) -> list[list[Any]]:
-    """Each file of a folder with its size and modification stamp (mtime, an object store's ETag or update time):
-    a changed drafter changes them, without reading its weights."""
+    """Each file of a folder with its size and modification stamp (mtime, an object store's ETag or update time,
+    a hub file's blob id): a changed drafter changes them, without reading its weights. A folder that cannot be
+    listed (a hub out of reach) gives a marker that no listed night's key matches."""
     try:
         fs, path = fsspec.core.url_to_fs(folder)
         found = fs.find(path, detail=True)
-    except (OSError, ValueError):
-        return []
-    stamp = ("mtime", "ETag", "etag", "LastModified", "updated", "md5Hash")
+    except Exception:  # noqa: BLE001 - any storage or hub failure: train rather than skip
+        return [[folder, None, None]]
+    stamp = ("mtime", "ETag", "etag", "LastModified", "updated", "md5Hash", "blob_id")
     return sorted([name.removeprefix(path), info.get("size"), next((info[k] for k in stamp if info.get(k)), None)]
                   for name, info in found.items())
 
@@ -61,13 +63,19 @@ def trained_before(root: str, key: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("run") else None
 
 
-def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any]) -> None:
-    """Record a completed run under the key of the state it leaves (read after its promotion decision)."""
+def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any], measured: Any) -> bool:
+    """Record a completed run under the key of the state it leaves (read after its promotion decision), when
+    that state is one of the module doc's: its own drafter promoted, or the incumbent it was `measured` against
+    (record_id) still in service. Not after another run promoted meanwhile (a PromotionConflict): that drafter
+    was never compared on this run's data. Returns whether it recorded."""
+    if not outcome["promoted"] and record_id(read_promoted(config.storage.root)) != measured:
+        return False
     path = _path(config.storage.root, training_key(config, plan_fp))
     fs, local = fsspec.core.url_to_fs(path)
     fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(local, "w") as fh:
         json.dump({**outcome, "time": datetime.now(UTC).isoformat(timespec="seconds")}, fh, indent=2)
+    return True
 
 
 def skip_message(record: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -206,12 +207,17 @@ def test_the_training_key_changes_with_the_plan_a_setting_or_the_promoted_drafte
     assert unchanged.training_key(fast_config(tmp_path / "store", **{"train.lr": 1e-3}), "plan-a") != key
     assert unchanged.training_key(fast_config(tmp_path / "store", **{"eval.min_gain": 0.1}), "plan-a") != key
     assert unchanged.trained_before(cfg.storage.root, key) is None
-    unchanged.record_trained(cfg, "plan-a", {"run": "runs/x", "verdict": "pass", "promoted": False, "tau": 1.5})
+    outcome = {"run": "runs/x", "verdict": "pass", "promoted": False, "tau": 1.5}
+    assert unchanged.record_trained(cfg, "plan-a", outcome, measured=None)
     assert unchanged.trained_before(cfg.storage.root, key)["run"] == "runs/x"
     promoted = tmp_path / "store" / "promoted"
     promoted.mkdir()
-    (promoted / "promoted.json").write_text(json.dumps({"run": "runs/x", "time": "2026-12-04T02:00:00+00:00"}))
+    (promoted / "promoted.json").write_text(json.dumps({"run": "runs/y", "time": "2026-12-04T02:00:00+00:00"}))
     assert unchanged.training_key(cfg, "plan-a") != key  # a new promoted drafter: another warm start, another bar
+    # another run promoted while this one was measured against none (a PromotionConflict): nothing to record, the
+    # promoted drafter was never compared on this run's data
+    assert not unchanged.record_trained(cfg, "plan-a", outcome, measured=None)
+    assert unchanged.trained_before(cfg.storage.root, unchanged.training_key(cfg, "plan-a")) is None
     (tmp_path / "store" / "trained" / f"{key[:32]}.json").write_text("{cut sho")
     assert unchanged.trained_before(cfg.storage.root, key) is None  # a record that does not read: train
 
@@ -236,14 +242,18 @@ def test_the_training_key_changes_with_the_plan_a_setting_or_the_promoted_drafte
     assert unchanged.training_key(warm, "plan-a") != first
 
 
-def test_only_input_errors_that_may_pass_next_time_are_retried():
+def test_only_input_errors_that_may_pass_next_time_are_retried(tmp_path):
     """Bad input fails its task at once; an error that may pass is retried: any other error, a failed endpoint,
-    an InputError an I/O error caused (a shard read whose connection was reset), bad input that is only files that
-    could not be read."""
+    an InputError a network failure caused (a shard read whose connection was reset). A corrupt file is bad input
+    (gzip's and pyarrow's errors are OSErrors: they must not read as passing)."""
+    import gzip
+
     from prefect.states import Failed
 
     from dflash_core.data.errors import BadInputError
     from dflash_core.data.shards import ShardError
+    from dflash_core.data.sources import FileRecords, list_files
+    from dflash_core.errors import TransientError
     from dflash_core.plan.errors import PlanError
     from dflash_core.regenerate.errors import EndpointError, RegenerateError
     from flows.tasks import _worth_retrying
@@ -257,11 +267,27 @@ def test_only_input_errors_that_may_pass_next_time_are_retried():
     def retried(exc: BaseException) -> bool:
         return _worth_retrying(None, None, Failed(data=exc))
 
-    assert not retried(BadInputError("3 of 20 records are bad input", frozenset({"wrong_schema", "unreadable"})))
+    assert not retried(BadInputError("3 of 20 records are bad input"))
     assert not retried(PlanError("a sample longer than plan.max_tokens"))
     assert not retried(RegenerateError("the server refused every one of the first 8 requests"))
     assert not retried(caused(ShardError("x/index.parquet: missing"), FileNotFoundError(2, "no such file")))
+    assert not retried(caused(ShardError("x/part.parquet: corrupt"), gzip.BadGzipFile("Not a gzipped file")))
     assert retried(caused(ShardError("x/index.parquet: unreadable"), ConnectionResetError(104, "reset by peer")))
-    assert retried(BadInputError("1 of 1 records are bad input", frozenset({"unreadable"})))
     assert retried(EndpointError("every endpoint failed"))
+    assert retried(TransientError("reading it failed"))
     assert retried(OSError("connection reset by peer"))
+
+    # a source file whose read is cut by the network is no bad record: the stage stops, to be run again
+    class Reset(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    (tmp_path / "chats.jsonl").write_text("{}\n")
+    [source] = list_files(str(tmp_path / "chats.jsonl"))
+    records = FileRecords(source)
+    records._records = lambda raw: (_ for _ in [Reset().read()])  # type: ignore[method-assign]
+    with pytest.raises(TransientError, match="reading it failed after 0 records .ConnectionResetError"):
+        list(records)

@@ -55,8 +55,7 @@ class DropLog:
                 lines += [f"    {describe(e)}" for e in self.examples[reason]]
         lines.append("Fix or remove those records, map unknown roles with data.role_map, set data.format / "
                      "data.messages_key, or raise data.max_bad_fraction.")
-        raise BadInputError("\n".join(lines), frozenset(r for r, n in self.counts.items()
-                                                       if n and r not in POLICY_REASONS))
+        raise BadInputError("\n".join(lines))
 
 
 def describe(example: dict[str, Any]) -> str:

@@ -12,8 +12,4 @@ class TemplateError(DataError):
 
 
 class BadInputError(DataError):
-    """Too many input records could not be used (above data.max_bad_fraction); `reasons`: their drop reasons."""
-
-    def __init__(self, message: str, reasons: frozenset[str] = frozenset()) -> None:
-        super().__init__(message)
-        self.reasons = reasons
+    """Too many input records could not be used (above data.max_bad_fraction)."""

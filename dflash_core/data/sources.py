@@ -35,6 +35,7 @@ from fsspec.compression import compr
 from fsspec.utils import infer_compression
 
 from dflash_core.data.errors import DataError
+from dflash_core.errors import TransientError
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -232,6 +233,9 @@ class FileRecords:
                     yield rec
         except EOFError as exc:  # gzip/bz2/xz: the compressed stream ends before its end marker
             yield RawRecord(count, None, _truncated(count, f"{type(exc).__name__}: {exc}"))
+        except (ConnectionError, TimeoutError) as exc:  # the network, not the file: no bad record, a rerun reads it
+            raise TransientError(f"{self.file.uri}: reading it failed after {count} records ({type(exc).__name__}: "
+                                 f"{exc}); a storage or network failure, run again") from exc
         except Exception as exc:  # a broken file counts as one bad record, never a crash
             yield RawRecord(count, None, ReadFailure(f"{type(exc).__name__}: {exc}"))
         self.done = 1.0
