@@ -232,6 +232,20 @@ def test_a_crash_at_any_file_operation_of_an_object_store_swap_keeps_a_whole_pro
     assert (True, "runs/a") in outcomes and (False, "runs/b") in outcomes  # kills before and after it was whole
 
 
+def _measured_as(monkeypatch, root: str, incumbent_tau: float) -> list[str]:
+    """The gate's decoding faked: the promoted drafter scores `incumbent_tau`, any other 1.3; returns the list of
+    drafter folders measured, in order."""
+    measured: list[str] = []
+
+    def tau_of(cfg, target, drafter_dir):
+        measured.append(drafter_dir)
+        return {"tau": incumbent_tau if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]}
+
+    monkeypatch.setattr(gate, "_tau", tau_of)
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    return measured
+
+
 def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fails_before_training(
         root, monkeypatch):
     """Today's production drafter copied into promoted/drafter without a promoted.json: warm starts already
@@ -240,14 +254,7 @@ def test_a_drafter_placed_by_hand_is_an_incumbent_to_beat_and_a_damaged_store_fa
     them (the run trained from scratch and failed measuring the incumbent after the GPU hours)."""
     cfg = _cfg(root)
     _drafter(promoted_drafter(root), "HAND")
-    measured: list[str] = []
-
-    def tau_of(cfg, target, drafter_dir):
-        measured.append(drafter_dir)
-        return {"tau": 1.5 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]}
-
-    monkeypatch.setattr(gate, "_tau", tau_of)
-    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    measured = _measured_as(monkeypatch, root, incumbent_tau=1.5)
     scores = gate.measure(cfg, f"{root}/runs/b/drafter")
     assert measured == [f"{root}/runs/b/drafter", promoted_drafter(root)]
     assert scores["incumbent_tau"] == 1.5 and scores["incumbent_run"] == gate.PLACED
@@ -274,14 +281,7 @@ def test_a_sharded_drafter_placed_by_hand_is_measured_kept_and_warm_started_from
     files = _sharded(tiny_drafter(tiny_target()), promoted_drafter(root))
     store.check_incumbent(root, target)  # whole, for this target
     cfg = _cfg(root, **{"eval.min_gain": 100.0})
-    measured: list[str] = []
-
-    def tau_of(cfg, target, drafter_dir):
-        measured.append(drafter_dir)
-        return {"tau": 1.0 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]}
-
-    monkeypatch.setattr(gate, "_tau", tau_of)
-    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    measured = _measured_as(monkeypatch, root, incumbent_tau=1.0)
     new_dir = _drafter(str(tmp_path / "runs" / "b" / "drafter"), "B")
     scores = gate.measure(cfg, new_dir)
     assert measured == [new_dir, promoted_drafter(root)] and scores["incumbent_run"] == gate.PLACED
