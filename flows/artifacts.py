@@ -136,7 +136,8 @@ def md_text(text: str) -> str:
 
 def stop_reason(exc: BaseException) -> tuple[str, bool]:
     """Why a stage stopped, one line, and whether a signal stopped it (a cancel from the UI or CLI, a pod's
-    eviction: SIGTERM, or an interrupt) rather than a failure of its own."""
+    eviction: SIGTERM, or an interrupt) rather than a failure of its own. A training failure gives its brief
+    message (TrainingFailed.brief: without the log's path, which the task's error in the flow log names)."""
     from prefect.exceptions import TerminationSignal
 
     if isinstance(exc, TerminationSignal | KeyboardInterrupt):
@@ -144,7 +145,7 @@ def stop_reason(exc: BaseException) -> tuple[str, bool]:
         cause = "Ctrl-C" if number == signal.SIGINT else "a cancel from the UI or CLI, or the machine's eviction"
         return (f"stopped by {signal.Signals(number).name} ({cause}); the run folder keeps its checkpoints: run it "
                 f"again to resume", True)
-    return (str(exc).split("; full log:", 1)[0].strip().splitlines() or [""])[0] or type(exc).__name__, False
+    return (str(getattr(exc, "brief", "") or exc).strip().splitlines() or [""])[0] or type(exc).__name__, False
 
 
 # --- data ------------------------------------------------------------------------------------------------------

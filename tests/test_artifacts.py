@@ -23,6 +23,7 @@ from dflash_core.monitor.sinks import JsonlSink
 from dflash_core.plan import run_plan
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.interleave import longest_runs
+from dflash_core.runtime.launch import TrainingFailed
 from flows import artifacts
 from flows.metrics_tail import MetricsTail
 
@@ -354,7 +355,10 @@ def test_a_cancelled_run_says_so_on_its_pages(failed_run, tmp_path):
     why, cancelled = artifacts.stop_reason(TerminationSignal(signal=15))
     assert cancelled and why.startswith("stopped by SIGTERM (a cancel from the UI or CLI") and "resume" in why
     assert artifacts.stop_reason(KeyboardInterrupt())[0].startswith("stopped by SIGINT")
-    assert artifacts.stop_reason(RuntimeError("rank 0: OOM; full log: /x/train.log")) == ("rank 0: OOM", False)
+    failed = TrainingFailed("training failed on rank 0: OOM; full log: /x/train.log")
+    failed.brief = "training failed on rank 0: OOM"
+    assert artifacts.stop_reason(failed) == ("training failed on rank 0: OOM", False)
+    assert artifacts.stop_reason(RuntimeError("first line\nsecond")) == ("first line", False)
     _log(str(tmp_path / "metrics.jsonl"), range(5), loss=2.0)
     progress = artifacts.TrainingProgress(40, str(tmp_path / "metrics.jsonl"))
     progress.poll(final=True, stopped=(why, cancelled))

@@ -76,6 +76,13 @@ def test_a_rank_killed_by_a_signal_is_blamed_before_the_peer_that_lost_its_conne
     message = str(_failed(KILLED_PEER))
     assert message.startswith("training failed on rank 1: killed by SIGKILL (pid 709): out of host memory?")
     assert "dmesg" in message and message.endswith("; full log: run/train.log")
+    assert _failed(KILLED_PEER).brief == message.removesuffix("; full log: run/train.log")  # the ledger's, the page's
+
+
+def test_the_brief_message_keeps_the_news_that_the_log_is_incomplete():
+    exc = ProcessFailed(["python", "-m", "torch.distributed.run"], "failed", 1, ["starting"])
+    failed = TrainingFailed.from_process(exc, None, "run/train.log", OSError(28, "No space left on device"))
+    assert failed.brief == str(failed) and "run/train.log is incomplete: writing it failed" in failed.brief
 
 
 def test_a_lone_rank_killed_by_a_signal_is_named_with_the_signal():

@@ -209,7 +209,7 @@ def launch_train(
         except ProcessFailed as exc:
             kept_log = log.path if run_dir == out else join_uri(out, log_name)  # the staging folder goes
             failed = TrainingFailed.from_process(exc, first_rank_error(errors), kept_log, log.error)
-            error = str(failed).split("; full log:", 1)[0]
+            error = failed.brief
             raise failed from None
         except DflashError as exc:  # the copy of the token shards or of the plan failed
             error = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -383,6 +383,7 @@ class TrainingFailed(DflashError):
 
     exit_code = 1
     tail: list[str] | None = None  # torchrun's last lines, for callers that show more than the message
+    brief: str = ""  # the message without the log's path, for the ledger and the run page (an incomplete log stays)
 
     @classmethod
     def from_process(cls, exc: ProcessFailed, rank_error: dict | None, log_path: str | None,
@@ -407,6 +408,7 @@ class TrainingFailed(DflashError):
             head = f"training failed on {said}" if said else f"training {exc.reason} (exit code {exc.returncode})"
         failed = cls(head + where)
         failed.tail = exc.tail
+        failed.brief = head if log_error is None else head + where
         if rank_error and not exc.stopped and rank_error.get("exit_code") == EXIT_BAD_INPUT:
             failed.exit_code = EXIT_BAD_INPUT  # a rank refused its input (a device, a layer id): not a failed run
         return failed
