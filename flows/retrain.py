@@ -81,8 +81,9 @@ def retrain_drafter(
     check_incumbent(root, *target)
     check_init_from(config.train.init_from, *target)
     check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
-    if config.eval.data:  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
-        read_instances(config.eval.data, config.eval.limit)
+    prompts = None  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
+    if config.eval.data:
+        prompts = unchanged.prompts_digest(read_instances(config.eval.data, config.eval.limit))
     regenerated = None
     if config.data.regenerate.enabled:
         config, regenerated = _regenerated(config, root)
@@ -95,7 +96,7 @@ def retrain_drafter(
     plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json", tasks.plan_reads_back)(config, tokenized, plan_fp,
                                                                                          plan_dir)
     tasks.publish_plan_artifacts(plan_summary, plan_dir)
-    if skip_unchanged and (earlier := unchanged.trained_before(root, unchanged.training_key(config, plan_fp))):
+    if skip_unchanged and (earlier := unchanged.trained_before(root, unchanged.training_key(config, plan_fp, prompts))):
         message = unchanged.skip_message(earlier)
         logger.info(message)
         create_markdown_artifact(f"# Run summary\n\n**SKIPPED**: {md_text(message)}", key="run-summary",
@@ -133,7 +134,7 @@ def retrain_drafter(
     try:  # what skip_unchanged reads; a run that trained and decided does not fail for want of it
         unchanged.record_trained(config, plan_fp, {"run": run_dir, "verdict": report["verdict"],
                                                    "promoted": decision["promoted"], "tau": decision["tau"]},
-                                 measured=scores.get("incumbent_id"))
+                                 measured=scores.get("incumbent_id"), prompts=prompts)
     except Exception as exc:  # noqa: BLE001 - the next night trains again, which is the safe side
         logger.warning("trained/: the record of this run was not written (%r); skip_unchanged will not skip "
                        "a night that repeats it", exc)

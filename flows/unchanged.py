@@ -2,8 +2,8 @@
 
 A nightly schedule fires whether or not data arrived, and runs queued behind a long one (or while the worker was
 down) all start on the same data. A run is the same as an earlier one when its plan (the data's content, the
-tokenize and plan settings: plan_fp), its model, train, check and eval settings are those of a completed run, and
-the promoted drafter (which it warm-starts from and must beat) is the one that run left: either the one it started
+tokenize and plan settings: plan_fp), its model, train, check and eval settings and its `eval.data` prompts (by
+content: prompts_digest) are those of a completed run, and the promoted drafter (which it warm-starts from and must beat) is the one that run left: either the one it started
 from and did not beat (training would repeat it, same seed, same decision), or its own, promoted (training would
 only go over the same data again). Each completed flow run records its key under `<root>/trained/`, the key of
 the state it left behind; `skip_unchanged` then skips a run whose key is recorded.
@@ -11,8 +11,10 @@ the state it left behind; `skip_unchanged` then skips a run whose key is recorde
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,23 +22,32 @@ import fsspec
 
 from dflash_core.config import PipelineConfig
 from dflash_core.model.export import drafter_location
+from dflash_core.model.instances import Instance
 from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
 from flows import storage
 
 TRAINED_DIR = "trained"
 
 
-def training_key(config: PipelineConfig, plan_fp: str) -> str:
+def training_key(config: PipelineConfig, plan_fp: str, prompts: str | None = None) -> str:
     """What a training run and its promotion decision depend on, as one hash (see the module doc). The promoted
     drafter counts by its record and its files (one placed by hand has no record; a file replaced by hand
-    changes too), a `train.init_from` folder by its files, not its path."""
+    changes too), a `train.init_from` folder by its files, not its path, `eval.data` by the digest of the prompts
+    the gate decodes (`prompts`: prompts_digest; data.source's, the default, are in plan_fp)."""
     root = config.storage.root
     settings = {name: getattr(config, name).model_dump(mode="json") for name in ("model", "train", "check", "eval")}
     init_from = config.train.init_from
     identity = {"plan": plan_fp, "settings": settings,
                 "incumbent": [record_id(read_promoted(root)), _files(promoted_drafter(root))],
-                "init_from": _files(drafter_location(init_from)) if init_from not in (None, "promoted") else None}
+                "init_from": _files(drafter_location(init_from)) if init_from not in (None, "promoted") else None,
+                "prompts": prompts}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prompts_digest(instances: Sequence[Instance]) -> str:
+    """The eval prompts by content (read_instances' first `eval.limit`): a file rewritten in place at the same URI
+    is another gate."""
+    return hashlib.sha256(json.dumps([dataclasses.asdict(i) for i in instances]).encode()).hexdigest()
 
 
 def _files(folder: str) -> list[list[Any]]:
@@ -63,14 +74,16 @@ def trained_before(root: str, key: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("run") else None
 
 
-def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any], measured: Any) -> bool:
+def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any], measured: Any,
+                   prompts: str | None = None) -> bool:
     """Record a completed run under the key of the state it leaves (read after its promotion decision), when
     that state is one of the module doc's: its own drafter promoted, or the incumbent it was `measured` against
     (record_id) still in service. Not after another run promoted meanwhile (a PromotionConflict): that drafter
-    was never compared on this run's data. Returns whether it recorded."""
+    was never compared on this run's data. `prompts`: those the run started with (training_key). Returns whether it
+    recorded."""
     if not outcome["promoted"] and record_id(read_promoted(config.storage.root)) != measured:
         return False
-    path = _path(config.storage.root, training_key(config, plan_fp))
+    path = _path(config.storage.root, training_key(config, plan_fp, prompts))
     fs, local = fsspec.core.url_to_fs(path)
     fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(local, "w") as fh:

@@ -242,6 +242,27 @@ def test_the_training_key_changes_with_the_plan_a_setting_or_the_promoted_drafte
     assert unchanged.training_key(warm, "plan-a") != first
 
 
+def test_the_training_key_counts_the_eval_prompts_by_content(tmp_path):
+    """eval.data rewritten in place at the same URI is another gate: the key follows the prompts the gate reads
+    (the first eval.limit), not the URI."""
+    from common.flows import fast_config
+
+    from dflash_core.model.instances import read_instances
+    from flows import unchanged
+
+    prompts = tmp_path / "eval.jsonl"
+    cfg = fast_config(tmp_path / "store", **{"eval.data": str(prompts), "eval.limit": 2})
+
+    def key(*questions: str) -> str:
+        prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
+        return unchanged.training_key(cfg, "plan-a", unchanged.prompts_digest(read_instances(str(prompts), 2)))
+
+    first = key("What is 2+2?", "Name a prime.")
+    assert key("What is 2+2?", "Name a prime.", "never read: past eval.limit") == first
+    assert key("What is 3+3?", "Name a prime.") != first
+    assert first != unchanged.training_key(cfg, "plan-a")
+
+
 def test_only_input_errors_that_may_pass_next_time_are_retried(tmp_path):
     """Bad input fails its task at once; an error that may pass is retried: any other error, a failed endpoint,
     an InputError a network failure caused (a shard read whose connection was reset). A corrupt file is bad input
