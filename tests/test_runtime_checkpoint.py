@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.runtime.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from dflash_core.runtime.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    identity_change,
+    rng_state,
+    run_made_for,
+    set_rng_state,
+)
 from dflash_core.runtime.schedule import lr_factor, make_scheduler, warmup_steps
 
 
@@ -164,3 +171,28 @@ def test_scheduler_state_resumes():
         assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
         sched.step()
         sched2.step()
+
+
+def test_a_refused_resume_says_what_differs_and_how_to_resume_another_split(tmp_path):
+    """identity_change: the settings a checkpoint was made for against this run's, in words; the same data
+    planned for another world size or grad accum gets the plan command that resumes it."""
+    plan = {"tokenized_fingerprint": "aa", "world_size": 2, "grad_accum": 3, "max_tokens": 4096, "num_steps": 14,
+            "rank_imbalance": 0.02, "order": ["x" * 50] * 10}
+    model = {"target": "/m/qwen", "block_size": 16, "num_draft_layers": 1, "attention": "flex"}
+    before = run_made_for(plan, model)
+    assert "order" not in before["plan"] and "attention" not in before["model"]  # long tables, kernels: not kept
+    split = identity_change(before, run_made_for({**plan, "world_size": 1, "grad_accum": 6, "rank_imbalance": 0.0},
+                                                 model))
+    assert split.startswith("the same data and settings planned for another split over processes (plan.grad_accum "
+                            "3 -> 6; plan.world_size 2 -> 1)")
+    assert "plan again with --world-size 2 --grad-accum 3 and launch 2 processes in all" in split
+    fewer = identity_change(before, run_made_for({**plan, "grad_accum": 2, "num_steps": 21}, model))
+    assert "--world-size 2 --grad-accum 3" in fewer and "num_steps" not in fewer  # a figure that follows from it
+    data = identity_change(before, run_made_for({**plan, "tokenized_fingerprint": "bb", "num_steps": 15}, model))
+    assert data == "plan.tokenized_fingerprint 'aa' -> 'bb'"
+    assert identity_change(before, run_made_for(plan, {**model, "block_size": 8})) == "model.block_size 16 -> 8"
+    assert identity_change(before, run_made_for({**plan, "num_steps": 15}, model)) == "plan.num_steps 14 -> 15"
+    assert identity_change(None, before).startswith("another plan")  # a checkpoint from before made_for
+    manager = CheckpointManager(tmp_path / "ckpt", keep=2)
+    manager.save(3, *_state(3), identity="id", made_for=before)
+    assert manager.load(tmp_path / "ckpt" / "step-3").made_for == before  # what the refusal compares

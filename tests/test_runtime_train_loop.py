@@ -1,6 +1,7 @@
 """DrafterTrainLoop in one process: step-level loss normalisation is exact, non-finite steps are skipped."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -112,6 +113,20 @@ def test_nan_micro_batch_skips_the_step_and_counts_it(parts):
     assert opt.seen == []  # the optimizer never stepped
     assert all(p.grad is None for p in drafter.parameters())  # and the poisoned gradients are gone
     assert opt.param_groups[0]["lr"] == lr_before
+
+
+def test_a_step_is_timed_from_the_restart_of_the_clock(parts):
+    """Time spent between two steps on a checkpoint or a validation (the trainer restarts the clock after them)
+    is not the next step's: step_time_s, tokens_per_s, tflops and mfu are the training step's."""
+    target, reader, drafter, _ = parts
+    loop, _ = _loop(drafter, _micro_batches(target, reader, drafter))
+    time.sleep(1.0)  # a validation run after the previous step
+    loop.restart_clock()
+    record = loop.train_step(0)
+    assert record["step_time_s"] < 1.0 and record["tokens_per_s"] > record["n_tokens"]
+    loop, _ = _loop(drafter, _micro_batches(target, reader, drafter))
+    time.sleep(1.0)  # not restarted: the gap counts
+    assert loop.train_step(0)["step_time_s"] >= 1.0
 
 
 def test_anchor_seed_depends_on_every_coordinate():

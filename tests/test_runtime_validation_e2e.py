@@ -50,6 +50,9 @@ def test_validation_records_and_the_best_drafter(inputs, baseline):
     assert summary["val_accept_len"] == val[-1]["val_accept_len"]
     assert sorted(p.name for p in (out / "drafter-best").iterdir()) == ["config.json", "model.safetensors"]
     assert load_dflash(str(out / "drafter-best"), load_target(inputs.target)).block_size == 4
+    # a validation (and a checkpoint) between two steps is not the next step's time: it starts after them
+    after = {r["step"] + 1: r["time"] for r in val}
+    assert all(r["step_time_s"] <= r["time"] - after[r["step"]] + 1e-3 for r in train if r["step"] in after)
     if best["step"] == 5:  # the best is the final weights: both exports hold the same tensors
         assert (out / "drafter-best" / "model.safetensors").read_bytes() == \
             (out / "drafter" / "model.safetensors").read_bytes()

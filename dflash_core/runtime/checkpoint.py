@@ -3,9 +3,10 @@
 Layout of `<out>/checkpoints/step-N/` (N = optimizer steps completed = the plan step to run next):
 - `model.safetensors`: the drafter's trainable weights (fp32 master weights, names as in its state_dict);
 - `train_state.pt`: optimizer, scheduler, loop counters and every rank's RNG states (torch.load weights_only);
-- `meta.json`: written last, {"step": N, "complete": true, "identity": ..., ...}: the identity of the run (its
-  plan and the drafter's architecture and target, `run_identity`); a run of another plan or target refuses to
-  resume from it (it would continue those weights on other data, and export them as its own).
+- `meta.json`: written last, {"step": N, "complete": true, "identity": ..., "made_for": ..., ...}: the identity
+  of the run (its plan and the drafter's architecture and target, `run_identity`) and the settings it hashes
+  (`made_for`); a run of another plan or target refuses to resume from it (it would continue those weights on
+  other data, and export them as its own), saying what differs (`identity_change`).
 A folder only ever gets its final name by an atomic rename of a fully written and fsynced temporary folder,
 so a crash in the middle of a save leaves `.tmp-*` debris (removed at the next start) and the previous
 checkpoint intact. Where that does not hold (a bucket mounted with gcsfuse or s3fs copies a folder file by file
@@ -62,6 +63,7 @@ class Checkpoint:
     model: dict[str, torch.Tensor]
     state: dict[str, Any]
     identity: str | None = None
+    made_for: dict[str, Any] | None = None  # run_made_for of the run that wrote it (None: written before it did)
 
 
 # the model settings a checkpoint's weights belong to (others, such as the attention kernel, may change on resume)
@@ -74,6 +76,45 @@ def run_identity(plan_meta: dict[str, Any], model: dict[str, Any]) -> str:
     settings and shape) and the drafter's architecture and target."""
     blob = json.dumps([plan_meta, {k: model.get(k) for k in IDENTITY_MODEL_KEYS}], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def run_made_for(plan_meta: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """The readable part of what run_identity hashes, for saying what changed: the plan's short settings (its
+    data fingerprint, world size, grad accum, budgets, edges, step count; not its long tables) and the model
+    keys."""
+    short = {k: v for k, v in plan_meta.items() if len(json.dumps(v, default=str)) <= 200}
+    return {"plan": short, "model": {k: model.get(k) for k in IDENTITY_MODEL_KEYS}}
+
+
+# how a plan's steps are split over processes: the same data and settings give the same steps' batches
+SPLIT_KEYS = ("world_size", "grad_accum")
+# figures that follow from the plan's settings: said only when nothing else differs
+DERIVED_PLAN_KEYS = ("version", "micro_batches_per_step", "num_micro_batches", "micro_batches_per_epoch",
+                     "dropped_micro_batches", "padded_micro_batches", "padding_efficiency", "step_tokens_cv",
+                     "rank_imbalance", "rank_imbalance_stats", "round_robin_rank_imbalance", "num_steps",
+                     "tokens_per_epoch", "num_samples")
+
+
+def identity_change(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """What differs between the run that wrote a checkpoint (its run_made_for) and this one, and what to do
+    about it when the answer is known: one sentence for CheckpointError."""
+    if not before:
+        return "another plan, so other data or batches, or another target or drafter shape"
+    changed = {(part, key): (before.get(part, {}).get(key), value)
+               for part in ("plan", "model") for key, value in now.get(part, {}).items()
+               if before.get(part, {}).get(key) != value}
+    changed.update({(part, key): (value, None) for part in ("plan", "model")
+                    for key, value in before.get(part, {}).items() if key not in now.get(part, {})})
+    said = {k: v for k, v in changed.items() if k[1] not in DERIVED_PLAN_KEYS} or changed
+    what = "; ".join(f"{part}.{key} {old!r} -> {new!r}" for (part, key), (old, new) in sorted(said.items())[:6])
+    what += f" and {len(said) - 6} more" if len(said) > 6 else ""
+    split = {key for _, key in said} <= set(SPLIT_KEYS) and said
+    if split:
+        old = before["plan"]
+        return (f"the same data and settings planned for another split over processes ({what}): a resume needs "
+                f"the split its checkpoints were made with: plan again with --world-size {old.get('world_size')} "
+                f"--grad-accum {old.get('grad_accum')} and launch {old.get('world_size')} processes in all")
+    return what or "another plan, so other data or batches, or another target or drafter shape"
 
 
 def rng_state() -> dict[str, Any]:
@@ -169,7 +210,7 @@ class CheckpointManager:
         return None
 
     def save(self, step: int, model: dict[str, torch.Tensor], state: dict[str, Any],
-             identity: str | None = None) -> Path:
+             identity: str | None = None, made_for: dict[str, Any] | None = None) -> Path:
         """Write checkpoint `step-<step>` atomically and prune old ones; returns its path."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
@@ -182,7 +223,7 @@ class CheckpointManager:
         torch.save(state, tmp / "train_state.pt")
         _fsync_file(tmp / "train_state.pt")
         meta = {"step": step, "complete": True, "time": time.time(), "tensors": len(weights),
-                **({"identity": identity} if identity else {})}
+                **({"identity": identity} if identity else {}), **({"made_for": made_for} if made_for else {})}
         (tmp / "meta.json").write_text(json.dumps(meta))
         _fsync_file(tmp / "meta.json")
         _fsync_dir(tmp)
@@ -230,5 +271,5 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc})") from exc
             return Checkpoint(step=int(meta["step"]), path=path, model=model, state=state,
-                              identity=meta.get("identity"))
+                              identity=meta.get("identity"), made_for=meta.get("made_for"))
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -1,7 +1,8 @@
 """Model FLOPs and MFU of every training step: `tflops` and `mfu` in each metrics record.
 
-MFU = achieved model FLOP/s (dflash_core.model.flops) / (bf16 dense peak x the devices this rank uses). The
-peak comes from `train.peak_tflops` when set, else from the table below by device name; on CPU, or on a GPU
+MFU = achieved model FLOP/s (dflash_core.model.flops) / (bf16 dense peak x the devices the step runs on). Both
+are the whole step's, over every rank (like tokens_per_s): `tflops` is the run's, `mfu` the mean over its devices.
+The peak comes from `train.peak_tflops` when set, else from the table below by device name; on CPU, or on a GPU
 the table does not know, mfu is null (tflops is always there).
 """
 
@@ -11,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
@@ -87,7 +89,8 @@ def missing_peak_note(device: torch.device, peak_tflops: float | None) -> str | 
 
 @dataclass
 class FlopMeter:
-    """Counts one rank's model FLOPs per step; `record(seconds)` -> the step's tflops, mfu and FLOP split.
+    """Counts one rank's model FLOPs per step; `record(seconds, world_size, device)` -> the step's tflops, mfu
+    and FLOP split, summed over the ranks.
 
     The drafter's count is linear in its four inputs, so they are summed over micro-batches as device tensors
     and read once per step, after the loop's own synchronisation (no extra sync per micro-batch).
@@ -117,15 +120,22 @@ class FlopMeter:
             self._pairs = self._pairs + out.visible_pairs
         self._rows = self._rows + out.counted.sum()
 
-    def record(self, seconds: float) -> dict:
-        """{"tflops", "mfu", "step_tflop": {"target", "drafter"}} of the step just finished; resets the counts."""
+    def record(self, seconds: float, world_size: int = 1, device: torch.device | None = None) -> dict:
+        """{"tflops", "mfu", "step_tflop": {"target", "drafter"}} of the step just finished, over the
+        `world_size` ranks (a collective: every rank calls it; `device` holds the sum for the backend); resets
+        the counts. Ranks' FLOPs differ with their batches' lengths, their step time does not."""
         drafter = drafter_step_flops(
             self.shape, self._context_tokens, self._blocks, float(self._pairs), float(self._rows)
         )
-        total = self._target + drafter
-        tflops = total / seconds / 1e12 if seconds > 0 else None
-        mfu = tflops / (self.peak_tflops * self.devices) if tflops is not None and self.peak_tflops else None
-        split = {"target": self._target / 1e12, "drafter": drafter / 1e12}
+        target = self._target
+        if world_size > 1:
+            both = torch.tensor([target, drafter], dtype=torch.float64, device=device)
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            target, drafter = both.tolist()
+        tflops = (target + drafter) / seconds / 1e12 if seconds > 0 else None
+        peak = self.peak_tflops * self.devices * world_size if self.peak_tflops else None
+        mfu = tflops / peak if tflops is not None and peak else None
+        split = {"target": target / 1e12, "drafter": drafter / 1e12}
         self._target = self._context_tokens = self._blocks = 0.0
         self._pairs = self._rows = 0.0
         return {"tflops": tflops, "mfu": mfu, "step_tflop": split}

@@ -270,8 +270,14 @@ class DrafterTrainLoop:
             "grad_norm_avg": self._ema(), "clipped": bool(math.isfinite(norm) and norm > self.s.clip),
             "clip": self.s.clip, "lr": lr, "nonfinite": nonfinite, "nonfinite_total": self.nonfinite_total,
             "skipped": skipped, "tokens_per_s": m["n_tokens"] / elapsed if elapsed > 0 else None,
-            "step_time_s": elapsed, **self.meter.record(elapsed), **self.health(), "time": time.time(),
+            "step_time_s": elapsed, **self.meter.record(elapsed, self.s.world_size, self.s.device), **self.health(),
+            "time": time.time(),
         }
+
+    def restart_clock(self) -> None:
+        """The next step's time starts now: a checkpoint or a validation run between two steps is not part of
+        either (step_time_s, tokens_per_s, tflops and mfu are the training step's; checkpoint_s says the rest)."""
+        self._last_end = time.perf_counter()
 
     def _apply(self, weight_sum: float, loss: float) -> tuple[float, bool, bool]:
         """Normalise, clip and step (or skip); returns (pre-clip norm, skipped, non-finite)."""

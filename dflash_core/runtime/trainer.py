@@ -27,8 +27,10 @@ from dflash_core.runtime.channel import Channel, fail_all
 from dflash_core.runtime.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    identity_change,
     rng_state,
     run_identity,
+    run_made_for,
     set_rng_state,
 )
 from dflash_core.runtime.config import RunConfig
@@ -89,7 +91,9 @@ class Trainer:
         self.mask_token_id, self.mask_token = mask_token_id, mask_token
         self.device = resolve_device(cfg.train.device, env)
         self.ckpts = CheckpointManager(self.out / "checkpoints", cfg.train.keep_checkpoints, faults)
-        self.identity = run_identity(plan.meta, cfg.model.model_dump(mode="json"))
+        model = cfg.model.model_dump(mode="json")
+        self.identity = run_identity(plan.meta, model)
+        self.made_for = run_made_for(plan.meta, model)  # what the identity hashes, to say what changed
         self.start_step = 0
         self.steps_redone = 0  # set by train(): see there
         self.resumed_from: str | None = None
@@ -135,10 +139,10 @@ class Trainer:
         ckpt = newest or self.ckpts.load(self.ckpts.root / f"step-{step}")
         if ckpt.identity is not None and ckpt.identity != self.identity:
             raise CheckpointError(
-                f"{self.ckpts.root} holds the checkpoints of another run (another plan, so other data or batches, "
-                f"or another target or drafter shape): resuming would continue its weights on this run's data and "
-                f"export them as this run's drafter. Train into a new run folder (--out / --run-name), or delete "
-                f"{self.ckpts.root} to start this one from scratch")
+                f"{self.ckpts.root} holds the checkpoints of another run ({identity_change(ckpt.made_for, self.made_for)})"
+                f": resuming would continue its weights on this run's data and export them as this run's drafter. "
+                f"Train into a new run folder (--out / --run-name), or delete {self.ckpts.root} to start this one "
+                f"from scratch")
         self.drafter.load_state_dict(ckpt.model)
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
@@ -266,6 +270,7 @@ class Trainer:
             self.stop.armed = True
             if self.val_pending is not None:  # the checkpoint was written before its step's validation ran
                 self._pending_validation(self.val_pending, sink)
+                loop.restart_clock()
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
@@ -289,6 +294,8 @@ class Trainer:
                         f"command again to resume from it")
                 if validating:
                     self._validate(step, sink)
+                if due or validating:
+                    loop.restart_clock()
         except BaseException as exc:
             fail_all(channels, exc)  # wakes and stops every stage
             raise
@@ -366,7 +373,7 @@ class Trainer:
             "schedule_steps": self.plan.num_steps,  # what the lr schedule spans (train.max_steps may change it)
             "settings": learning_settings(self.cfg),  # what a resume with other ones notes
         }
-        self.ckpts.save(step, self.drafter.state_dict(), state, self.identity)
+        self.ckpts.save(step, self.drafter.state_dict(), state, self.identity, self.made_for)
 
     def _export(self) -> None:
         if self.env.is_main:  # swapped in whole: a crash mid-export never leaves a half drafter to serve
