@@ -335,6 +335,24 @@ def test_curves_of_one_step_have_whole_step_ticks():
     assert ticks and all(float(t).is_integer() for t in ticks)
 
 
+def test_curves_of_a_long_run_keep_a_one_step_spike():
+    """200,000 steps are thinned for the page, but by each stretch's lowest and highest values: a one-step
+    grad-norm spike and the lowest loss are drawn, the steps stay in order, and the point count stays bounded."""
+    from dflash_core.monitor.curves import MAX_POINTS, curves_figure
+
+    rng = np.random.default_rng(0)
+    train = [{"step": i, "loss": 3.0 - i / 1e5 + rng.normal(0, 0.01), "grad_norm": 1.5, "clip": 1.0}
+             for i in range(200_000)]
+    train[123_457]["grad_norm"] = 500.0
+    train[150_001]["loss"] = 0.1
+    fig = curves_figure(train, [])
+    loss, grad = (next(line for line in ax.lines if line.get_label() == label)
+                  for ax, label in zip(fig.axes, ("train loss", "grad norm (pre-clip)"), strict=True))
+    steps = grad.get_xdata()
+    assert max(grad.get_ydata()) == 500.0 and 123_457 in steps and 0 in steps and 199_999 in steps
+    assert min(loss.get_ydata()) == 0.1 and list(steps) == sorted(steps) and len(steps) <= 3 * MAX_POINTS
+
+
 def test_free_text_renders_as_written_in_tables_and_pages(failed_run):
     """Errors and reasons carry `|`, `<path>` and newlines: each stays one cell, one line, shown as written."""
     text = "x | y\nz (dflash eval --against <root>/promoted/drafter)"
