@@ -12,6 +12,7 @@ from prefect.states import Failed, State
 
 from dflash_core.config import PipelineConfig
 from dflash_core.data.shards import check_shards
+from dflash_core.errors import UsageError
 from dflash_core.model.drafter import check_target_fit
 from dflash_core.model.instances import read_instances
 from dflash_core.promotion.store import check_incumbent
@@ -22,6 +23,14 @@ from flows.artifacts import md_text, publish_summary, stop_reason
 # what the flow's result carries of the training summary (README: "Validation, best checkpoint, warm start")
 TRAIN_RESULT_KEYS = ("best_step", "best_val_accept_len", "drafter_best", "val_loss", "val_accept_len", "init_from",
                      "cost")  # the run's GPU-hours over its launches (README: "Files a run writes", launches.jsonl)
+
+
+def check_run_name(name: str | None) -> None:
+    """A run name is one folder under <root>/runs/: "../promoted" would train into the promoted drafter's folder,
+    "a/b" nest one run inside another's name; UsageError before any work."""
+    if name and (not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0")):
+        raise UsageError(f"run_name {name!r}: give one folder name for <storage root>/runs/ (no '/' or '\\', not "
+                         "'.' or '..'), or none for the default")
 
 
 def _run_name(explicit: str | None, plan_fp: str) -> str:
@@ -71,6 +80,7 @@ def retrain_drafter(
     The config's URIs must be resolved (the application layer resolves example://, see dflash_app.deploy).
     """
     logger = get_run_logger()
+    check_run_name(run_name)
     if data_source:
         config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
     root = config.storage.root

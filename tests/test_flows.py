@@ -211,6 +211,15 @@ def test_data_source_parameter_overrides_the_config(tmp_path, example_assets):
     assert manifest["read"] == 400
 
 
+@pytest.mark.parametrize("name", ["../promoted", "a/b", "..", " ", "x\\y"])
+def test_a_run_name_that_is_not_one_folder_fails_before_any_work(tmp_path, name):
+    """run_name "../promoted" would have trained into the promoted drafter's folder."""
+    cfg = fast_config(tmp_path / "store")
+    state = retrain_drafter(config=cfg, run_name=name, return_state=True)
+    assert state.is_failed() and f"run_name {name!r}: give one folder name" in state.message
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
+
+
 def test_deployment_parameters_match_the_tiny_preset():
     spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
     nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
