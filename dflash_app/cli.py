@@ -273,9 +273,9 @@ def _check_run_inputs(cfg: PipelineConfig) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _resolved(_config(args))
     _check_run_inputs(cfg)
-    from flows.retrain import retrain_drafter
+    from dflash_app.demo import run_retrain
 
-    state = retrain_drafter(config=cfg, run_name=args.run_name, return_state=True)
+    state = run_retrain(cfg, args.run_name)  # a FlowSetupError is one line, exit 1 (see main)
     result = state.result(raise_on_failure=False)
     summary = result if isinstance(result, dict) else {"error": str(result)}
     _print_summary({"state": state.type.value, "message": state.message, "promoted": False, "tau": None, **summary})
@@ -285,7 +285,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dflash_app.demo import run_demo
 
-    summary = run_demo(run_name=args.run_name)  # a DemoSetupError is one line, exit 1 (see main)
+    summary = run_demo(run_name=args.run_name)  # a FlowSetupError is one line, exit 1 (see main)
     _print_summary(summary)
     return 0 if summary.get("state") == "COMPLETED" else EXIT_FAILED
 

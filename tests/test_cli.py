@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -108,6 +109,28 @@ def test_expected_failures_are_one_line_with_their_exit_code(monkeypatch, capsys
     assert cli.main(["plan", "--tokenized", "t", "--out", "o"]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"dflash plan: error: {exc}"]
+
+
+def test_run_gives_the_temporary_server_time_and_says_in_one_line_when_it_does_not_start(
+        monkeypatch, capsys, example_assets):
+    """`dflash run`, like the demo, waits up to 180 s for Prefect's temporary server (20 s, Prefect's default,
+    ran out on a busy 2-core machine) and says so in one line, exit 1, instead of a page of traceback."""
+    import flows.retrain
+
+    seen = {}
+
+    def no_server(**kwargs):
+        seen["timeout"] = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "0")  # restored after the test
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+    monkeypatch.setattr(flows.retrain, "retrain_drafter", no_server)
+    assert cli.main(["run"]) == 1
+    assert seen["timeout"] == "180"
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dflash run: error: Prefect's temporary API server did not start (Timed out") and \
+        "PREFECT_API_URL" in line
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

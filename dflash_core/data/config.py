@@ -17,7 +17,7 @@ class DataConfig(StrictModel):
     tokenizer: str = Field(description="tokenizer path or hub id (example://tokenizer for the demo)")
     format: Literal["auto", "sharegpt", "openai"] = Field(
         "auto", description="how turns are written: sharegpt (from/value), openai (role/content); auto = detected per "
-        "file from its first records")
+        "record (a file's first records decide only for turns that are plain strings)")
     messages_key: str | None = Field(None, description="the key holding the turns; None = auto-detect")
     role_map: dict[str, str] = Field(
         default_factory=dict, description="extra role names -> system|user|assistant|tool"

@@ -10,7 +10,7 @@ DEFAULT_DPACE_ALPHA = 0.5  # the D-PACE paper's and speculators' default
 
 
 class ModelConfig(StrictModel):
-    """The target to condition on and the drafter's shape (DFLASH_SPEC.md)."""
+    """The target to condition on and the drafter's shape (docs/DFLASH_SPEC.md)."""
 
     target: str = Field(description="target model path or hub id (example://target for the demo)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
