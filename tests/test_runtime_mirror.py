@@ -6,12 +6,13 @@ import os
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import fsspec
 import pytest
 
-from dflash_core.runtime.run_mirror import MirrorError, RunMirror, staged_run
+from dflash_core.runtime.run_mirror import REPUSH_BYTES_PER_S, MirrorError, RunMirror, staged_run
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ def test_a_local_run_folder_is_used_as_it_is_and_a_remote_one_is_staged_then_rem
 
 
 def test_a_failed_final_push_keeps_the_staging_folder_and_says_where(remote, tmp_path, monkeypatch):
-    def broken(self) -> int:
+    def broken(self, final: bool = False) -> int:
         raise OSError("the store is down")
 
     with pytest.raises(MirrorError, match=r"final push .* failed \(OSError: the store is down\).*kept in"):
@@ -231,17 +232,17 @@ def test_a_signal_during_the_final_push_lets_it_finish_first(remote, tmp_path, m
     calls, lines = [], []
     real = RunMirror.push
 
-    def interrupted_once(self):
-        calls.append(1)
+    def interrupted_once(self, final=False):
+        calls.append(final)
         if len(calls) == 1:
             raise KeyboardInterrupt  # what Prefect's TerminationSignal is too: a BaseException from a handler
-        return real(self)
+        return real(self, final)
 
     with pytest.raises(KeyboardInterrupt):
         with staged_run(remote, lines.append, every_s=60) as run_dir:
             (Path(run_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
             monkeypatch.setattr(RunMirror, "push", interrupted_once)
-    assert len(calls) == 2 and fs.cat_file(f"{remote}/metrics.jsonl") == b'{"step": 0}\n'
+    assert calls == [True, True] and fs.cat_file(f"{remote}/metrics.jsonl") == b'{"step": 0}\n'
     assert any("KeyboardInterrupt during the final push" in line and "finishing it first" in line for line in lines)
     assert not Path(run_dir).exists()  # pushed whole: the staging folder goes as after any final push
 
@@ -321,3 +322,85 @@ def test_a_staging_folder_names_its_owner_and_the_record_stays_off_the_store(rem
         assert Path(local).parent == tmp_path and json.loads((Path(local) / OWNER_FILE).read_text())["pid"] == os.getpid()
         (Path(local) / "metrics.jsonl").write_text('{"step": 0}\n')
     assert _names(fsspec.filesystem("memory"), remote) == ["metrics.jsonl"]
+
+
+class _Uploads:
+    """A RunMirror on a fake clock whose uploads are counted by file (the clock moves only when told)."""
+
+    def __init__(self, remote: str, local: Path, monkeypatch, every_s: float = 1.0) -> None:
+        self.now, self.count = 0.0, Counter()
+        self.mirror = RunMirror(remote, str(local), every_s=every_s, clock=lambda: self.now)
+        real = self.mirror.fs.put_file
+
+        def counted(lpath, rpath, **kwargs):
+            self.count[Path(lpath).relative_to(local).as_posix()] += 1
+            return real(lpath, rpath, **kwargs)
+
+        monkeypatch.setattr(self.mirror.fs, "put_file", counted)  # fsspec's memory filesystem is one instance
+
+    def tick(self, final: bool = False) -> None:
+        self.now += self.mirror.every_s
+        self.mirror.push(final=final)
+
+
+def _append(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as fh:
+        fh.write(data)
+
+
+def test_a_big_growing_file_is_pushed_at_a_bounded_rate_and_whole_at_a_checkpoint_and_at_the_end(
+        remote, tmp_path, monkeypatch):
+    """metrics.jsonl grows ~1.5 KB a step and each push re-uploads it whole: pushed every 30 s, a 200k-step run sent
+    it ~1.3 TB. A big one now waits size / REPUSH_BYTES_PER_S seconds between periodic uploads; a small file (the
+    log here) still goes every push; a checkpoint push and the final one send it as it is."""
+    fs = fsspec.filesystem("memory")
+    local = tmp_path / "staging"
+    metrics, log = local / "metrics.jsonl", local / "train.log"
+    _append(metrics, b"x" * (10 * REPUSH_BYTES_PER_S))  # big with every_s = 1 s (over REPUSH_BYTES_PER_S x 1 s)
+    uploads = _Uploads(remote, local, monkeypatch)
+    uploads.mirror.push()  # t = 0: first push, everything
+    for _ in range(20):  # t = 1..20 s: ~10 s between its uploads
+        _append(metrics, b"m" * 1000)
+        _append(log, b"a log line\n")
+        uploads.tick()
+    assert uploads.count["metrics.jsonl"] == 2 and uploads.count["train.log"] == 20  # at t = 0 and 11
+    _append(metrics, b"m" * 1000)
+    _checkpoint(local, 21)
+    uploads.tick()  # t = 21: not due (10 s since t = 11), but it must reach the checkpoint sent
+    assert fs.cat_file(f"{remote}/metrics.jsonl") == metrics.read_bytes()
+    assert fs.exists(f"{remote}/checkpoints/step-21/meta.json")
+    _append(metrics, b"m" * 1000)
+    uploads.tick()
+    assert uploads.count["metrics.jsonl"] == 3
+    uploads.tick(final=True)  # the end of the launch (done, failed or stopped): nothing stays behind
+    assert uploads.count["metrics.jsonl"] == 4 and fs.cat_file(f"{remote}/metrics.jsonl") == metrics.read_bytes()
+
+
+def test_the_wandb_folder_goes_with_checkpoint_pushes_and_the_final_one_only(remote, tmp_path, monkeypatch):
+    """W&B's offline run file grows ~5 KB a step (~1 GB at 200k steps) and only `wandb sync` reads it: pushed every
+    30 s it cost more than metrics.jsonl."""
+    fs = fsspec.filesystem("memory")
+    local = tmp_path / "staging"
+    run_file = local / "wandb" / "offline-run-1" / "run-1.wandb"
+    uploads = _Uploads(remote, local, monkeypatch)
+    for _ in range(5):
+        _append(run_file, b"w" * 100)  # small: the rate of big files is not what holds it back
+        _append(local / "metrics.jsonl", b'{"step": 0}\n')
+        uploads.tick()
+    assert uploads.count["wandb/offline-run-1/run-1.wandb"] == 0 and uploads.count["metrics.jsonl"] == 5
+    _checkpoint(local, 5)
+    uploads.tick()
+    assert fs.cat_file(f"{remote}/wandb/offline-run-1/run-1.wandb") == run_file.read_bytes()
+    _append(run_file, b"w" * 100)
+    uploads.tick()
+    assert uploads.count["wandb/offline-run-1/run-1.wandb"] == 1
+    uploads.tick(final=True)
+    assert fs.cat_file(f"{remote}/wandb/offline-run-1/run-1.wandb") == run_file.read_bytes()
+
+
+def test_the_end_of_a_staged_run_pushes_what_periodic_pushes_hold_back(remote, tmp_path):
+    with staged_run(remote, on_line=lambda _: None, every_s=3600) as run_dir:
+        _append(Path(run_dir) / "wandb" / "offline-run-1" / "run-1.wandb", b"w")
+        _append(Path(run_dir) / "metrics.jsonl", b'{"step": 0}\n')
+    assert _names(fsspec.filesystem("memory"), remote) == ["metrics.jsonl", "wandb/offline-run-1/run-1.wandb"]

@@ -12,6 +12,12 @@ mirror keeps the store up to date:
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
   last, so a reader never takes a half-uploaded one for complete; checkpoints pruned locally are deleted from
   the store; drafter/ and drafter-best/ swapped in whole (atomic_dir.replace_dir);
+- a file that keeps growing is re-uploaded whole (no append on a store), so pushing it every `every_s` seconds
+  would cost the square of the run's length (metrics.jsonl: ~1.5 KB a step, 306 MB and ~1.3 TB uploaded over 200k
+  steps; W&B's run file ~5 KB a step). A changed file up to `every_s` x REPUSH_BYTES_PER_S goes with every push;
+  a bigger one once size / REPUSH_BYTES_PER_S seconds have passed since its last upload, so each such file costs
+  at most REPUSH_BYTES_PER_S bytes a second of upload. W&B's folder (wandb/: read only by `wandb sync`)
+  waits for a checkpoint push. A push that sends a checkpoint, and the final one, send every changed file;
 - the store's metrics.jsonl always reaches the newest checkpoint the store holds (a resume from it would otherwise
   lack the steps before that checkpoint for good): the run logs a step before it saves the checkpoint after it,
   and a push lists the complete checkpoints it will send *before* it uploads metrics.jsonl, then sends them (one
@@ -19,8 +25,9 @@ mirror keeps the store up to date:
   checkpoints before it reads metrics.jsonl. drafter-best/ goes the same way: it is swapped in before the listed
   checkpoints are sent, so the store never holds a checkpoint whose best validation's weights it lacks (a
   resume exports drafter-best/ again only when a validation beats the checkpoint's best);
-- a pod that is killed loses at most the last `every_s` seconds of uploads: the checkpoints pushed before stay,
-  and the next launch (on any machine) resumes from the newest of them.
+- a pod that is killed loses at most the last `every_s` seconds of uploads (of a big growing file the appends
+  since its last upload, of wandb/ those since the last checkpoint push): the checkpoints pushed before stay, with
+  the metrics.jsonl that reaches them, and the next launch (on any machine) resumes from the newest of them.
 
 The staging folder is deleted after the final push; if that push fails it is kept and named, so nothing the run
 wrote is lost.
@@ -29,8 +36,10 @@ wrote is lost.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,11 +53,18 @@ from dflash_core.runtime.scratch import OWNER_FILE, disown_scratch, remove_scrat
 __all__ = ["RunMirror", "staged_run"]
 
 PUSH_EVERY_S = 30.0
+# Upload budget of each growing file between checkpoint pushes, in bytes a second (see top): ~0.45 GB per hour of
+# training however long the run, a small share of any pod's uplink. What a user sees: the store's metrics.jsonl (the
+# Prefect UI's live progress page reads it) and log lag the run by every_s (30 s) up to 3.75 MiB (~2,500 steps),
+# then by size / 128 KiB/s (8 s per MB): ~10 min at 77 MB (50k steps), ~40 min at 306 MB (200k steps); never by
+# more than the time to the next checkpoint push (checkpoint_every steps), which sends them too.
+REPUSH_BYTES_PER_S = 128 * 1024
 _JOIN_S = 600.0  # how long the end of a launch waits for a push in flight
 _STEP = re.compile(r"^step-(\d+)$")
 # what a resumed run reads back, besides its checkpoint and log (launches.jsonl: the launcher appends to it)
 _PULLED = ("metrics.jsonl", "wandb_run_id", "launches.jsonl")
 _WHOLE = ("drafter", "drafter-best")  # folders a reader takes as a whole: swapped in, never half-written
+_WANDB = "wandb"  # W&B's folder: pushed with checkpoints and at the end (see top)
 _NOT_MIRRORED = (OLD, STAGED, JOURNAL, ".tmp-", OWNER_FILE)  # debris and staging names of local swaps and saves;
 # the staging folder's owner record (runtime/scratch)
 
@@ -60,10 +76,13 @@ class MirrorError(DflashError):
 class RunMirror:
     """Keeps the object-store run folder `remote` up to date with the local folder `local`."""
 
-    def __init__(self, remote: str, local: str, log_name: str = "train.log") -> None:
+    def __init__(self, remote: str, local: str, log_name: str = "train.log", every_s: float = PUSH_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fs, self.root = fsspec.core.url_to_fs(remote)
         self.remote, self.local, self.log_name = remote, Path(local), log_name
+        self.every_s, self._clock = every_s, clock
         self._seen: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last pushed or pulled
+        self._sent_at: dict[str, float] = {}  # relative path -> clock() at the push that last uploaded it
         self._lock = threading.Lock()
 
     # ---- pull ----------------------------------------------------------------------------------------------
@@ -105,25 +124,54 @@ class RunMirror:
 
     # ---- push ----------------------------------------------------------------------------------------------
 
-    def push(self) -> int:
-        """Upload what changed since the last push; returns the number of files uploaded."""
+    def push(self, final: bool = False) -> int:
+        """Upload what changed since the last push and is due (see top); returns the number of files uploaded.
+        `final` (the end of a launch): everything that changed."""
         with self._lock:
-            return self._push()
+            return self._push(final)
 
-    def _push(self) -> int:
+    def _push(self, final: bool) -> int:
         # Checkpoints listed first; then drafter/ and drafter-best/, then metrics.jsonl, then those checkpoints:
         # every step before them was logged, and their best validation's weights exported, before they were
         # saved, so the store's metrics.jsonl and drafter-best/ reach every checkpoint it gets (a resume does not
         # export drafter-best/ again until a validation beats the checkpoint's best: a push killed between the
         # checkpoints and drafter-best/ left the store without it, or with an older one, for good).
         steps = self._complete_steps()
+        everything = final or self._unsent(steps)  # a checkpoint push: metrics.jsonl must reach the checkpoints
         pushed = sum(self._push_whole(folder) for folder in _WHOLE)
-        pushed += sum(self._put(rel) for rel in self._changed_files())
+        pushed += self._push_files(everything)
         pushed += self._push_checkpoints(steps)
         return pushed
 
-    def _changed_files(self) -> list[str]:
-        """The files pushed one by one that changed: all but checkpoints and the folders swapped in whole."""
+    def _push_files(self, everything: bool) -> int:
+        """The changed files pushed one by one: those due, or all (`everything`)."""
+        now, pushed = self._clock(), 0
+        for rel, size in self._changed_files():
+            if (everything or self._due(rel, size, now)) and self._put(rel):
+                self._sent_at[rel] = now
+                pushed += 1
+        return pushed
+
+    def _due(self, rel: str, size: int, now: float) -> bool:
+        """Whether a changed file goes with a periodic push: a small one always, a big one once its last upload is
+        size / REPUSH_BYTES_PER_S seconds old, W&B's folder never (see top)."""
+        if rel.split("/", 1)[0] == _WANDB:
+            return False
+        waited = now - self._sent_at.get(rel, -math.inf)
+        return size <= REPUSH_BYTES_PER_S * self.every_s or waited >= size / REPUSH_BYTES_PER_S
+
+    def _unsent(self, steps: list[int]) -> bool:
+        """Whether a complete checkpoint of `steps` is not on the store yet (its meta.json not pushed)."""
+        for step in steps:
+            meta = f"checkpoints/step-{step}/meta.json"
+            with contextlib.suppress(FileNotFoundError):  # pruned since listed
+                if self._seen.get(meta) != _signature(self.local / meta):
+                    return True
+        return False
+
+    def _changed_files(self) -> list[tuple[str, int]]:
+        """The files pushed one by one that changed, with their size: all but checkpoints and the folders swapped in
+        whole."""
         out = []
         for path in sorted(self.local.rglob("*")):
             rel = path.relative_to(self.local).as_posix()
@@ -132,8 +180,8 @@ class RunMirror:
             if not path.is_file() or any(mark in rel for mark in _NOT_MIRRORED):
                 continue
             with contextlib.suppress(FileNotFoundError):  # removed while listing (a pruned checkpoint)
-                if self._seen.get(rel) != _signature(path):
-                    out.append(rel)
+                if self._seen.get(rel) != (signature := _signature(path)):
+                    out.append((rel, signature[0]))
         return out
 
     def _put(self, rel: str, strict: bool = False) -> int:
@@ -208,14 +256,15 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
         yield out.removeprefix("file://")  # the ranks take it as a path
         return
     local = scratch_dir("dflash-run-")
-    mirror = RunMirror(out, local, log_name)
+    mirror = RunMirror(out, local, log_name, every_s)
     try:
         resumed = mirror.pull()
     except BaseException:
         remove_scratch(local)
         raise
     on_line(f"run folder {out} is on an object store: the ranks write {local}, pushed to it every "
-            f"{every_s:.0f} s and at the end" + (f" (resuming from its {resumed})" if resumed else ""))
+            f"{every_s:.0f} s (a big growing file less often, wandb/ with each checkpoint) and at the end"
+            + (f" (resuming from its {resumed})" if resumed else ""))
     stop = threading.Event()
     failures: list[BaseException] = []
 
@@ -264,11 +313,11 @@ def _final_push(mirror: RunMirror, on_line: Callable[[str], None]) -> BaseExcept
     lands in the middle of it: pushes are idempotent, so it runs once more; the interruption is returned, for the
     caller to raise once the staging folder is dealt with."""
     try:
-        mirror.push()
+        mirror.push(final=True)
     except Exception:
         raise
     except BaseException as interrupted:
         on_line(f"{type(interrupted).__name__} during the final push to {mirror.remote}: finishing it first")
-        mirror.push()
+        mirror.push(final=True)
         return interrupted
     return None
