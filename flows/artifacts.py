@@ -34,14 +34,13 @@ from dflash_core.monitor.curves import curves_figure
 from dflash_core.monitor.validation_plot import VALIDATION_PNG
 from dflash_core.plan.plots import plan_figure
 from flows import storage
-from flows.metrics_tail import MetricsTail, is_step, is_val, read_records
+from flows.metrics_tail import LIVE_KEYS, MetricsTail, is_step, is_val, read_records
 
 # Size budget of one inline picture: 64 KB of PNG (~87 KB as base64). A page holds at most three pictures,
 # so an artifact stays well under 300 KB and the run page opens quickly; the full-resolution files stay linked.
 IMAGE_BUDGET = 64 * 1024
 MIN_WIDTH = 320  # narrower than this a plot is unreadable: over budget there is an error, not a smaller picture
 # Plain words, no emoji: a headless or minimal browser without an emoji font draws empty boxes.
-LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "tflops", "mfu", "time")
 STATUS_MARK = {"fail": "**FAIL**", "warn": "*warn*", "pass": "pass", "info": "info"}
 
 

@@ -16,6 +16,7 @@ from common.logs import incident_log, write_jsonl
 from matplotlib.figure import Figure
 from PIL import Image
 from test_plan_io import write_tokenized
+from test_runtime_sinks import MAX_READ, long_metrics, refuse_big_reads
 
 from dflash_core.monitor.check import run_check
 from dflash_core.monitor.config import CheckConfig
@@ -25,7 +26,7 @@ from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.interleave import longest_runs
 from dflash_core.runtime.launch import TrainingFailed
 from flows import artifacts
-from flows.metrics_tail import MetricsTail
+from flows.metrics_tail import PAGE_KEYS, MetricsTail, read_records
 
 IMAGE = re.compile(r"!\[([^\]]*)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)")
 
@@ -191,6 +192,29 @@ def test_metrics_tail_tells_a_rewrite_of_the_same_size_on_an_object_store():
         assert tail.restarted
     finally:
         fs.rm(uri.rsplit("/", 1)[0], recursive=True)
+
+
+def test_live_page_reads_a_long_file_a_chunk_at_a_time_and_keeps_only_what_it_shows(tmp_path, monkeypatch):
+    """The live page's first poll after a resume reads the whole metrics.jsonl: in bounded reads, each record cut
+    down to what the page shows as it is parsed (200,000 steps held 2 GB as whole records), and the page is the one
+    whole records draw. The run summary's reader keeps every field."""
+    lines = long_metrics(3000)
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"".join(lines))
+    assert path.stat().st_size > 2 * MAX_READ
+    refuse_big_reads(monkeypatch)
+    records = MetricsTail(str(path)).read_new()
+    assert records == [{k: v for k, v in json.loads(line).items() if k in PAGE_KEYS} for line in lines]
+    assert set().union(*records) == set(PAGE_KEYS) and set(artifacts.LIVE_KEYS) < set(PAGE_KEYS)
+    pages = []
+    for keys in (PAGE_KEYS, None):
+        progress = artifacts.TrainingProgress(3000, str(path), plot_every_s=0.0)
+        progress.tail.keys = keys
+        progress.poll()
+        pages.append(progress.page())
+    assert pages[0] == pages[1] and "### Validation" in pages[0]
+    steps, val = read_records(str(path))
+    assert steps + val == sorted(map(json.loads, lines), key=lambda r: "kind" in r)
 
 
 def _synthetic_inputs(run, records, promotion=None):

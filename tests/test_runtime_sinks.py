@@ -3,11 +3,24 @@
 import json
 import math
 import os
+import uuid
 
+import fsspec
 import pytest
+from fsspec.implementations.local import LocalFileOpener
 
 from dflash_core.monitor.config import WandbConfig
-from dflash_core.monitor.sinks import JsonlSink, MultiSink, NullSink, WandbSink, scrub_secrets, wandb_mode
+from dflash_core.monitor.sinks import (
+    JsonlSink,
+    MultiSink,
+    NullSink,
+    WandbSink,
+    check_metrics_file,
+    scrub_secrets,
+    wandb_mode,
+)
+
+MAX_READ = 1 << 20  # what one read of a metrics.jsonl reader may ask for, however long the file
 
 
 def _rec(step: int, **extra) -> dict:
@@ -17,6 +30,30 @@ def _rec(step: int, **extra) -> dict:
 
 def _steps(path) -> list[int]:
     return [json.loads(line)["step"] for line in open(path)]
+
+
+def long_metrics(steps: int) -> list[bytes]:
+    """The lines of a run's metrics.jsonl: `steps` records of ~1 KB (a real one is ~1.5 KB) and a validation record
+    after every 100th step."""
+    lines = []
+    for s in range(steps):
+        lines.append(_rec(s, acc_by_slot=[0.7 - s / 1e5] * 15, weight_by_slot=[1 / 15 + s / 1e7] * 15,
+                          tokens_per_s=20_000.5, tflops=210.25, mfu=0.21, time=1_700_000_000.0 + s))
+        if s % 100 == 99:
+            lines.append({"kind": "val", "step": s, "val_loss": 1.5, "val_acc_by_slot": [0.6] * 15,
+                          "val_accept_len": 3.0 + s / 1e4, "time": 1_700_000_000.5 + s})
+    return [json.dumps(line).encode() + b"\n" for line in lines]
+
+
+def refuse_big_reads(monkeypatch) -> None:
+    """fsspec's local files refuse a read of more than MAX_READ bytes, and read() of all that is left."""
+    read = LocalFileOpener.read
+
+    def bounded(self, size=-1):
+        assert size is not None and 0 <= size <= MAX_READ, f"read({size}) of {self.path}: the whole file at once"
+        return read(self, size)
+
+    monkeypatch.setattr(LocalFileOpener, "read", bounded)
 
 
 def test_jsonl_flushes_each_step_and_writes_nan_as_null(tmp_path):
@@ -81,6 +118,51 @@ def test_jsonl_names_the_file_and_line_of_a_corrupt_record_and_keeps_the_file(tm
     path.write_text(json.dumps(_rec(0)) + "\n" + '{"step": 1, "lo')  # a crash mid-write: fine, as the sink
     check_metrics_file(str(path))
     check_metrics_file(str(tmp_path / "none.jsonl"))
+
+
+def test_jsonl_resume_reads_a_long_file_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Rank 0 resumes a long run with the models loaded, after the launcher's check: both read metrics.jsonl a
+    bounded chunk at a time, never whole (at 200,000 steps, 306 MB, they held 2.4 and 1.9 GB of records), and the
+    sink cuts the file in place where the steps after the checkpoint start (the kept bytes are not copied)."""
+    lines = long_metrics(4000)  # ~3 MB
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"".join(lines) + b'{"step": 4000, "lo')  # killed in the middle of a write
+    assert path.stat().st_size > 2 * MAX_READ
+    refuse_big_reads(monkeypatch)
+    check_metrics_file(str(path))
+    inode = path.stat().st_ino
+    sink = JsonlSink(str(path), resumed_at=3000)
+    first_dropped = next(i for i, line in enumerate(lines) if json.loads(line)["step"] >= 3000)
+    assert path.read_bytes() == b"".join(lines[:first_dropped]) and path.stat().st_ino == inode
+    assert sink.steps_written == set(range(3000)) and sink.last_steps() == {"train": 3999, "val": 3999}
+    assert sink.kept_record("train") == json.loads(lines[first_dropped - 2])  # then step 2999's validation
+    assert sink.kept_record("val") == json.loads(lines[first_dropped - 1])
+    sink.log(_rec(3000))
+    sink.log(_rec(2999))  # already there
+    sink.close()
+    assert _steps(path)[-3:] == [2999, 2999, 3000]
+
+
+@pytest.mark.parametrize("store", ["local", "memory"])
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (0, 1, 5, None, 2)], ids=["in-order", "out-of-order"])
+def test_jsonl_resume_keeps_each_earlier_step_wherever_it_is(tmp_path, store, order):
+    """Dropped records are not always the file's end (a blank line, a record after a dropped one): the kept ones
+    are copied in their order beside it; an object store, which can neither truncate nor rename, gets the kept
+    records uploaded over the file in either case."""
+    uri = str(tmp_path / "metrics.jsonl") if store == "local" else f"memory://sink-{uuid.uuid4().hex[:8]}/m.jsonl"
+    lines = {s: json.dumps(_rec(s)) + "\n" for s in range(6)}
+    with fsspec.open(uri, "w") as fh:
+        fh.write("".join(lines[s] if s is not None else "\n" for s in order))
+    try:
+        sink, new = JsonlSink(uri, resumed_at=3), _rec(3, loss=9.0)
+        sink.log(new)
+        sink.close()
+        with fsspec.open(uri, "r") as fh:
+            assert fh.read() == lines[0] + lines[1] + lines[2] + json.dumps(new, separators=(",", ":")) + "\n"
+        assert sink.last_steps() == {"train": max(s for s in order if s is not None)}
+    finally:
+        if store == "memory":
+            fsspec.filesystem("memory").rm(uri.rsplit("/", 1)[0], recursive=True)
 
 
 def test_jsonl_on_memory_filesystem():

@@ -12,8 +12,11 @@ import math
 import os
 import posixpath
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import IO, Any, Literal, NoReturn
 
 import fsspec
 
@@ -22,6 +25,7 @@ from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sources import MetricsError, record_kind
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
+READ_CHUNK = 1 << 20  # bytes a metrics.jsonl reader asks for at once: its memory does not grow with the file
 WANDB_INIT_TIMEOUT_S = 30.0  # how long rank 0 waits for a W&B server before logging offline
 log = logging.getLogger(__name__)
 
@@ -56,11 +60,13 @@ class JsonlSink(MetricSink):
 
     A resumed run (`resumed_at`: the step its checkpoint continues at) re-executes the steps after its
     checkpoint: the records of those steps that the interrupted run wrote are dropped when the file is opened
-    (rewritten whole beside it and renamed in) and the re-executed steps written instead, so the file describes
-    the steps the final weights went through (a rerun with a lower lr after non-finite steps does not carry the
+    (the file is cut at the first of them) and the re-executed steps written instead, so the file describes the
+    steps the final weights went through (a rerun with a lower lr after non-finite steps does not carry the
     failed attempt's spikes into the stability gate). Records of a kind are per (kind, step): a validation record
     shares its step with the training record of that step. An incomplete last line (a crash in the middle of a
-    write) holds no record; it is cut off so that the file stays valid JSONL.
+    write) holds no record; it is cut off so that the file stays valid JSONL. The file is read a chunk at a time
+    and only the steps and the newest record of each kind are kept: at 200,000 steps it is ~300 MB, and rank 0
+    opens it with the models loaded.
     """
 
     def __init__(self, uri: str, resumed_at: int | None = None) -> None:
@@ -69,45 +75,68 @@ class JsonlSink(MetricSink):
         self._fs.makedirs(posixpath.dirname(self._path) or ".", exist_ok=True)
         self._found: dict[str, int] = {}  # the newest step of each kind the file held when opened
         self._kept: dict[str, dict[str, Any]] = {}  # the newest record of each kind kept from the file
-        self._written = self._existing_keys(resumed_at)
+        self._written: dict[str, set[int]] = {}  # the steps of each kind in the file
+        self._open_existing(resumed_at)
         self._fh = self._fs.open(self._path, "ab")
 
-    def _existing_keys(self, resumed_at: int | None) -> set[tuple[str, int]]:
+    def _open_existing(self, resumed_at: int | None) -> None:
+        """Take the steps of the file as it is, then drop the records of `resumed_at` and after (and a torn last
+        line); nothing is changed before every line has been read (a corrupt one is refused first)."""
         if not self._fs.exists(self._path):
-            return set()
+            return
+        keep: list[tuple[int, int]] = []  # the byte ranges of the records kept, adjacent ones merged
         with self._fs.open(self._path, "rb") as fh:
-            data = fh.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        kept, keys = [], set()
-        for line, record in complete_records(data, self.uri):
-            kind, step = record_kind(record), int(record["step"])
-            self._found[kind] = max(step, self._found.get(kind, -1))
-            if resumed_at is None or step < resumed_at:
-                kept.append(line)
-                keys.add((kind, step))
+            for start, end, record in metrics_records(fh, self.uri):
+                kind, step = record_kind(record), int(record["step"])
+                self._found[kind] = max(step, self._found.get(kind, -1))
+                if resumed_at is not None and step >= resumed_at:
+                    continue
+                _add_range(keep, start, end)
+                self._written.setdefault(kind, set()).add(step)
                 if step >= int(self._kept.get(kind, {}).get("step", -1)):
                     self._kept[kind] = record
-        if len(kept) != len(complete.splitlines()) or len(complete) != len(data):
-            self._rewrite(b"".join(kept))
-        return keys
+            size = fh.seek(0, 2)
+        if sum(end - start for start, end in keep) != size:
+            self._cut(keep)
 
-    def _rewrite(self, content: bytes) -> None:
-        """The file's content replaced whole: locally beside it, then renamed in (a crash keeps the old one)."""
-        if is_local(self._fs):
-            tmp = f"{self._path}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as fh:
-                fh.write(content)
-                fh.flush()
+    def _cut(self, keep: list[tuple[int, int]]) -> None:
+        """The file reduced to the byte ranges `keep`, never held whole. Locally, when they are its start (a
+        resume drops the steps after its checkpoint, which come last), it is truncated in place; otherwise the
+        ranges are copied beside it and renamed in (a crash keeps the old one), or on an object store, which can
+        neither truncate nor rename, spooled to a local temporary file and uploaded over it."""
+        if is_local(self._fs) and (not keep or (len(keep) == 1 and keep[0][0] == 0)):
+            with open(self._path, "r+b") as fh:
+                fh.truncate(keep[0][1] if keep else 0)
                 os.fsync(fh.fileno())
+        elif is_local(self._fs):
+            tmp = f"{self._path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as out:
+                self._copy_ranges(keep, out)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, self._path)
         else:
-            with self._fs.open(self._path, "wb") as fh:
-                fh.write(content)
+            with tempfile.TemporaryFile() as spool:
+                self._copy_ranges(keep, spool)
+                spool.seek(0)
+                with self._fs.open(self._path, "wb") as out:
+                    shutil.copyfileobj(spool, out, READ_CHUNK)
+
+    def _copy_ranges(self, keep: list[tuple[int, int]], out: IO[bytes]) -> None:
+        with self._fs.open(self._path, "rb") as src:
+            for start, end in keep:
+                src.seek(start)
+                while start < end:
+                    block = src.read(min(READ_CHUNK, end - start))
+                    if not block:
+                        raise OSError(f"{self.uri} shrank while it was being cut to its checkpoint's step")
+                    out.write(block)
+                    start += len(block)
 
     @property
     def steps_written(self) -> set[int]:
         """Training steps already in the file (including those from before a resume)."""
-        return {step for kind, step in self._written if kind == "train"}
+        return set(self._written.get("train", set()))
 
     def last_steps(self) -> dict[str, int]:
         """The newest step of each record kind the file held when opened, dropped records included (a resume
@@ -121,8 +150,8 @@ class JsonlSink(MetricSink):
 
     def log(self, record: dict[str, Any]) -> None:
         """Append the record unless its (kind, step) is already in the file; flush (and fsync locally)."""
-        key = (record_kind(record), int(record["step"]))
-        if key in self._written:
+        kind, step = record_kind(record), int(record["step"])
+        if step in self._written.get(kind, ()):
             return
         line = json.dumps(_json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
         self._fh.write(line.encode())
@@ -132,33 +161,47 @@ class JsonlSink(MetricSink):
                 os.fsync(self._fh.fileno())
             except (OSError, ValueError):
                 pass  # not a real file descriptor (in-memory filesystem)
-        self._written.add(key)
+        self._written.setdefault(kind, set()).add(step)
 
     def close(self) -> None:
         """Close the file."""
         self._fh.close()
 
 
-def complete_records(data: bytes, where: str) -> list[tuple[bytes, dict[str, Any]]]:
-    """The (line, record) pairs of a metrics.jsonl's complete lines; an incomplete last one (no newline: a crash
-    in the middle of a write) is left out. A line that is not a step's record is a MetricsError naming `where`
-    and the line: a resumed run appends to the file, and the stability gate reads it whole."""
-    records = []
-    complete = data[: data.rfind(b"\n") + 1]
-    for lineno, line in enumerate(complete.splitlines(keepends=True), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            _bad_line(where, lineno, f"not valid JSON ({exc.msg}, column {exc.colno})")
-        except UnicodeDecodeError:
-            _bad_line(where, lineno, "not UTF-8 text")
-        step = record.get("step") if isinstance(record, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            _bad_line(where, lineno, "not a metrics record (no integer 'step')")
-        records.append((line, record))
-    return records
+def _add_range(ranges: list[tuple[int, int]], start: int, end: int) -> None:
+    """The byte range [start, end) added to `ranges`, merged into the last one when it ends at `start`."""
+    if ranges and ranges[-1][1] == start:
+        ranges[-1] = (ranges[-1][0], end)
+    else:
+        ranges.append((start, end))
+
+
+def metrics_records(fh: IO[bytes], where: str) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(start, end, record): the byte range (newline included) and record of each complete line of an open
+    metrics.jsonl, read READ_CHUNK bytes at a time; blank lines and an incomplete last line (no newline: a crash in
+    the middle of a write) are left out. A line that is not a step's record is a MetricsError naming `where` and
+    the line: a resumed run appends to the file, and the stability gate reads it whole."""
+    start, rest, lineno = 0, b"", 0
+    while block := fh.read(READ_CHUNK):
+        *lines, rest = (rest + block).split(b"\n")
+        for line in lines:
+            lineno, end = lineno + 1, start + len(line) + 1
+            if line.strip():
+                yield start, end, _record(line, lineno, where)
+            start = end
+
+
+def _record(line: bytes, lineno: int, where: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        _bad_line(where, lineno, f"not valid JSON ({exc.msg}, column {exc.colno})")
+    except UnicodeDecodeError:
+        _bad_line(where, lineno, "not UTF-8 text")
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        _bad_line(where, lineno, "not a metrics record (no integer 'step')")
+    return record
 
 
 def _bad_line(where: str, lineno: int, what: str) -> NoReturn:
@@ -167,10 +210,13 @@ def _bad_line(where: str, lineno: int, what: str) -> NoReturn:
 
 
 def check_metrics_file(uri: str) -> None:
-    """Refuse an existing metrics.jsonl that a resumed run could not read (complete_records); none is fine."""
+    """Refuse an existing metrics.jsonl that a resumed run could not read (metrics_records); none is fine. Read a
+    chunk at a time, holding no record."""
     fs, path = fsspec.core.url_to_fs(uri)
     if fs.exists(path):
-        complete_records(fs.cat_file(path), uri)
+        with fs.open(path, "rb") as fh:
+            for _ in metrics_records(fh, uri):
+                pass
 
 
 def scrub_secrets(config: Any) -> Any:
