@@ -778,6 +778,71 @@ def test_refusals_of_requests_with_tools_are_not_cleared_by_replies_to_requests_
     assert sum("tools" in r for r in output_records(out)) == 20
 
 
+def test_a_few_refusals_at_the_end_of_the_input_are_asked_of_the_endpoint_that_refused(scripted_server, tmp_path):
+    """Fewer refusals than it takes to ask mid-run (the end of the input asks): the question goes to the endpoint
+    that refused, not to the first live one. A good endpoint listed first used to answer it, and the refused tool
+    records were journaled as drops of a run that exited 0 (seen when load slowed the good endpoint's share)."""
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Slow(_Scripted):  # listed first, answers tools, and takes few of the records
+        no_tool_parser = False
+
+        def do_POST(self) -> None:
+            time.sleep(1.0)
+            super().do_POST()
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": f"q{i}"}], **({"tools": tools} if i % 10 == 5 else {})}
+        for i in range(40)])  # 4 tool records: fewer than it takes to ask mid-run
+    _Scripted.no_tool_parser = True
+    with _serving(Slow) as slow, pytest.raises(RegenerateError, match=rf"{scripted_server} refused"):
+        regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[slow, scripted_server],
+                                                                      concurrency=1, send_tools=True))
+    journaled = "".join(p.read_text() for p in (tmp_path / "out" / ".work").glob("*.journal.jsonl"))
+    assert "rejected_by_server" not in journaled
+
+
+def test_refusals_held_by_an_endpoint_taken_out_since_are_sent_again_to_the_live_ones(tmp_path):
+    """An endpoint that refused a few tool records and then failed everything is taken out: what it refused
+    says nothing about the records (nor does another endpoint's reply), so they go to the live endpoint, which
+    keeps them. Before, the live endpoint's answer to the question vouched for them: journaled as drops."""
+    from common.regenerate import data_config, output_records, write_jsonl
+
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Dying(_Scripted):  # no tool parser; from its 4th request on, HTTP 500 to everything
+        no_tool_parser = True
+        seen = 0
+
+        def do_POST(self) -> None:
+            type(self).seen += 1
+            type(self).failing = type(self).seen > 3
+            super().do_POST()
+
+    class Good(_Scripted):  # its first reply is slow: the dying endpoint takes the first tool records
+        first = True
+
+        def do_POST(self) -> None:
+            if type(self).first:
+                type(self).first = False
+                time.sleep(1.0)
+            super().do_POST()
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": f"q{i}"}], **({"tools": tools} if i < 4 else {})}
+        for i in range(30)])
+    with _serving(Good) as good, _serving(Dying) as dying:
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(
+            source, endpoints=[good, dying], concurrency=1, send_tools=True, retries=0))
+    assert Dying.seen > 3 and "rejected_by_server" not in summary["dropped"]
+    kept = output_records(tmp_path / "out")
+    assert sum("tools" in r for r in kept) == 4  # every tool record answered by the live endpoint
+
+
 def test_lone_surrogates_in_tools_ids_calls_or_replies_drop_the_record_not_the_run(scripted_server, tmp_path):
     """A lone surrogate (a dump cut mid-emoji) in a tool definition, a tool call or a server's reply drops that
     record as bad_utf8 / a malformed completion; in a record id it is written as its escape. Before, each one

@@ -305,13 +305,18 @@ class _Run:
                 self.idle.clear()
                 self.queue.put_nowait(item)
             self._close_sizes()
-            while self.pending and self.failure is None:
-                await self.idle.wait()
-            self._raise_failure()
+            await self._drain()
+            while orphans := [lane for lane, held in self.held.items() if held and not self._owner(lane).alive]:
+                for lane in orphans:  # held by an endpoint taken out since: its refusals vouch for nothing
+                    for item, _ in self.held.pop(lane):
+                        self.pending += 1
+                        self.idle.clear()
+                        self.queue.put_nowait(item)  # sent again, to the live ones
+                await self._drain()
             for lane in list(self.held):  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
-                endpoint = next(e for e in endpoints if lane.startswith(e.url + " "))
-                if self.held.get(lane):  # one taken out since is asked through a live one
-                    await self._probe(lane, endpoint, next((e for e in endpoints if e.alive), endpoint))
+                endpoint = self._owner(lane)
+                if self.held.get(lane):  # asked of the endpoint that refused: another's reply vouches for nothing
+                    await self._probe(lane, endpoint)
                     self._raise_failure()
                     if held := self.held.get(lane):
                         raise self._systemic(lane, endpoint, held, "the one-line question could not be sent to tell")
@@ -319,6 +324,16 @@ class _Run:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _drain(self) -> None:
+        """Wait until every queued record is settled (or the run fails: raised here)."""
+        while self.pending and self.failure is None:
+            await self.idle.wait()
+        self._raise_failure()
+
+    def _owner(self, lane: str) -> Endpoint:
+        """The endpoint of a lane (_lane: its URL, a space, then tools or not)."""
+        return next(e for e in self.endpoints if lane.startswith(e.url + " "))
 
     def _new_record(self, item: Item) -> None:
         """Track shard sizes: a shard can finish once the reader has moved past it."""
@@ -423,17 +438,17 @@ class _Run:
             return f"{endpoint.url} "
         return f"{endpoint.url} {'with' if isinstance(item.chat, Chat) and item.chat.tools else 'without'} tools"
 
-    async def _probe(self, key: str, endpoint: Endpoint, ask: Endpoint | None = None) -> None:
-        """Ask the one-line question (with the tools of a held record when tools are sent) of `endpoint` (or
-        `ask`) for the lane `key`: trust the lane when it is answered, stop the run when it is refused or answered
-        empty, hold on when it cannot be reached."""
+    async def _probe(self, key: str, endpoint: Endpoint) -> None:
+        """Ask the one-line question (with the tools of a held record when tools are sent) of `endpoint` for the
+        lane `key`: trust the lane when it is answered, stop the run when it is refused or answered empty, hold on
+        when it cannot be reached."""
         held = list(self.held.get(key, []))
         if not held:
             return
         self.probing.add(key)
         tools = next((it.chat.tools for it, _ in held if isinstance(it.chat, Chat) and it.chat.tools), None)
         try:
-            reply = await self._send(ask or endpoint, _PROBE, tools)
+            reply = await self._send(endpoint, _PROBE, tools)
         except Rejected as exc:
             same = _why(held[0][1]).startswith(str(exc))
             self._fail(self._systemic(key, endpoint, held, "a one-line question with the same settings was refused too"
