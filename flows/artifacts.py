@@ -274,7 +274,7 @@ class TrainingProgress:
         update_markdown_artifact(self.page_id, self.page())
 
     def figures(self) -> dict[str, Any]:
-        """The live figures: step, loss, pre-clip grad norm and clip, tokens/s, model TFLOP/s and MFU of a rank
+        """The live figures: step, loss, pre-clip grad norm and clip, tokens/s, model TFLOP/s (all ranks) and MFU
         (MFU "-" where the GPU's peak is unknown, and on CPU), ETA (from the records' times)."""
         last = self.train[-1] if self.train else {}
         done = int(last["step"]) + 1 if last else 0

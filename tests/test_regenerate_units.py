@@ -283,6 +283,12 @@ def test_the_config_refuses_bad_values():
         RegenerateConfig(concurrency=0)
     with pytest.raises(ValueError):
         RegenerateConfig(serve="ollama")
+    # one server listed twice would share its refusals and failures between two sets of workers (a record it
+    # refused went round the live set forever once the other was taken out)
+    with pytest.raises(ValueError, match="lists http://h:8000/v1 more than once; .*raise concurrency"):
+        RegenerateConfig(endpoints=["http://h:8000/v1", "http://g:8000/v1", "http://h:8000/v1/"])
+    assert RegenerateConfig(endpoints=["http://h:8000/v1/", "http://g:8000/v1"]).endpoints == [
+        "http://h:8000/v1", "http://g:8000/v1"]
 
 
 def _answering(statuses: list[int], headers: dict[str, str] | None = None) -> tuple[Endpoint, list[int]]:

@@ -82,4 +82,9 @@ class RegenerateConfig(StrictModel):
         bad = [u for u in value if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"endpoints must be http(s) base URLs such as http://10.0.0.5:8000/v1; got {bad}")
-        return [u.rstrip("/") for u in value]
+        urls = [u.rstrip("/") for u in value]
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:  # one server, one set of workers: its refusals and failures are told apart by its URL
+            raise ValueError(f"endpoints lists {', '.join(twice)} more than once; list each server once and raise "
+                             "concurrency for more requests in flight")
+        return urls

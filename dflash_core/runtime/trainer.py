@@ -270,7 +270,7 @@ class Trainer:
             self.stop.armed = True
             if self.val_pending is not None:  # the checkpoint was written before its step's validation ran
                 self._pending_validation(self.val_pending, sink)
-                loop.restart_clock()
+            loop.restart_clock()  # the first step is timed from here: not the sink's opening, W&B's start, ...
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
