@@ -157,6 +157,16 @@ def output_lock(out: str, stage: str, wait_s: float = 0.0,
         _let_go(fs, lock, owner, hold)
 
 
+def wait_while_written(out: str, poll_s: float = 15.0) -> None:
+    """Return once no live process holds `out`'s lock: its holder let go, or is gone (a lock not rewritten for
+    LOCK_STALE_S, or whose owner on this host no longer runs). For a caller that would make the same output and
+    can take the other writer's instead."""
+    fs, root = fsspec.core.url_to_fs(out)
+    lock = root.rstrip("/") + ".lock"
+    while fs.exists(lock) and _lock_state(fs, lock, _read_lock(fs, lock)) == "live":
+        time.sleep(poll_s)
+
+
 def join_hold(hold: str | None) -> int | None:
     """Keep the lock whose hold file is `hold` (output_lock's) from looking abandoned while this process runs:
     a shared flock on it, released when the returned descriptor is closed or the process ends; None when there

@@ -68,11 +68,15 @@ def cached(task_fn, out: str, marker: str, reads_back: Callable[[str], object] |
     return task_fn.with_options(refresh_cache=True)
 
 
-def plan_reads_back(out: str) -> None:
-    """cached()'s check of a plan folder (read_plan: plan.json, plan.parquet, their counts)."""
+def plan_reads_back(out: str) -> dict[str, Any]:
+    """cached()'s check of a plan folder (read_plan: plan.json, plan.parquet, their counts; read_val: the
+    validation batches plan.json lists, which training reads first); returns plan.json."""
     from dflash_core.plan import read_plan
+    from dflash_core.plan.io import read_val
 
-    read_plan(out)
+    summary = read_plan(out)[1]
+    read_val(out, summary)
+    return summary
 
 
 @task(name="tokenize", retries=2, retry_delay_seconds=10, retry_condition_fn=_worth_retrying,
@@ -82,14 +86,42 @@ def tokenize(config: PipelineConfig, fingerprint: str, out: str) -> dict[str, An
     from dflash_core.data.tokenize import finished_summary, tokenize_dataset
 
     logger = get_run_logger()
-    done = finished_summary(out, fingerprint)
-    if done is not None:  # a cache miss (no result storage where this runs: a fresh pod) over a finished output
-        logger.info("tokenize: %s already holds this content (fingerprint %s): reused", out, fingerprint[:16])
+
+    def reused() -> dict[str, Any] | None:
+        done = finished_summary(out, fingerprint)
+        if done is not None:  # a cache miss (no result storage here: a fresh pod, another flow run) over it
+            logger.info("tokenize: %s already holds this content (fingerprint %s): reused", out, fingerprint[:16])
         return done
-    summary = tokenize_dataset(config.data.source, config.data.tokenizer, out, config.data,
-                               block_size=config.model.block_size, progress=lambda p: logger.info("tokenize: %s", p))
-    logger.info("tokenized: %s", json.dumps(summary))
-    return summary
+
+    def make() -> dict[str, Any]:
+        summary = tokenize_dataset(config.data.source, config.data.tokenizer, out, config.data,
+                                   block_size=config.model.block_size,
+                                   progress=lambda p: logger.info("tokenize: %s", p))
+        logger.info("tokenized: %s", json.dumps(summary))
+        return summary
+
+    return made_once(out, "tokenize", reused, make)
+
+
+WAIT_POLL_S = 15.0  # how often a run waiting for another's output checks that run's lock
+
+
+def made_once(out: str, stage: str, reused: Callable[[], dict[str, Any] | None],
+              make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A content-named output made once, whichever flow run gets there first: `reused()` when `out` already
+    holds it, else `make()`; while another live process is making it (another flow run on the same data: a
+    manual run beside the nightly one, two deployments started by one event, a retry beside its first attempt),
+    wait for it, then take its output (or make it, when it left none). Before, the second run's task failed on
+    the lock, and the whole run with it once its retries ran out."""
+    from dflash_core.publish import OutputLockedError, wait_while_written
+
+    while (done := reused()) is None:
+        try:
+            return make()
+        except OutputLockedError as exc:
+            get_run_logger().info("%s: %s; waiting for that run, to take its output", stage, exc)
+            wait_while_written(out, WAIT_POLL_S)
+    return done
 
 
 def _regenerate_key(context: TaskRunContext, params: dict[str, Any]) -> str:
@@ -150,20 +182,26 @@ def plan(config: PipelineConfig, tokenized: str, fingerprint: str, out: str) -> 
     from dflash_core.plan import read_plan, run_plan
     from dflash_core.plan.errors import PlanError
 
-    # the folder is named by this plan's fingerprint: a finished plan there of these tokens is this plan (a
-    # cache miss where no result storage is kept, e.g. a fresh pod, must not re-plan)
-    if storage.exists(storage.join(out, "plan.json")):
+    def reused() -> dict[str, Any] | None:
+        # the folder is named by this plan's fingerprint: a finished plan there of these tokens is this plan (a
+        # cache miss where no result storage is kept, e.g. a fresh pod, must not re-plan)
+        if not storage.exists(storage.join(out, "plan.json")):
+            return None
         try:
-            _, summary = read_plan(out)
+            summary = plan_reads_back(out)
         except PlanError as exc:  # damaged: made again
             get_run_logger().warning("plan: %s is not a usable plan (%s): planning again", out, exc)
-        else:
-            if summary.get("tokenized_fingerprint") == read_manifest(tokenized).get("fingerprint"):
-                get_run_logger().info("plan: %s already holds this plan: reused", out)
-                return summary
-    run_plan(tokenized, out, config.plan)
-    _, summary = read_plan(out)
-    return summary
+            return None
+        if summary.get("tokenized_fingerprint") != read_manifest(tokenized).get("fingerprint"):
+            return None
+        get_run_logger().info("plan: %s already holds this plan: reused", out)
+        return summary
+
+    def make() -> dict[str, Any]:
+        run_plan(tokenized, out, config.plan)
+        return read_plan(out)[1]
+
+    return made_once(out, "plan", reused, make)
 
 
 @task(name="publish-samples")

@@ -89,6 +89,55 @@ def test_a_cache_miss_over_finished_outputs_reuses_them(tmp_path):
     assert read_plan(plan_dir)[1] == plan_summary
 
 
+def test_a_run_waits_for_another_making_the_same_output_and_takes_it(tmp_path, monkeypatch):
+    """Two flow runs on the same data (a manual run beside the nightly one): the second one's tokenize finds the
+    first one's lock, waits for it and takes its output. Before, it failed on the lock, and with it the run."""
+    import dflash_core.data.tokenize as tokenize_module
+    from dflash_core import publish
+
+    cfg = _config(tmp_path)
+    fp = tasks.fingerprint_inputs.fn(cfg)
+    out = str(tmp_path / "tok")
+    publish_now, tokenize_now, made = publish._publish, tokenize_module.tokenize_dataset, []
+
+    def slow_publish(*args):  # the first run is still writing when the second one starts
+        time.sleep(2.0 if threading.current_thread().name == "first" else 0.0)
+        publish_now(*args)
+
+    def counted(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        return tokenize_now(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "_publish", slow_publish)
+    monkeypatch.setattr(tokenize_module, "tokenize_dataset", counted)
+    monkeypatch.setattr(tasks, "WAIT_POLL_S", 0.1)
+    results = {}
+    with disable_run_logger():
+        first = threading.Thread(target=lambda: results.update(first=tasks.tokenize.fn(cfg, fp, out)), name="first")
+        first.start()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "tok.lock").exists() and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = tasks.tokenize.fn(cfg, fp, out)
+        first.join()
+    assert made == ["first", "MainThread"]  # the second started, was refused by the lock at once, and waited
+    assert second["reused"] and second["kept"] == results["first"]["kept"] > 0
+
+
+def test_a_plan_without_the_validation_batches_it_lists_is_made_again(tmp_path):
+    cfg = _config(tmp_path, 200, plan={"max_tokens": 1024, "num_buckets": 2, "grad_accum": 1, "val_fraction": 0.05})
+    tokenized, plan_dir = str(tmp_path / "tok"), str(tmp_path / "plan")
+    with disable_run_logger():
+        tasks.tokenize.fn(cfg, tasks.fingerprint_inputs.fn(cfg), tokenized)
+        summary = tasks.plan.fn(cfg, tokenized, "unused", plan_dir)
+        assert summary["val"]["samples"] > 0
+        (tmp_path / "plan" / summary["val"]["file"]).unlink()  # training would fail on it after the GPUs start
+        with pytest.raises(Exception, match="missing but plan.json lists it"):
+            tasks.plan_reads_back(plan_dir)
+        assert tasks.plan.fn(cfg, tokenized, "unused", plan_dir) == summary
+    assert (tmp_path / "plan" / summary["val"]["file"]).exists()
+
+
 def test_cached_refreshes_when_the_output_is_gone(tmp_path):
     out = tmp_path / "out"
     assert tasks.cached(tasks.plan, str(out), "plan.json") is not tasks.plan  # nothing there: refresh_cache
