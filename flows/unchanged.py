@@ -21,6 +21,7 @@ from typing import Any
 import fsspec
 
 from dflash_core.config import PipelineConfig
+from dflash_core.data.sources import stored_checksum
 from dflash_core.model.export import drafter_location
 from dflash_core.model.instances import Instance
 from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
@@ -51,17 +52,22 @@ def prompts_digest(instances: Sequence[Instance]) -> str:
 
 
 def _files(folder: str) -> list[list[Any]]:
-    """Each file of a folder with its size and modification stamp (mtime, an object store's ETag or update time,
-    a hub file's blob id): a changed drafter changes them, without reading its weights. A folder that cannot be
+    """Each file of a folder with its size and stamp (_stamp: an object store's checksum, a modification time, a
+    hub file's blob id): a changed drafter changes them, without reading its weights. A folder that cannot be
     listed (a hub out of reach) gives a marker that no listed night's key matches."""
     try:
         fs, path = fsspec.core.url_to_fs(folder)
         found = fs.find(path, detail=True)
     except Exception:  # noqa: BLE001 - any storage or hub failure: train rather than skip
         return [[folder, None, None]]
-    stamp = ("mtime", "ETag", "etag", "LastModified", "updated", "md5Hash", "blob_id")
-    return sorted([name.removeprefix(path), info.get("size"), next((info[k] for k in stamp if info.get(k)), None)]
-                  for name, info in found.items())
+    return sorted([name.removeprefix(path), info.get("size"), _stamp(info)] for name, info in found.items())
+
+
+def _stamp(info: dict[str, Any]) -> Any:
+    """The content checksum an object store keeps (stored_checksum), else a modification time (a local disk's
+    mtime, a store's update time) or a hub file's blob id."""
+    return stored_checksum(info) or next((info[k] for k in ("mtime", "LastModified", "updated", "blob_id")
+                                          if info.get(k)), None)
 
 
 def trained_before(root: str, key: str) -> dict[str, Any] | None:
