@@ -301,17 +301,13 @@ class _Run:
                     continue
                 await self.room.acquire()
                 self._raise_failure()
-                self.pending += 1
-                self.idle.clear()
-                self.queue.put_nowait(item)
+                self._enqueue(item)
             self._close_sizes()
             await self._drain()
             while orphans := [lane for lane, held in self.held.items() if held and not self._owner(lane).alive]:
                 for lane in orphans:  # held by an endpoint taken out since: its refusals vouch for nothing
                     for item, _ in self.held.pop(lane):
-                        self.pending += 1
-                        self.idle.clear()
-                        self.queue.put_nowait(item)  # sent again, to the live ones
+                        self._enqueue(item)  # sent again, to the live ones
                 await self._drain()
             for lane in list(self.held):  # the input ran out before a kept reply or _SYSTEMIC_REFUSALS held outcomes
                 endpoint = self._owner(lane)
@@ -324,6 +320,12 @@ class _Run:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+    def _enqueue(self, item: Item) -> None:
+        """Queue a record for the workers; it is pending until settled."""
+        self.pending += 1
+        self.idle.clear()
+        self.queue.put_nowait(item)
 
     async def _drain(self) -> None:
         """Wait until every queued record is settled (or the run fails: raised here)."""
