@@ -152,17 +152,19 @@ def count_regenerate_records(config: PipelineConfig) -> int:
 def regenerate(config: PipelineConfig, fingerprint: str, out: str, shards: list[int] | None = None,
                records: int | None = None) -> dict[str, Any]:
     """The target re-answers the chat data into `out` (resumes a partial `out`; all shards unless given;
-    `records`: count_regenerate_records, when known)."""
+    `records`: count_regenerate_records, when known). Shards another flow run is regenerating into the same `out`
+    at the same time are waited for and taken from it, the wait said in this task run's log."""
     from dflash_core.regenerate.stage import regenerate_dataset
     from flows.regenerate_artifacts import RegenerateProgress, publish_regenerate
 
+    logger = get_run_logger()
     progress = RegenerateProgress()
     summary = regenerate_dataset(config.data.source, out, config.data, config.model.target, config.data.tokenizer,
                                  shards=shards, progress=progress.update, fingerprint=fingerprint,
-                                 records=records)
+                                 records=records, say=logger.info)
     progress.finish(summary)
     publish_regenerate(summary)
-    get_run_logger().info("regenerated: %s", json.dumps(summary))
+    logger.info("regenerated: %s", json.dumps(summary))
     return summary
 
 

@@ -1071,3 +1071,96 @@ def test_an_out_inside_the_data_folder_resumes_and_finished_shards_leave_memory(
     assert first["complete"] and first["kept"] == 7 and held[-1] == 0  # each written shard's journal let go
     again = stage.regenerate_dataset(str(dd), str(dd / "regen"), data)
     assert again["complete"] and again["kept"] == 7 and again["read"] == 7
+
+
+_WORDED_REPLY = "The model can sort a list of numbers, then count the first three."
+_WORDED_REASONING = "Sort them first."
+
+
+class _Worded(_Scripted):
+    """Answers every request with a sentence and some reasoning; with the server's token count (`usage`, 99) while
+    `usage` is set, without one (as some OpenAI-compatible servers and gateways answer) otherwise."""
+
+    usage = True
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        message = {"role": "assistant", "content": _WORDED_REPLY, "reasoning_content": _WORDED_REASONING}
+        body: dict = {"choices": [{"message": message, "finish_reason": "stop"}]}
+        if type(self).usage:
+            body["usage"] = {"completion_tokens": 99}
+        self._send(200, body)
+
+
+class _Unworded(_Worded):
+    usage = False
+
+
+def test_a_completion_without_usage_says_its_tokens_were_counted_by_nobody():
+    """A server that sends no `usage` (or one without completion_tokens) did not say 0 tokens: the reply says its
+    count is `unknown`, for the stage to make; a count of 0 the server sent is the server's."""
+    from dflash_core.regenerate.client import _reply
+
+    def reply(**extra) -> Reply:
+        body = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], **extra}
+        return _reply(httpx.Response(200, json=body), "http://h/v1")
+
+    assert reply() == Reply("hi", "stop", 0, counted_by="unknown")
+    assert reply(usage={"prompt_tokens": 5}).counted_by == "unknown"
+    assert reply(usage={"completion_tokens": 0}) == Reply("hi", "stop", 0, counted_by="server")
+    assert reply(usage={"completion_tokens": 7}) == Reply("hi", "stop", 7)
+
+
+def test_the_targets_tokenizer_counts_a_replys_text_reasoning_and_tool_calls():
+    """What the model generated, as the target's tokenizer encodes it without special tokens: the answer, the
+    reasoning and each tool call's name and arguments."""
+    from common.chat import tokenizer_dir
+
+    from dflash_core.data.template import load_tokenizer
+    from dflash_core.regenerate.stage import reply_tokens
+
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    calls = [{"id": "c0", "type": "function", "function": {"name": "look_up", "arguments": '{"q": "sort"}'}},
+             {"id": "c1", "type": "function", "function": {"name": "count", "arguments": {"n": 3}}}]
+    reply = Reply("Let me look.", "tool_calls", 0, "I need the list.", calls, "unknown")
+    parts = ("Let me look.", "I need the list.", "look_up", '{"q": "sort"}', "count", '{"n": 3}')
+    assert reply_tokens(tok, reply) == sum(len(tok.encode(p, add_special_tokens=False)) for p in parts) > 0
+    assert reply_tokens(tok, Reply("", "stop", 0)) == 0
+
+
+def test_tokens_are_counted_with_the_targets_tokenizer_when_the_server_sends_no_usage(tmp_path):
+    """Without `usage` every reply counted 0 tokens, and the summary said 0 tokens at 0 tokens/s. The target's
+    tokenizer (data.tokenizer) counts them now, and the summary and the manifest say so (`tokens_counted_by:
+    tokenizer`; `mixed` where some shards had the server's counts); with no tokenizer to count with the count
+    stays 0, said `unknown`, and no tokens/s is made up."""
+    from common.chat import tokenizer_dir
+    from common.regenerate import data_config, write_jsonl
+
+    from dflash_core.data.template import load_tokenizer
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    per_reply = sum(len(tok.encode(t, add_special_tokens=False)) for t in (_WORDED_REPLY, _WORDED_REASONING))
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                   for i in range(6)])
+    with _serving(_Unworded) as bare, _serving(_Worded) as counting:
+        data = data_config(source, endpoints=[bare], records_per_shard=3)
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data)
+        assert summary["kept"] == 6 and summary["tokens_generated"] == 6 * per_reply
+        assert summary["tokens_counted_by"] == "tokenizer" and summary["tokens_per_s"] > 0
+        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert manifest["tokens_generated"] == 6 * per_reply and manifest["tokens_counted_by"] == "tokenizer"
+
+        served = regenerate_dataset(source, str(tmp_path / "served"), data_config(
+            source, endpoints=[counting], records_per_shard=3))
+        assert served["tokens_generated"] == 6 * 99 and served["tokens_counted_by"] == "server"
+
+        regenerate_dataset(source, str(tmp_path / "mixed"), data_config(source, endpoints=[counting],
+                                                                         records_per_shard=3), shards=[0])
+        mixed = regenerate_dataset(source, str(tmp_path / "mixed"), data)
+        assert mixed["tokens_generated"] == 3 * 99 + 3 * per_reply and mixed["tokens_counted_by"] == "mixed"
+
+        no_tokenizer = data.model_copy(update={"tokenizer": str(tmp_path / "no-such-tokenizer")})
+        unknown = regenerate_dataset(source, str(tmp_path / "unknown"), no_tokenizer)
+        assert unknown["kept"] == 6 and unknown["tokens_generated"] == 0
+        assert unknown["tokens_counted_by"] == "unknown" and unknown["tokens_per_s"] is None

@@ -47,13 +47,17 @@ VLLM_KEY_ENV = "VLLM_API_KEY"
 @dataclass(frozen=True)
 class Reply:
     """One completion: its text, why it ended (stop|length|tool_calls|...), tokens generated, its reasoning and
-    the tools it calls (OpenAI wire format, arguments a JSON string) when the server parsed any out of the text."""
+    the tools it calls (OpenAI wire format, arguments a JSON string) when the server parsed any out of the text.
+    `counted_by` says where `tokens` comes from: the server's `usage` (`server`), the target's tokenizer over the
+    reply's text (`tokenizer`: the stage counts a reply the server sent without `usage`), or nowhere (`unknown`:
+    0, a server that gives no `usage` and no tokenizer to count with)."""
 
     content: str
     finish_reason: str
     tokens: int
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    counted_by: str = "server"
 
 
 class Rejected(Exception):
@@ -225,12 +229,16 @@ def _reply(resp: httpx.Response, url: str) -> Reply:
         data = resp.json()
         choice = data["choices"][0]
         message = choice["message"]
-        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        # some OpenAI-compatible servers and gateways send no `usage` (or one without completion_tokens): that is
+        # not 0 tokens but a count nobody made, which the stage makes with the target's tokenizer
+        usage = data.get("usage")
+        reported = usage.get("completion_tokens") if isinstance(usage, dict) else None
         calls = message.get("tool_calls") or None
         if calls is not None and not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise ValueError(f"tool_calls is not a list of function calls: {calls!r}"[:200])
         reply = Reply(_text(message.get("content"), "content") or "", choice.get("finish_reason") or UNKNOWN_FINISH,
-                      tokens, _text(message.get("reasoning_content") or message.get("reasoning"), "reasoning"), calls)
+                      int(reported or 0), _text(message.get("reasoning_content") or message.get("reasoning"),
+                                                "reasoning"), calls, "server" if reported is not None else "unknown")
         # a lone surrogate (a gateway that cut an emoji in two) would stop the run where the journal is written
         json.dumps([reply.content, reply.reasoning, calls], ensure_ascii=False).encode("utf-8")
         return reply

@@ -7,7 +7,9 @@ journaled records of the others; a line torn by kill -9 is cut off. Records drop
 server failed on them while it answered others: overload, a timeout) are sent again by a re-run: their new outcome
 is appended and the last one counts, and a finished shard that holds such drops is marked by
 `.work/shard-NNNNN.retry` (so a re-run finds them without reading every journal) and rewritten once they are
-retried. The hidden `.work/` folder is not read by `dflash tokenize --data DIR`, and manifest.json (written last)
+retried. One process at a time works on a shard: it holds `.work/shard-NNNNN.lock` (publish.output_lock) while it
+appends to the journal and writes the file; another run on the same folder does the other shards and waits for
+that one. The hidden `.work/` folder is not read by `dflash tokenize --data DIR`, and manifest.json (written last)
 only when every shard is done."""
 
 from __future__ import annotations
@@ -125,14 +127,32 @@ class OutputDir:
                 lines[line["i"]] = line
         return lines
 
+    def lock_target(self, shard: int) -> str:
+        """What a run locks to work on a shard (publish.output_lock makes it `.work/shard-NNNNN.lock`): one process
+        at a time appends to a shard's journal and sends its records."""
+        return f"{self.out}/{WORK}/{shard_name(shard).removesuffix('.jsonl')}"
+
+    def holder(self, shard: int) -> str | None:
+        """Who holds the shard's lock, as its lock file says, for a run that waits for it; None when no lock file can
+        be read (let go)."""
+        try:
+            with self.fs.open(self.work_file(shard, ".lock"), "r") as fh:
+                lock = json.load(fh)
+        except (OSError, ValueError):  # let go, or (off a local disk) being rewritten by its heartbeat this instant
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.get("since", 0)))
+        return f"pid {lock.get('pid')} on {lock.get('host')}, since {since}"
+
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """manifest.json, written last (whole: replace): its presence says the output is complete."""
         self.replace(self.path(MANIFEST), [json.dumps(manifest, indent=2).encode()])
 
     def remove_manifest(self) -> None:
-        """A run that starts (or resumes) is not complete until it ends."""
-        if self.fs.exists(self.path(MANIFEST)):
+        """An output whose shard a run works on is not complete until that run ends."""
+        try:
             self.fs.rm(self.path(MANIFEST))
+        except FileNotFoundError:  # none, or another run working on another shard removed it first
+            pass
 
 
 class ShardJournal:
@@ -186,12 +206,26 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def counting(sources: Iterable[str]) -> str:
+    """How a sum of token counts was made, from how its parts were (Reply.counted_by): `server` (every one from the
+    server's `usage`, and a sum of none), `tokenizer` (every one counted with the target's tokenizer), `mixed`, or
+    `unknown` (some counted by nobody: the sum leaves them out)."""
+    kinds = set(sources)
+    if "unknown" in kinds:
+        return "unknown"
+    if len(kinds) > 1:
+        return "mixed"
+    return kinds.pop() if kinds else "server"
+
+
 def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str, Any]:
     """Counts over these shards' journals: read, kept (and of those, cut: ending after the last turn the server
     answered; tools_unsent: with tool definitions the requests did not carry), drops by reason (with examples),
-    finish reasons, tokens."""
+    finish reasons, tokens (and how they were counted: a journal line without `tokens_counted_by` has the
+    server's counts)."""
     drops, finish = DropLog(max_examples), Counter[str]()
     read = kept = cut = tokens = tools_unsent = 0
+    counted_by: set[str] = set()
     per_shard = []
     for shard in shards:
         lines = list(out.outcomes(shard).values())
@@ -203,10 +237,13 @@ def tally(out: OutputDir, shards: Iterable[int], max_examples: int) -> dict[str,
             cut += "cut" in line
             tools_unsent += "tools_unsent" in line
             tokens += line.get("tokens", 0)
+            if line.get("finish"):  # the server answered it at least once
+                counted_by.add(line.get("tokens_counted_by", "server"))
             finish.update(line.get("finish", []))
             if "drop" in line:
                 src = line["source"]
                 drops.add(line["drop"], src["file"], src["record"], line.get("line"), line.get("id"), line["detail"])
-    return {"read": read, "kept": kept, "cut": cut, "tools_unsent": tools_unsent, "dropped": drops.dropped(), "finish_reasons": dict(sorted(finish.items())),
-            "tokens_generated": tokens, "shards": per_shard,
+    return {"read": read, "kept": kept, "cut": cut, "tools_unsent": tools_unsent, "dropped": drops.dropped(),
+            "finish_reasons": dict(sorted(finish.items())), "tokens_generated": tokens,
+            "tokens_counted_by": counting(counted_by), "shards": per_shard,
             "drop_examples": {r: drops.examples[r] for r in sorted(drops.examples)}}

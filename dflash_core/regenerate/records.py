@@ -79,6 +79,7 @@ class Regenerated:
     drop: Drop | None = None
     finish: list[str] = field(default_factory=list)
     tokens: int = 0
+    counted_by: set[str] = field(default_factory=set)  # where the replies' token counts come from (Reply.counted_by)
     cut: str | None = None  # kept, but only up to its last reply: why the server did not answer the turn after it
     refused: bool = False  # cut because the server refused a later turn (held back as refusals are)
 
@@ -156,9 +157,11 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
                                                  f"({rejection(exc, history)})")
         result.finish.append(reply.finish_reason)
         result.tokens += reply.tokens
+        result.counted_by.add(reply.counted_by)
         unusable = None
         if reply.finish_reason == "length" and not keep_truncated:
-            unusable = Drop("truncated", f"reply to turn {len(out)} reached max_tokens ({reply.tokens} tokens)")
+            counted = f" ({reply.tokens} tokens)" if reply.counted_by != "unknown" else ""
+            unusable = Drop("truncated", f"reply to turn {len(out)} reached max_tokens{counted}")
         elif reply.finish_reason not in FINISHED | TOOL_CALLS | {"length"}:
             unusable = Drop("unfinished_reply", f"the server ended its reply to turn {len(out)} with "
                                                 f"finish_reason {reply.finish_reason!r}, not at a stop")

@@ -2,7 +2,9 @@
 
 Records are read in input order and numbered; record g belongs to shard g // records_per_shard. Requests go
 to every endpoint at once (data parallel), `concurrency` conversations in flight per endpoint. A record whose
-endpoint dies goes back in the queue for the others; when none is left the stage fails, naming them."""
+endpoint dies goes back in the queue for the others; when none is left the stage fails, naming them. A shard is
+worked on by the one process that holds its lock (`.work/shard-NNNNN.lock`): two runs on the same folder at once
+share the shards instead of sending every record twice, and each waits for the other's before it counts."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any, cast
@@ -27,10 +29,11 @@ from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_
 from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
 from dflash_core.data.template import load_tokenizer, turn_shaping
 from dflash_core.io import is_local
-from dflash_core.regenerate.client import Endpoint, Rejected, Unavailable, api_key, sampling_body
+from dflash_core.publish import OutputLockedError, output_lock, wait_while_written
+from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
-from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, tally
+from dflash_core.regenerate.output import FORMAT, WORK, OutputDir, ShardJournal, counting, shard_name, tally
 from dflash_core.regenerate.records import (
     FINISHED,
     Chat,
@@ -45,6 +48,7 @@ from dflash_core.regenerate.server import local_servers, servable_model
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
+Say = Callable[[str], None]
 _DETECT_HEAD = 32
 _PROGRESS_EVERY_S = 2.0
 # refusals and empty replies before any kept reply that make the run ask the server a one-line question with the
@@ -58,6 +62,7 @@ _PROBE = [{"role": "user", "content": "Say hello."}]
 # every request); at least 2 x concurrency, so a burst of timeouts under load does not count
 _FAILING_IN_A_ROW = 8
 _RESTART_POLL_S = 5.0  # how often a restarting endpoint is asked GET /models
+_LOCK_POLL_S = 5.0  # how often a run waiting for a shard another process works on checks that process's lock
 
 
 @dataclass(frozen=True)
@@ -85,15 +90,44 @@ def sent_turns(data: DataConfig) -> tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=8)
+def _target_tokenizer(tokenizer: str) -> tuple[Any, TemplateError | None]:
+    """data.tokenizer (the target's), loaded once per process: (it, None), or (None, why it cannot be loaded)."""
+    try:
+        return load_tokenizer(tokenizer), None
+    except TemplateError as exc:
+        return None, exc
+
+
+@functools.lru_cache(maxsize=8)
 def _probe_tokenizer(tokenizer: str) -> Any:
     """The tokenizer whose chat template `auto` probes, or None where there is none to probe: one that cannot be
     loaded (the requests go as they are; tokenize reports it), or one without a chat template."""
-    try:
-        tok = load_tokenizer(tokenizer)
-    except TemplateError as exc:
-        log.warning("data.system_turn / data.same_role_turns auto: %s; conversations are sent as they are", exc)
+    tok, error = _target_tokenizer(tokenizer)
+    if error is not None:
+        log.warning("data.system_turn / data.same_role_turns auto: %s; conversations are sent as they are", error)
         return None
     return tok if getattr(tok, "chat_template", None) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _counting_tokenizer(tokenizer: str) -> Any:
+    """The tokenizer that counts the tokens of replies a server sent without `usage`, or None (said once) where it
+    cannot be loaded: those replies then count 0 and the summary says `unknown` rather than pretend."""
+    tok, error = _target_tokenizer(tokenizer)
+    if error is not None:
+        log.warning("the server sends replies without token counts (`usage`) and %s: tokens_generated leaves them "
+                    "out (tokens_counted_by: unknown)", error)
+    return tok
+
+
+def reply_tokens(tok: Any, reply: Reply) -> int:
+    """The tokens of a reply's text as the target's tokenizer encodes it, without special tokens: its content, its
+    reasoning and each tool call's name and arguments (the markup around them, think tags or a tool-call wrapper,
+    is left out: a few tokens per reply less than the server generated)."""
+    calls = [c["function"] for c in reply.tool_calls or []]
+    arguments = [a if isinstance(a := f.get("arguments"), str) else json.dumps(a, ensure_ascii=False) for f in calls]
+    parts = [reply.content, reply.reasoning, *(f.get("name") for f in calls), *arguments]
+    return sum(len(tok.encode(p, add_special_tokens=False)) for p in parts if isinstance(p, str) and p)
 
 
 def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
@@ -124,15 +158,18 @@ def _fingerprint(files: list[SourceFile], state: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def read_items(files: list[SourceFile], data: DataConfig, only: Collection[int] | None = None) -> Iterator[Item]:
+def read_items(files: list[SourceFile], data: DataConfig, only: Collection[int] | None = None,
+               claim: Callable[[int], bool] | None = None) -> Iterator[Item]:
     """Every input record in order (up to data.regenerate.limit) with its shard and messages; with `only`, those
-    of these shards alone: the others are counted, not parsed, and reading stops after the last of them."""
+    of these shards alone: the others are counted, not parsed, and reading stops after the last of them. `claim`
+    is asked about each wanted shard at its first record (_Run.claim: its lock); a shard it declines is skipped
+    as an unwanted one is."""
     roles, per_shard, limit = role_table(data.role_map), data.regenerate.records_per_shard, data.regenerate.limit
     fold, merge = sent_turns(data)
     if only is not None and not only:
         return
     last = None if only is None else max(only)
-    g = 0
+    g, asked, wanted = 0, -1, False
     for file in files:
         records = iter(FileRecords(file))
         head = list(islice(records, _DETECT_HEAD))
@@ -141,7 +178,10 @@ def read_items(files: list[SourceFile], data: DataConfig, only: Collection[int] 
             shard = g // per_shard
             if (limit is not None and g >= limit) or (last is not None and shard > last):
                 return
-            if only is None or shard in only:
+            if shard != asked:  # a shard's records are consecutive: asked once, at its first
+                asked = shard
+                wanted = (only is None or shard in only) and (claim is None or claim(shard))
+            if wanted:
                 parsed = parse_payload(raw.payload)
                 if schema is None:
                     parsed_head = [p for p in (parse_payload(r.payload) for r in head) if not isinstance(p, Drop)]
@@ -161,31 +201,34 @@ def count_records(files: list[SourceFile], data: DataConfig) -> int:
 def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | None = None,
                        tokenizer: str | None = None, shards: Collection[int] | None = None,
                        progress: Progress | None = None, fingerprint: str | None = None,
-                       records: int | None = None) -> dict[str, Any]:
+                       records: int | None = None, say: Say = log.warning) -> dict[str, Any]:
     """Regenerate the chat data under `source` into `out` (resuming what an earlier run left); returns the
     summary. `shards` restricts the run to those shards (one Prefect task run each): it reads and parses only
     their records, its counts are theirs, and it leaves manifest.json to a run of every shard, which writes it
     when every shard is done. `fingerprint` and `records`: the run's regenerate_fingerprint and count_records
     when the caller has them (a shard's task run then neither hashes nor counts the whole input again, and reads
-    no further than its shard). No server is started when nothing is left to do."""
+    no further than its shard). No server is started when nothing is left to do. A shard another live process
+    works on (another run on the same data: a manual run beside the nightly one) is left to it: this run does
+    the others, then waits for it (`say` tells which and for whom) and takes it as it is left, or finishes it
+    when that process stopped first; so the counts are of every shard, done by either."""
     cfg = data.regenerate
     files = without_output(list_files(source), out)  # an --out inside the source folder is not input
     output = OutputDir(out)
     state = settings(data, target)  # reads the ends of the target's weight files: once
     fingerprint = fingerprint or _fingerprint(files, state)
     output.claim({"fingerprint": fingerprint, "source": source, "settings": state})
-    output.remove_manifest()
     records = count_records(files, data) if records is None else records
     total_shards = cfg.shard_count(records)
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
     todo = {s for s in covered if not output.settled(s)}
-    run = _Run(output, data, records, todo, progress)
+    run = _Run(output, data, records, todo, progress, say)
     model, seconds = cfg.model, 0.0
     if todo:
         key = api_key(cfg)
         with ExitStack() as stack:
             urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output, key))
-            model, seconds = asyncio.run(run.execute(read_items(files, data, todo), urls, key))
+            model, seconds = asyncio.run(run.execute(lambda only: read_items(files, data, only, run.claim), urls,
+                                                     key))
     counts = tally(output, covered, data.max_examples)
     complete = all(output.shard_done(s) for s in range(total_shards))
     if counts["tools_unsent"]:
@@ -195,9 +238,9 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
                     "the replies are the ones the target writes with its tools", counts["tools_unsent"])
     summary = {"read": counts["read"], "kept": counts["kept"], "cut": counts["cut"], "dropped": counts["dropped"],
                "tools_unsent": counts["tools_unsent"],
-               "tokens_generated": counts["tokens_generated"], "finish_reasons": counts["finish_reasons"],
-               "model": model, "out": out, "complete": complete, "shards": total_shards,
-               "tokens_per_s": round(run.tokens / seconds, 1) if seconds else None, "fingerprint": fingerprint,
+               "tokens_generated": counts["tokens_generated"], "tokens_counted_by": counts["tokens_counted_by"],
+               "finish_reasons": counts["finish_reasons"], "model": model, "out": out, "complete": complete,
+               "shards": total_shards, "tokens_per_s": run.tokens_per_s(seconds), "fingerprint": fingerprint,
                "retried": run.retried}
     if complete and shards is None:
         output.write_manifest({"format": FORMAT, "fingerprint": fingerprint, **counts, "model": model,
@@ -242,10 +285,21 @@ class _Run:
     """One execution: the work queue, the workers of every endpoint, the journals, the counts."""
 
     def __init__(self, output: OutputDir, data: DataConfig, records: int, todo: Collection[int],
-                 progress: Progress | None) -> None:
-        self.output, self.cfg, self.progress = output, data.regenerate, progress
+                 progress: Progress | None, say: Say = log.warning) -> None:
+        self.output, self.cfg, self.progress, self.say = output, data.regenerate, progress, say
+        self.tokenizer = data.tokenizer  # counts the replies a server sends without `usage`
         self.records = records  # in the whole input: the last shard holds the rest
+        self.todo = set(todo)
         self.todo_records = sum(self.size(s) for s in todo)  # in the shards this run works on (the bar's 100%)
+        self.locks: dict[int, ExitStack] = {}  # the shards this run works on now, by their held lock
+        self.deferred: set[int] = set()  # this round's shards that another live process held
+        # shards found held by another process: their server_error drops are not sent again (it may have just
+        # sent them: a rerun will)
+        self.others: set[int] = set()
+        self.cleared = False  # manifest.json removed, once this run works on a shard
+        self.taken = 0  # shards this run claimed or took as another left them (the rounds' progress)
+        self.waited_s = 0.0
+        self.counted_by: set[str] = set()  # where the token counts of this run's replies come from
         self.keep_thinking = thinking_enabled(data)
         self.body = sampling_body(self.cfg, self.keep_thinking, data.max_length)
         self.failing_limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)  # failures in a row: endpoint out
@@ -265,8 +319,12 @@ class _Run:
         self.failure: BaseException | None = None
         self.start = self.last_progress = time.monotonic()
 
-    async def execute(self, items: Iterator[Item], urls: list[str], key: str | None = None) -> tuple[str, float]:
-        """Check every endpoint, then regenerate; returns the model id and the seconds spent generating."""
+    async def execute(self, read: Callable[[Collection[int]], Iterator[Item]], urls: list[str],
+                      key: str | None = None) -> tuple[str, float]:
+        """Check every endpoint, then regenerate the shards to do in rounds: `read(shards)` yields their records,
+        asking claim() at each shard's first; after a round, the shards other processes held are waited for and
+        the next round tries those they did not finish. Returns the model id and the seconds spent generating
+        (waits left out)."""
         endpoints = [Endpoint(u, self.cfg, key) for u in urls]
         try:
             listed = await asyncio.gather(*(e.models() for e in endpoints))
@@ -276,14 +334,81 @@ class _Run:
                     raise EndpointError(f"endpoint {endpoint.url} serves {models}, not {self.model!r}; "
                                         f"fix --model (data.regenerate.model) or the endpoint")
             self.start = time.monotonic()
-            await self._pump(items, endpoints)
-            return self.model, time.monotonic() - self.start
+            left, taken = set(self.todo), -1
+            while left:
+                if self.taken == taken:  # nothing came free since the last round (a gone holder's processes still
+                    await self._pause(functools.partial(time.sleep, _LOCK_POLL_S))  # hold its lock): no busy loop
+                taken = self.taken
+                self.deferred = set()
+                await self._pump(read(left), endpoints)
+                left = await self._await_others()
+            return self.model, time.monotonic() - self.start - self.waited_s
         finally:
             for journal in self.journals.values():
                 journal.close()
+            for lock in self.locks.values():  # after the journals: the next holder appends to them
+                lock.close()
             await asyncio.gather(*(e.close() for e in endpoints))
 
+    def claim(self, shard: int) -> bool:
+        """Whether this run works on the shard now (read_items asks at its first record): it takes the shard's lock
+        and keeps it until the shard is written; a shard another live process holds is left to it (waited for
+        after this round), one another process finished since this run began is taken as it is."""
+        lock = ExitStack()
+        try:
+            lock.enter_context(output_lock(self.output.lock_target(shard), "regenerate"))
+        except OutputLockedError:
+            self.deferred.add(shard)
+            self.others.add(shard)
+            return False
+        if self._finished_elsewhere(shard):
+            lock.close()
+            return False
+        self.locks[shard] = lock
+        self.taken += 1
+        if not self.cleared:  # the output is not complete while one of its shards is worked on
+            self.output.remove_manifest()
+            self.cleared = True
+        return True
+
+    def _finished_elsewhere(self, shard: int) -> bool:
+        """Whether another process wrote the shard whole since this run began: its outcomes are this run's too
+        (counted as resumed)."""
+        if not self.output.settled(shard):
+            return False
+        self.resumed += self.size(shard)
+        self.taken += 1
+        self._report()
+        return True
+
+    async def _await_others(self) -> set[int]:
+        """After a round, the shards other live processes held: once the first of them is let go (written, or its
+        holder failed or is gone: publish.wait_while_written), those not written meanwhile, for the next round."""
+        if not self.deferred:
+            return set()
+        shard = min(self.deferred)
+        if holder := self.output.holder(shard):  # else let go since: nothing to wait for
+            more = f" (and {len(self.deferred) - 1} more shards)" if len(self.deferred) > 1 else ""
+            self.say(f"regenerate: {shard_name(shard)}{more} of {self.output.out} is being regenerated by another "
+                     f"run ({holder}); waiting for it, to take its records as they are written (or to finish them, "
+                     f"if that run stops first)")
+        await self._pause(functools.partial(wait_while_written, self.output.lock_target(shard), _LOCK_POLL_S))
+        return {s for s in self.deferred if not self._finished_elsewhere(s)}
+
+    async def _pause(self, wait: Callable[[], None]) -> None:
+        """A blocking wait, in a thread; its time is left out of tokens/s."""
+        began = time.monotonic()
+        await asyncio.to_thread(wait)
+        self.waited_s += time.monotonic() - began
+
+    def tokens_per_s(self, seconds: float) -> float | None:
+        """This run's generation rate; None when it got no reply or some of its replies went uncounted."""
+        if not seconds or not self.counted_by or counting(self.counted_by) == "unknown":
+            return None
+        return round(self.tokens / seconds, 1)
+
     async def _pump(self, items: Iterator[Item], endpoints: list[Endpoint]) -> None:
+        self.last_shard = -1  # a round reads the input from its start
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.room = asyncio.Semaphore(2 * self.cfg.concurrency * len(endpoints))  # the reader stays close
         self.idle = asyncio.Event()
@@ -360,7 +485,7 @@ class _Run:
         if item.shard not in self.journals:
             self.journals[item.shard] = self.output.journal(item.shard)
             self.retryable[item.shard] = self.journals[item.shard].retryable()
-        if item.index in self.retryable[item.shard]:
+        if item.index in self.retryable[item.shard] and item.shard not in self.others:
             self.retrying.setdefault(item.shard, set()).add(item.index)
             self.retried += 1
             return False
@@ -486,11 +611,15 @@ class _Run:
             f"an API key, a model name it does not serve): fix it and run again; none of these records was "
             f"journaled, so they are sent again")
 
-    async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None):
+    async def _send(self, endpoint: Endpoint, messages: Messages, tools: list[dict[str, Any]] | None) -> Reply:
+        """One request; a reply without the server's token count is counted with the target's tokenizer."""
         body = {"model": self.model, "messages": messages, **self.body}
         if tools and self.cfg.send_tools:
             body["tools"] = tools
-        return await endpoint.chat(body)
+        reply = await endpoint.chat(body)
+        if reply.counted_by == "unknown" and (tok := _counting_tokenizer(self.tokenizer)) is not None:
+            reply = replace(reply, tokens=reply_tokens(tok, reply), counted_by="tokenizer")
+        return reply
 
     async def _comes_back(self, endpoint: Endpoint) -> bool:
         """Whether the last live endpoint, which stopped answering, answers GET /models again within
@@ -528,6 +657,8 @@ class _Run:
     def _record(self, item: Item, result: Regenerated) -> None:
         line: dict[str, Any] = {"i": item.index, "source": item.source, **item.extra,
                                 "finish": result.finish, "tokens": result.tokens}
+        if (counted_by := counting(result.counted_by)) != "server":  # absent: the server's, as in older journals
+            line["tokens_counted_by"] = counted_by
         if result.drop is None:
             line["messages"] = result.messages
             if result.cut:
@@ -542,6 +673,7 @@ class _Run:
         self.retrying.get(item.shard, set()).discard(item.index)
         self.done += 1
         self.tokens += result.tokens
+        self.counted_by |= result.counted_by
         self._maybe_finish(item.shard)
         self._report()
 
@@ -556,6 +688,7 @@ class _Run:
             del self.journals[shard]
             self.retryable.pop(shard, None)
             self.retrying.pop(shard, None)
+            self.locks.pop(shard).close()  # written: a run waiting for it takes it as it is
 
     def _report(self) -> None:
         now = time.monotonic()
