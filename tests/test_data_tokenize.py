@@ -479,3 +479,21 @@ def test_zstd_compressed_json_lines_are_read_as_a_file_and_in_a_folder(tmp_path:
         assert summary["read"] == summary["kept"] == 6 and summary["dropped"] == {}, summary
         assert [s["file"] for s in read_manifest(str(out))["sources"]] == [f"chats{suffix}"]
         assert summary["tokens"] == plain["tokens"]
+
+
+def test_the_offsets_fallback_masks_exactly_the_tokens_inside_the_assistant_spans():
+    """A span border on a character no token holds (here a space a whitespace pre-tokenizer drops; in practice a
+    normalizer) sends `_masked` to the offsets path. Token borders at the span borders: the token ending where a
+    span starts and the one starting where it ends are outside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflash_core.data.template import _masked
+
+    words = ["q1", "q2", "a1", "a2", "q3", "a3"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)} | {"[UNK]": 6}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    enc = tok.encode("q1 q2 a1 a2 q3 a3")  # tokens at chars 0-2, 3-5, 6-8, 9-11, 12-14, 15-17
+    assert enc.char_to_token(5) is None  # the border character has no token: the offsets decide
+    out = _masked(enc, [(5, 12), (14, 17)])  # " a1 a2 " and " a3"
+    assert out.mask.tolist() == [0, 0, 1, 1, 0, 1]
+    assert out.turn_ends.tolist() == [4, 6]  # the token index after each span, as the char_to_token path gives

@@ -419,3 +419,16 @@ def test_layer_ids_and_mask_id_are_checked_against_the_targets_config_before_any
     with pytest.raises(DrafterError, match="6 drafter layers need 6 distinct target layers"):
         check_target_fit(ModelConfig(target=target, num_draft_layers=6))
     check_target_fit(ModelConfig(target=str(tmp_path / "not-here"), mask_token_id=10**6))  # loading says why
+
+
+def test_an_anchor_whose_block_would_reach_the_padding_is_no_candidate(target):
+    """DFLASH_SPEC.md "Objective": an anchor a needs a..a+B-1 all real tokens, not only a itself. Row 1 holds 7
+    real tokens, every one supervised: with B = 4 only 0..3 can anchor a block (4..6 would reach the padding)."""
+    d = tiny_drafter(target, num_anchors=8)
+    loss_mask = torch.ones(2, 12, dtype=torch.uint8)
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, 7:] = 0
+    loss_mask[1, 7:] = 0  # padding is never supervised
+    anchors, valid = d.sample_anchors(loss_mask, attention, torch.Generator().manual_seed(0))
+    assert anchors[1][valid[1]].tolist() == [0, 1, 2, 3]
+    assert anchors[0][valid[0]].max() <= 12 - B  # row 0, no padding: a + B <= S

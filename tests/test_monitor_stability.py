@@ -380,3 +380,16 @@ def test_a_spike_on_the_last_step_warns_as_not_recovered_and_a_small_bump_there_
         result = _analyze(_scale_end(make_log(3000, 0), factors))
         assert verdict(result.figures, result.warnings) == "pass", (factors, _status(result))
     assert result.figures["loss_spikes"]["count"] == 1 and result.figures["loss_spikes"]["not_recovered"] == []
+
+
+def test_robust_k_counts_standard_deviations_of_the_log_grad_norm():
+    """A robust spike lies robust_k standard deviations (MAD x 1.4826) above the trailing median of the log grad
+    norm. Log norms cycling median - s, median, median + s have a MAD of exactly s: a norm 7.5 s above (about 5
+    standard deviations) is no spike at robust_k 6, one 12 s above (about 8) is."""
+    s = 0.05
+    records = make_log(600, 0)
+    for r in records:
+        r["grad_norm"], r["clipped"] = 0.5 * math.exp(s * (r["step"] % 3 - 1)), False
+    records[400]["grad_norm"] = 0.5 * math.exp(7.5 * s)
+    records[500]["grad_norm"] = 0.5 * math.exp(12 * s)
+    assert _analyze(records).figures["robust_spike_rate"]["steps"] == [500]

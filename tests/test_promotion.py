@@ -530,3 +530,11 @@ def test_a_promotion_under_way_is_left_alone_and_a_stale_lock_is_taken_over(root
                              _scores(1.9, 1.6, root))["promoted"]
     assert read_promoted(root)["run"] == "runs/b" and not fs.exists(lock)
     assert not fs.glob(f"{path}.staged-*")  # the crashed promoter's copy is debris now, cleaned
+
+
+def test_identical_drafters_show_no_significant_gain():
+    """Every response gained exactly the same (here nothing): no spread, and a gain of 0 is not above min_gain 0."""
+    gain = paired_gain([2.0, 3.5, 4.0], [2.0, 3.5, 4.0])
+    assert gain["mean"] == 0.0 and gain["p_value"] == 1.0
+    assert paired_gain([2.5, 4.0], [2.0, 3.5], min_gain=0.5)["p_value"] == 1.0  # exactly min_gain: not above it
+    assert paired_gain([2.5, 4.0], [2.0, 3.5], min_gain=0.25)["p_value"] == 0.0
