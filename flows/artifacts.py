@@ -34,7 +34,7 @@ from dflash_core.monitor.curves import curves_figure
 from dflash_core.monitor.validation_plot import VALIDATION_PNG
 from dflash_core.plan.plots import plan_figure
 from flows import storage
-from flows.metrics_tail import LIVE_KEYS, MetricsTail, is_step, is_val, read_records
+from flows.metrics_tail import LIVE_KEYS, SUMMARY_KEYS, MetricsTail, is_step, is_val, read_records
 
 # Size budget of one inline picture: 64 KB of PNG (~87 KB as base64). A page holds at most three pictures,
 # so an artifact stays well under 300 KB and the run page opens quickly; the full-resolution files stay linked.
@@ -403,7 +403,7 @@ def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[
                      report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
                      failure: tuple[str, str, bool] | None = None) -> str:
     """The summary page (see publish_summary); validation curves appear when metrics.jsonl has val records."""
-    steps, val = read_records(storage.join(run_dir, "metrics.jsonl"))
+    steps, val = read_records(storage.join(run_dir, "metrics.jsonl"), SUMMARY_KEYS)  # not whole: 200k steps are GBs
     lines = ["# Run summary", ""]
     if failure:
         lines += [f"**{'CANCELLED' if failure[2] else 'FAILED'}** in `{failure[0]}`: {md_text(failure[1])}", ""]

@@ -17,6 +17,8 @@ _CHECKED = 4096  # bytes before the offset read again each time: still there, or
 # the whole file, ~30 fields a step, which at 200,000 steps held 2 GB as whole records.
 LIVE_KEYS = ("step", "loss", "grad_norm", "clip", "tokens_per_s", "tflops", "mfu", "time")
 PAGE_KEYS = ("kind", *LIVE_KEYS, "val_loss", "val_accept_len")
+# What the run summary (flows/artifacts.py summary_markdown) uses: the curves, the last loss, the last validation.
+SUMMARY_KEYS = ("kind", "step", "loss", "grad_norm", "clip", "val_loss", "val_accept_len")
 
 
 class MetricsTail:
@@ -95,7 +97,9 @@ def is_step(record: dict[str, Any]) -> bool:
         and not isinstance(step, bool)
 
 
-def read_records(uri: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training step records, validation records) of a whole metrics.jsonl; ([], []) when it is missing."""
-    records = MetricsTail(uri, keys=None).read_new()
+def read_records(uri: str, keys: Sequence[str] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training step records, validation records) of a whole metrics.jsonl, each reduced to `keys` as it is parsed
+    (every field with None; else they must hold "kind", "step" and "val_loss", which tell the two apart); ([], [])
+    when it is missing."""
+    records = MetricsTail(uri, keys=keys).read_new()
     return [r for r in records if is_step(r)], [r for r in records if is_val(r)]

@@ -1,7 +1,8 @@
 """Where the metrics come from: metrics.jsonl at any fsspec URI, or a W&B run's full history.
 
 Both sources become the same table (`metrics_frame`): one row per record in the order read, with a `record`
-column, so that a resumed run's repeated or out-of-order steps are still visible to the analysis.
+column, so that a resumed run's repeated or out-of-order steps are still visible to the analysis. A training record
+becomes its row as it is read: the log never holds the records themselves (see MetricsLog).
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import json
 import lzma
 import math
 import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -20,11 +20,13 @@ import polars as pl
 from dflash_core.errors import InputError
 
 REQUIRED = ("step", "loss", "grad_norm", "clipped", "clip", "nonfinite")
-FLOATS = ("loss", "grad_norm", "clip", "lr")
+FLOATS = ("loss", "grad_norm", "clip", "lr", "accept_len")  # accept_len: validation.png's training curve only
 FLAGS = ("clipped", "nonfinite", "skipped")
 WANDB_SCHEME = "wandb://"
 BUCKET_KEYED = ("bucket_mix", "bucket_tokens", "loss_by_bucket")  # dicts keyed by bucket id, not lists
 VAL_KIND = "val"  # validation records (runtime/validate.py): {"kind": "val", "step", "val_loss", ...}
+FRAME_CHUNK = 4096  # training records kept as rows before they become a block of the table
+MIXED = "_mixed"  # a block's column while reading: whether the row's record logged a bucket mix
 
 
 def record_kind(record: dict[str, Any]) -> str:
@@ -36,23 +38,48 @@ class MetricsError(InputError):
     """Metrics that cannot be read; the message names the source, the line and what to do."""
 
 
-@dataclass
 class MetricsLog:
-    """Records as read, where they came from, and what the reader noticed on the way."""
+    """Training steps as rows of the check's table (`metrics_frame`), validation records whole, where they came from,
+    and what the reader noticed.
 
-    source: str
-    records: list[dict[str, Any]]
-    lines: list[int]
-    notes: list[str] = field(default_factory=list)
-    validation: list[dict[str, Any]] = field(default_factory=list)  # set aside: not optimizer steps
+    A training record is cut down to its row as it is kept (the fields the analysis and validation.png read), and
+    every FRAME_CHUNK rows become a block of the table: a production record has ~30 fields, nested dicts among them,
+    and a 200,000-step log held as records took several GB, where the table holds steps x its few columns.
+    """
+
+    def __init__(self, source: str, records: Iterable[dict[str, Any]] = (), lines: Iterable[int] = ()) -> None:
+        self.source = source
+        self.notes: list[str] = []
+        self.validation: list[dict[str, Any]] = []  # set aside: not optimizer steps
+        self.steps = 0  # training records kept
+        self._rows: list[dict[str, Any]] = []  # kept since the last block, with their lines
+        self._lines: list[int] = []
+        self._blocks: list[pl.DataFrame] = []
+        for record, line in zip(records, lines, strict=True):
+            self.keep(record, line)
 
     def keep(self, record: dict[str, Any], line: int) -> None:
-        """Add a checked record: a training step to `records`, a validation record to `validation`."""
+        """Add a checked record: a training step as a row of the table, a validation record to `validation`."""
         if record_kind(record) == VAL_KIND:
             self.validation.append(record)
-        else:
-            self.records.append(record)
-            self.lines.append(line)
+            return
+        self._rows.append(_row(record, self.source, line))
+        self._lines.append(line)
+        self.steps += 1
+        if len(self._rows) == FRAME_CHUNK:
+            self._seal()
+
+    def _seal(self) -> None:
+        """The rows kept since the last block become a block."""
+        if self._rows or not self._blocks:
+            self._blocks.append(_block(self._rows, self._lines, self.steps - len(self._rows)))
+            self._rows, self._lines = [], []
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The training steps as validation.png draws them, from the table: step, loss (NaN where logged
+        non-finite), accept_len and weight_by_slot."""
+        return metrics_frame(self).select("step", "loss", "accept_len", "weight_by_slot").to_dicts()
 
     def note_validation(self) -> None:
         """Say in the notes that validation records were read and left out of the stability analysis."""
@@ -73,7 +100,7 @@ def read_metrics(metrics: str, wandb_run: str | None = None) -> MetricsLog:
 def read_jsonl(uri: str) -> MetricsLog:
     """Every record of a metrics.jsonl (gzip etc. by extension); a truncated last line is skipped."""
     uri = _metrics_file(uri)
-    log = MetricsLog(uri, [], [])
+    log = MetricsLog(uri)
     pending: tuple[int, json.JSONDecodeError] | None = None
     for lineno, line in _numbered_lines(uri):
         if not line.strip():
@@ -86,12 +113,12 @@ def read_jsonl(uri: str) -> MetricsLog:
             pending = (lineno, exc)
             continue
         log.keep(_check_record(record, uri, lineno), lineno)
-    if pending and not log.records:  # a lone bad line is not "a crash mid-write": nothing was readable at all
+    if pending and not log.steps:  # a lone bad line is not "a crash mid-write": nothing was readable at all
         _raise_bad_json(uri, *pending)
     if pending:
         log.notes.append(f"line {pending[0]}: incomplete last record skipped (the run crashed or was writing)")
     log.note_validation()
-    if not log.records:
+    if not log.steps:
         raise MetricsError(f"{uri}: no metrics records in the file (empty); did the run log any optimizer step?")
     return log
 
@@ -177,14 +204,14 @@ def read_wandb_run(path: str, api: Any = None) -> MetricsLog:
             f"W&B run {path!r}: could not read its history ({type(exc).__name__}: {exc}); check the path "
             "(entity/project/run_id), WANDB_API_KEY and the network"
         ) from None
-    log = MetricsLog(f"{WANDB_SCHEME}{path}", [], [])
+    log = MetricsLog(f"{WANDB_SCHEME}{path}")
     for row_no, row in enumerate(rows, start=1):
         record = unflatten_wandb_row(row)
         if "step" not in record:
             continue  # rows W&B keeps for other metrics (system stats, summaries) are not steps
         log.keep(_check_record(record, log.source, row_no), row_no)
     log.note_validation()
-    if not log.records:
+    if not log.steps:
         raise MetricsError(f"W&B run {path!r}: no history rows with a 'step'; was it logged by `dflash train`?")
     return log
 
@@ -218,23 +245,44 @@ def _list_or_dict(head: str, sub: dict[str, Any]) -> list[Any] | dict[str, Any]:
 
 
 def metrics_frame(log: MetricsLog) -> pl.DataFrame:
-    """One row per record in read order: record, line, step, floats (NaN = logged as non-finite), flags,
-    `mix:<bucket>` (share of the step's micro-batches, or tokens) and `bucket_loss:<bucket>` columns."""
-    rows = [_row(rec, log.source, line) for rec, line in zip(log.records, log.lines, strict=True)]
+    """One row per training record in read order: record, line, step, floats (NaN = logged as non-finite), flags,
+    weight_by_slot, `mix:<bucket>` (share of the step's micro-batches, or tokens) and `bucket_loss:<bucket>`
+    columns. The log keeps the joined table: a second call returns it."""
+    log._seal()
+    if len(log._blocks) > 1:
+        log._blocks = [_joined(log._blocks)]
+    return log._blocks[0].drop(MIXED)
+
+
+def _block(rows: list[dict[str, Any]], lines: list[int], first: int) -> pl.DataFrame:
+    """Rows of consecutive records, the first of them record number `first`; the bucket columns are those of the
+    buckets these records logged, and MIXED says which rows logged a mix (see _joined)."""
     frame = pl.DataFrame(
         {
-            "record": list(range(len(rows))),
-            "line": log.lines,
-            "step": [r["step"] for r in rows],
+            "record": pl.Series(range(first, first + len(rows)), dtype=pl.Int64),
+            "line": pl.Series(lines, dtype=pl.Int64),
+            "step": pl.Series([r["step"] for r in rows], dtype=pl.Int64),
             **{name: pl.Series(name, [r[name] for r in rows], dtype=pl.Float64) for name in FLOATS},
             **{name: pl.Series(name, [r[name] for r in rows], dtype=pl.Boolean) for name in FLAGS},
+            # a slot list of anything but numbers and nulls (no trainer writes one) is drawn with nulls in its place
+            "weight_by_slot": pl.Series([r["weight_by_slot"] for r in rows], dtype=pl.List(pl.Float64), strict=False),
+            MIXED: pl.Series([r["mix"] is not None for r in rows], dtype=pl.Boolean),
         },
-        schema_overrides={"step": pl.Int64},
     )
     mixes = [r["mix"] for r in rows]
     losses = [r["bucket_loss"] for r in rows]
     # A bucket absent from a step has a zero share of it, but no loss on it.
     return frame.with_columns(_bucket_columns("mix", mixes, 0.0) + _bucket_columns("bucket_loss", losses, None))
+
+
+def _joined(blocks: list[pl.DataFrame]) -> pl.DataFrame:
+    """The blocks as one table. A block lacks the columns of buckets none of its records logged: in its rows that
+    logged a mix such a bucket's share is zero (as within a block), elsewhere null, and its loss null."""
+    frame = pl.concat(blocks, how="diagonal")
+    fixed = [c for c in frame.columns if not c.startswith(("mix:", "bucket_loss:"))]
+    shares = [pl.when(pl.col(MIXED)).then(pl.col(c).fill_null(0.0)).alias(c)
+              for c in sorted(c for c in frame.columns if c.startswith("mix:"))]
+    return frame.select(*fixed, *shares, *sorted(c for c in frame.columns if c.startswith("bucket_loss:")))
 
 
 def _row(record: dict[str, Any], source: str, line: int) -> dict[str, Any]:
@@ -244,6 +292,8 @@ def _row(record: dict[str, Any], source: str, line: int) -> dict[str, Any]:
     for name in FLAGS:
         value = record.get(name)
         row[name] = None if value is None else bool(value)
+    weights = record.get("weight_by_slot")
+    row["weight_by_slot"] = weights if isinstance(weights, list) else None
     mix = record.get("bucket_mix") or record.get("bucket_tokens")
     row["mix"] = _shares(mix) if isinstance(mix, dict) else None
     by_bucket = record.get("loss_by_bucket")
