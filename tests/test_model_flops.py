@@ -127,17 +127,22 @@ def test_meter_records_tflops_and_mfu_only_with_a_peak(target):
     )
     cpu = FlopMeter.for_model(d, torch.device("cpu"))
     cpu.add(batch, out)
-    record = cpu.record(0.5)
+    record = cpu.record(cpu.take().tolist(), 0.5)
     assert record["mfu"] is None
     assert record["tflops"] == pytest.approx(2 * expected / 1e12)
     assert sum(record["step_tflop"].values()) == pytest.approx(expected / 1e12)
     overridden = FlopMeter.for_model(d, torch.device("cpu"), peak_override=1e-6, devices=2)
     overridden.add(batch, out)
     overridden.add(batch, out)  # two micro-batches: twice the work
-    record = overridden.record(1.0)
+    counts = overridden.take()
+    record = overridden.record(counts.tolist(), 1.0)
     assert record["tflops"] == pytest.approx(2 * expected / 1e12)
     assert record["mfu"] == pytest.approx(2 * expected / 1e12 / (1e-6 * 2))
-    assert overridden.record(1.0)["tflops"] == pytest.approx(0.0)  # counts reset each step
+    assert overridden.take().tolist() == [0.0] * 5  # counts reset each step
+    # counts summed over 2 ranks (as StepStats.all_reduce sums them): both ranks' FLOPs, both ranks' peak
+    record = overridden.record((2 * counts).tolist(), 1.0, world_size=2)
+    assert record["tflops"] == pytest.approx(4 * expected / 1e12)
+    assert record["mfu"] == pytest.approx(4 * expected / 1e12 / (1e-6 * 2 * 2))
 
 
 def test_steady_rate_skips_warmup_steps():

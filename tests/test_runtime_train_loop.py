@@ -1,11 +1,17 @@
-"""DrafterTrainLoop in one process: step-level loss normalisation is exact, non-finite steps are skipped."""
+"""DrafterTrainLoop in one process (and in a 2-process gloo world): step-level loss normalisation is exact,
+non-finite steps are skipped, a step makes one collective."""
 
+import json
 import math
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from common.runs import BLOCK, MASK_ID, write_shards, write_target
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_core.data.shards import ShardError, ShardReader
 from dflash_core.model.config import ModelConfig
@@ -13,6 +19,7 @@ from dflash_core.model.drafter import build_drafter
 from dflash_core.model.target import load_target
 from dflash_core.runtime.batch import PlanRow, collate
 from dflash_core.runtime.channel import Channel
+from dflash_core.runtime.efficiency import FlopMeter
 from dflash_core.runtime.faults import FaultPlan, parse_faults
 from dflash_core.runtime.prefetch import BatchPrefetcher
 from dflash_core.runtime.schedule import make_scheduler
@@ -46,24 +53,73 @@ def parts(tmp_path_factory):
     return target, reader, drafter, root
 
 
+def _batch(target, reader, drafter, ids, step, micro, bucket):
+    b = collate(reader.rows(ids), PlanRow(step, micro, bucket, ids), seq=micro)
+    b.features = target.capture(b.input_ids, b.attention_mask, drafter.target_layer_ids)
+    return b
+
+
 def _micro_batches(target, reader, drafter, step=0):
-    batches = []
-    for micro, ids in enumerate([(0, 1, 2), (3, 4)]):  # different sizes: per-micro means would be wrong
-        b = collate(reader.rows(ids), PlanRow(step, micro, micro, ids), seq=micro)
-        b.features = target.capture(b.input_ids, b.attention_mask, drafter.target_layer_ids)
-        batches.append(b)
-    return batches
+    # different sizes: per-micro means would be wrong
+    return [_batch(target, reader, drafter, ids, step, micro, micro) for micro, ids in enumerate([(0, 1, 2), (3, 4)])]
 
 
-def _loop(drafter, batches, faults=None, clip=1e9):
+def _loop(model, batches, faults=None, clip=1e9, grad_accum=None, rank=0, world_size=1, meter=None):
     inbox = Channel(len(batches))
     for b in batches:
         inbox.put(b)
-    opt = Recorder(drafter.parameters())
-    settings = LoopSettings(grad_accum=len(batches), clip=clip, seed=0, rank=0, world_size=1,
-                            device=torch.device("cpu"), buckets=[0, 1], block_size=BLOCK)
+    opt = Recorder(model.parameters())
+    settings = LoopSettings(grad_accum=grad_accum or len(batches), clip=clip, seed=0, rank=rank,
+                            world_size=world_size, device=torch.device("cpu"), buckets=[0, 1], block_size=BLOCK,
+                            meter=meter)
     sched = make_scheduler(opt, 10, 0.0, "constant", 0.0)
-    return DrafterTrainLoop(drafter, opt, sched, inbox, settings, faults or FaultPlan([], 0)), opt
+    return DrafterTrainLoop(model, opt, sched, inbox, settings, faults or FaultPlan([], 0)), opt
+
+
+# every candidate anchor is used, so a step's FLOPs do not depend on which rank or micro-batch a sample lands in
+ALL_ANCHORS = 512
+RANK_IDS = [(0, 1, 2), (3, 4)]  # rank r's micro-batch of each step; micro-batch r of the same step on one rank
+
+
+def _all_anchor_parts(root: Path):
+    target = load_target(str(root / "target"), dtype="float32")
+    torch.manual_seed(0)
+    drafter = build_drafter(target, ModelConfig(target="x", block_size=BLOCK, num_anchors=ALL_ANCHORS), MASK_ID)
+    return target, ShardReader(str(root / "tokenized")), drafter
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "gather")
+
+
+def _counted(name: str, calls: list[str]):
+    real = getattr(dist, name)
+
+    def call(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    return call
+
+
+def _rank_of_two(rank: int, root: str, steps: int) -> None:
+    """One rank of a 2-process gloo world: `steps` steps of the real loop under DDP, counting the collectives."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    target, reader, drafter = _all_anchor_parts(Path(root))
+    batches = [_batch(target, reader, drafter, RANK_IDS[rank], step, 0, rank) for step in range(steps)]
+    meter = FlopMeter.for_model(drafter, torch.device("cpu"), peak_override=1.0)
+    loop, _ = _loop(DDP(drafter), batches, grad_accum=1, rank=rank, world_size=2, meter=meter)
+    calls: list[str] = []
+    for name in COLLECTIVES:  # this process's own module: nothing to restore
+        setattr(dist, name, _counted(name, calls))
+    records = []
+    for step in range(steps):
+        before = len(calls)
+        records.append({**loop.train_step(step), "collectives": calls[before:]})
+    Path(root, f"rank{rank}.json").write_text(json.dumps(records))
+    dist.barrier()
+    # no teardown: freeing DDP's reducer with the last reference to the gloo group can deadlock on the GIL
+    os._exit(0)
 
 
 def test_gradient_is_that_of_the_step_loss_not_a_mean_of_micro_means(parts):
@@ -159,3 +215,26 @@ def test_a_drafter_starved_of_batches_stops_the_run_naming_the_queues(parts, cap
                                          r"micro-batch 1; queued: batches 0/4, channel 0/1\): a stage before it hangs"):
         loop.train_step(0)
     assert "Thread 0x" in capfd.readouterr().err  # the stacks of the stuck stages
+
+
+@pytest.mark.slow
+def test_a_step_of_two_ranks_makes_one_collective_and_the_metrics_of_one_rank(parts):
+    """Each collective is a sync point of every rank on the hot path: the step's sums, maxima and FLOPs travel in
+    one all-reduce, and the FLOPs are still the whole step's (2 ranks x 1 micro-batch = 1 rank x 2), mfu against
+    both ranks' peak."""
+    _, _, _, root = parts
+    torch.multiprocessing.spawn(_rank_of_two, args=(str(root), 2), nprocs=2, join=True)
+    two = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [[r["collectives"] for r in records] for records in two] == [[["all_reduce"]] * 2] * 2
+    target, reader, drafter = _all_anchor_parts(root)
+    batches = [_batch(target, reader, drafter, ids, step, micro, micro)
+               for step in range(2) for micro, ids in enumerate(RANK_IDS)]
+    loop, _ = _loop(drafter, batches, grad_accum=2)
+    for step, (a, b) in enumerate(zip(two[0], two[1], strict=True)):
+        one = loop.train_step(step)
+        assert a["step_tflop"] == b["step_tflop"] == pytest.approx(one["step_tflop"], rel=1e-9)
+        assert a["n_tokens"] == one["n_tokens"] and a["max_len"] == b["max_len"] == one["max_len"]
+        assert a["drafter_wait_s"] == b["drafter_wait_s"]  # the maxima over the ranks, the same on each
+        assert a["bucket_mix"] == one["bucket_mix"] == {"0": 1, "1": 1}
+        assert a["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert a["mfu"] == pytest.approx(a["tflops"] / 2.0)  # peak 1 TFLOP/s a device, two ranks

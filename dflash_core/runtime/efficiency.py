@@ -9,15 +9,17 @@ the table does not know, mfu is null (tflops is always there).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from dflash_core.model.flops import FlopShape, drafter_step_flops, target_forward_flops
 from dflash_core.model.loss import LossOutput
 from dflash_core.runtime.batch import MicroBatch
+
+COUNTS = 5  # FlopMeter.take(): target FLOPs and the drafter's four inputs (context tokens, blocks, pairs, rows)
 
 
 @dataclass(frozen=True)
@@ -89,21 +91,20 @@ def missing_peak_note(device: torch.device, peak_tflops: float | None) -> str | 
 
 @dataclass
 class FlopMeter:
-    """Counts one rank's model FLOPs per step; `record(seconds, world_size, device)` -> the step's tflops, mfu
-    and FLOP split, summed over the ranks.
+    """Counts one rank's model FLOPs per step as five float64 sums (`take()`), which the step sums over the ranks
+    with its other sums (StepStats.all_reduce: one collective); `record(counts, seconds, world_size)` -> the step's
+    tflops, mfu and FLOP split.
 
-    The drafter's count is linear in its four inputs, so they are summed over micro-batches as device tensors
-    and read once per step, after the loop's own synchronisation (no extra sync per micro-batch).
+    The counts are the target's FLOPs and the drafter's four inputs: its count is linear in them, so they can be
+    summed over micro-batches and ranks first. They stay on the device and are read once per step, with the
+    step's other sums (no extra sync per micro-batch, no extra collective per step).
     """
 
     shape: FlopShape
     peak_tflops: float | None = None  # per device
     devices: int = 1  # devices this rank's step runs on (its own plus separate target replicas)
-    _target: float = 0.0
-    _context_tokens: float = 0.0
-    _blocks: float = 0.0
-    _pairs: torch.Tensor | float = 0.0
-    _rows: torch.Tensor | float = 0.0
+    # target FLOPs, context tokens, blocks, visible pairs, loss rows; None = nothing counted since the last take()
+    _counts: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, drafter: torch.nn.Module, device: torch.device, peak_override: float | None = None,
@@ -113,32 +114,32 @@ class FlopMeter:
 
     def add(self, batch: MicroBatch, out: LossOutput) -> None:
         """Count one micro-batch (its lengths are read from the host copy of the attention mask)."""
-        self._target += target_forward_flops(self.shape, batch.attention_mask.sum(1).tolist())
-        self._context_tokens += batch.n_tokens
-        self._blocks += out.n_blocks
+        if self._counts is None:
+            self._counts = torch.zeros(COUNTS, dtype=torch.float64, device=out.counted.device)
+        c = self._counts
+        c[0] += target_forward_flops(self.shape, batch.attention_mask.sum(1).tolist())
+        c[1] += batch.n_tokens
+        c[2] += out.n_blocks
         if out.visible_pairs is not None:
-            self._pairs = self._pairs + out.visible_pairs
-        self._rows = self._rows + out.counted.sum()
+            c[3] += out.visible_pairs
+        c[4] += out.counted.sum()
 
-    def record(self, seconds: float, world_size: int = 1, device: torch.device | None = None) -> dict:
-        """{"tflops", "mfu", "step_tflop": {"target", "drafter"}} of the step just finished, over the
-        `world_size` ranks (a collective: every rank calls it; `device` holds the sum for the backend); resets
-        the counts. Ranks' FLOPs differ with their batches' lengths, their step time does not."""
-        drafter = drafter_step_flops(
-            self.shape, self._context_tokens, self._blocks, float(self._pairs), float(self._rows)
-        )
-        target = self._target
-        if world_size > 1:
-            both = torch.tensor([target, drafter], dtype=torch.float64, device=device)
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-            target, drafter = both.tolist()
+    def take(self) -> torch.Tensor:
+        """This rank's counts of the step so far (COUNTS float64 values, on the device of its micro-batches);
+        resets them."""
+        counts = self._counts if self._counts is not None else torch.zeros(COUNTS, dtype=torch.float64)
+        self._counts = None
+        return counts
+
+    def record(self, counts: Sequence[float], seconds: float, world_size: int = 1) -> dict:
+        """{"tflops", "mfu", "step_tflop": {"target", "drafter"}} of a step from its `take()` counts summed over
+        its `world_size` ranks. Ranks' FLOPs differ with their batches' lengths, their step time does not."""
+        target, context_tokens, blocks, pairs, rows = counts
+        drafter = drafter_step_flops(self.shape, context_tokens, blocks, pairs, rows)
         tflops = (target + drafter) / seconds / 1e12 if seconds > 0 else None
         peak = self.peak_tflops * self.devices * world_size if self.peak_tflops else None
         mfu = tflops / peak if tflops is not None and peak else None
-        split = {"target": target / 1e12, "drafter": drafter / 1e12}
-        self._target = self._context_tokens = self._blocks = 0.0
-        self._pairs = self._rows = 0.0
-        return {"tflops": tflops, "mfu": mfu, "step_tflop": split}
+        return {"tflops": tflops, "mfu": mfu, "step_tflop": {"target": target / 1e12, "drafter": drafter / 1e12}}
 
 
 def compiled_graphs() -> int:

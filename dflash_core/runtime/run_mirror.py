@@ -165,7 +165,7 @@ class RunMirror:
         for step in steps:
             meta = f"checkpoints/step-{step}/meta.json"
             with contextlib.suppress(FileNotFoundError):  # pruned since listed
-                if self._seen.get(meta) != _signature(self.local / meta):
+                if self._changed(meta):
                     return True
         return False
 
@@ -180,7 +180,7 @@ class RunMirror:
             if not path.is_file() or any(mark in rel for mark in _NOT_MIRRORED):
                 continue
             with contextlib.suppress(FileNotFoundError):  # removed while listing (a pruned checkpoint)
-                if self._seen.get(rel) != (signature := _signature(path)):
+                if signature := self._changed(rel):
                     out.append((rel, signature[0]))
         return out
 
@@ -213,7 +213,7 @@ class RunMirror:
             rels = [p.relative_to(self.local).as_posix() for p in files] + [f"{folder}/meta.json"]
             try:
                 for rel in rels:  # meta.json last: the store's copy is complete only once it is there
-                    if self._seen.get(rel) != _signature(self.local / rel):
+                    if self._changed(rel):
                         pushed += self._put(rel, strict=True)
             except FileNotFoundError:
                 continue  # pruned while uploading: its meta.json is not sent
@@ -227,8 +227,9 @@ class RunMirror:
         path = self.local / folder
         if not path.is_dir():
             return 0
-        files = {p.relative_to(self.local).as_posix(): _signature(p) for p in path.rglob("*") if p.is_file()}
-        if not files or all(self._seen.get(rel) == sig for rel, sig in files.items()):
+        files = [p.relative_to(self.local).as_posix() for p in path.rglob("*") if p.is_file()]
+        changed = {rel: signature for rel in files if (signature := self._changed(rel))}
+        if not changed:
             return 0
 
         def write(staged: str) -> None:
@@ -237,8 +238,14 @@ class RunMirror:
                 fs.put_file(str(self.local / rel), join_uri(target, rel[len(folder) + 1:]))
 
         replace_dir(join_uri(self.remote, folder), write)
-        self._seen.update(files)
+        self._seen.update(changed)  # the unchanged files' signatures are recorded already
         return len(files)
+
+    def _changed(self, rel: str) -> tuple[int, int] | None:
+        """The local file's signature when it differs from the one it had when last pushed or pulled, else None
+        (FileNotFoundError when it is gone)."""
+        signature = _signature(self.local / rel)
+        return signature if self._seen.get(rel) != signature else None
 
 
 def _signature(path: Path) -> tuple[int, int]:

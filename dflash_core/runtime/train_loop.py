@@ -5,7 +5,8 @@ more than one micro-batch's graph:
 1. each micro-batch backpropagates its un-normalised `weighted_loss_sum` (gradient accumulation sums them);
    DDP skips the all-reduce on all but the last micro-batch (`no_sync`) and then AVERAGES gradients over the
    W ranks, so every rank holds (1/W) * sum over ranks and micro-batches of d(weighted_loss_sum);
-2. one all-reduce of a small float64 vector then gives the step's total weight sum S (and the metrics);
+2. one all-reduce of a small float64 vector then gives the step's total weight sum S (and the metrics, the
+   maxima and the FLOP counts with it: train_step's one collective besides DDP's gradient all-reduce);
 3. the gradients are multiplied by W / S, which makes them exactly d(sum of weighted losses / S): the
    gradient of the spec's loss, because S is a constant with respect to the parameters.
 Clipping, the non-finite check and the optimizer step then see the correctly normalised gradients. The
@@ -84,7 +85,7 @@ class LoopSettings:
 
 
 class StepStats:
-    """Per-step sums that are all-reduced in one float64 vector, and the per-rank maxima."""
+    """Per-step sums and per-rank maxima, all-reduced together in one float64 vector."""
 
     def __init__(self, n_slots: int, buckets: list[int], device: torch.device) -> None:
         self.n_slots = n_slots
@@ -99,6 +100,7 @@ class StepStats:
         self.wait_s = 0.0  # this rank's time blocked on its inbox during the step
         self.load_s = 0.0  # time the prefetcher spent on this step's micro-batches
         self.target_s = 0.0  # time the target replicas spent on them
+        self._totals: list[float] = []  # `sums` over the ranks, on the host (all_reduce)
         self._maxima: list[float] = [0.0] * 4
 
     def add(self, batch: MicroBatch, out, loss_sum: torch.Tensor) -> None:
@@ -122,19 +124,29 @@ class StepStats:
         self.load_s += batch.timings.get("load_s", 0.0)
         self.target_s += batch.timings.get("target_s", 0.0)
 
-    def all_reduce(self, world_size: int) -> None:
-        """Sum the vector and take the maxima (longest sequence, longest wait, busiest stages) over ranks."""
-        maxima = torch.tensor(
-            [self.max_len, self.wait_s, self.load_s, self.target_s], dtype=torch.float64, device=self.device
+    def all_reduce(self, world_size: int, extra: torch.Tensor | None = None) -> list[float]:
+        """Sum the vector and take the maxima (longest sequence, longest wait, busiest stages) over the ranks, in
+        one collective (each is a sync point of every rank); `extra`, more of this rank's float64 sums (the step's
+        FLOP counts), travels with them. Returns `extra` summed over the ranks."""
+        extra = torch.zeros(0, dtype=torch.float64) if extra is None else extra
+        # the maxima go into the same SUM: each rank writes its own row, zeros elsewhere (x + 0 is exact), and the
+        # maximum is taken over the rows afterwards (4 floats a rank: 32 KiB at 1,024 ranks)
+        maxima = torch.zeros(world_size, 4, dtype=torch.float64)
+        maxima[dist.get_rank() if world_size > 1 else 0] = torch.tensor(
+            [self.max_len, self.wait_s, self.load_s, self.target_s], dtype=torch.float64
         )
+        vector = torch.cat([self.sums, extra.to(self.device), maxima.flatten().to(self.device)])
         if world_size > 1:
-            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        self._maxima = maxima.tolist()
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+        values = vector.tolist()  # one copy to the host for the whole step
+        n, e = self.sums.numel(), extra.numel()
+        self._totals, rows = values[:n], values[n + e :]
+        self._maxima = [max(rows[i::4]) for i in range(4)]
+        return values[n : n + e]
 
     def metrics(self) -> dict:
         """The step's metadata and quality metrics (after all_reduce)."""
-        v = self.sums.tolist()
+        v = self._totals
         s, nb = self.n_slots, len(self.buckets)
         base = 5 + 3 * s
         present = [i for i in range(nb) if v[base + 2 * nb + i] > 0]
@@ -258,7 +270,7 @@ class DrafterTrainLoop:
                 exc.add_note(located(batch, "drafter step"))
                 raise
         stats.wait_s = waited
-        stats.all_reduce(self.s.world_size)
+        flops = stats.all_reduce(self.s.world_size, self.meter.take())
         m = stats.metrics()
         lr = self.optimizer.param_groups[0]["lr"]
         norm, skipped, nonfinite = self._apply(m["weight_sum"], m["loss"])
@@ -270,7 +282,7 @@ class DrafterTrainLoop:
             "grad_norm_avg": self._ema(), "clipped": bool(math.isfinite(norm) and norm > self.s.clip),
             "clip": self.s.clip, "lr": lr, "nonfinite": nonfinite, "nonfinite_total": self.nonfinite_total,
             "skipped": skipped, "tokens_per_s": m["n_tokens"] / elapsed if elapsed > 0 else None,
-            "step_time_s": elapsed, **self.meter.record(elapsed, self.s.world_size, self.s.device), **self.health(),
+            "step_time_s": elapsed, **self.meter.record(flops, elapsed, self.s.world_size), **self.health(),
             "time": time.time(),
         }
 
