@@ -235,3 +235,20 @@ def test_s3_without_s3fs_says_what_to_install():
             read_metrics("s3://bucket/m.jsonl")
     else:
         pytest.skip("s3fs is installed")
+
+
+def test_the_steps_for_validation_png_carry_slot_weights_on_the_first_and_last_weighted_steps_only(tmp_path):
+    """validation.png's slot panel draws the weight shares of the first and the last step that logged them: only
+    those two rows carry the list (on every row, 200,000 steps' lists took ~500 MB), and the panel is the one the
+    whole records give."""
+    from dflash_core.monitor.validation_plot import slot_series
+
+    records = make_log(40, 0)
+    for r in records[5:33]:  # the first steps and the last ones logged none (a log from before the field, resumed)
+        r["weight_by_slot"] = [round(0.5 - 0.01 * r["step"], 2), round(0.5 + 0.01 * r["step"], 2)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = read_jsonl(str(path)).records
+    assert [r["step"] for r in steps if "weight_by_slot" in r] == [5, 32]
+    assert [r["step"] for r in steps] == [r["step"] for r in records]
+    assert slot_series(steps, []) == slot_series(records, [])

@@ -15,8 +15,12 @@ from dflash_core.monitor.stability import analyze
 CFG = CheckConfig()
 
 
+def _frame(records):
+    return metrics_frame(MetricsLog("test", records, list(range(1, len(records) + 1))))
+
+
 def _analyze(records, cfg=CFG):
-    return analyze(metrics_frame(MetricsLog("test", records, list(range(1, len(records) + 1)))), cfg)
+    return analyze(_frame(records), cfg)
 
 
 def _status(analysis):
@@ -162,6 +166,23 @@ def test_shuffled_records_give_the_same_figures_as_sorted():
     assert b.figures["step_order"]["value"] > 0
     for name in ("spike_score", "robust_spike_rate", "loss_cliffs", "clip_rate", "grad_norm_growth"):
         assert a.figures[name]["value"] == b.figures[name]["value"]
+
+
+def test_the_last_record_of_each_step_is_kept_in_step_order_and_an_ordered_log_is_not_copied():
+    """A 200,000-step table is ~90 MB and deduplicating it took ~230 MB more: a log in step order (a run never
+    resumed) is analysed as it is; otherwise the kept rows are one copy: the last record of each step, by step."""
+    records = make_log(40, 0)
+    for i, r in enumerate(records):
+        r["loss"] = float(i + 1)  # which record of a step was kept shows in its loss
+    log = records[:30] + records[20:25] + records[5:8] + records[30:] + records[38:39]
+    kept = analyze(frame := _frame(log), CFG).frame
+    assert kept["step"].to_list() == list(range(40))
+    last = {r["step"]: r["loss"] for r in log}
+    assert kept["loss"].to_list() == [last[s] for s in range(40)]
+    assert kept["record"].to_list()[20:25] == list(range(30, 35))  # the resume's records, not the first ones
+    assert frame.height - kept.height == 9
+    ordered = _frame(records)
+    assert analyze(ordered, CFG).frame is ordered
 
 
 def test_missing_steps_are_counted():
