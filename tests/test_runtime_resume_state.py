@@ -1,0 +1,136 @@
+"""What a resume restores, pinned in one process (the kill -9 test in test_runtime_e2e.py checks the same end to end,
+but only in the slow lane): the optimizer's moments, the lr schedule's position, the plan rows from the checkpoint's
+step on, and the gradient scale of a step over several ranks."""
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from common.runs import BLOCK, MASK_ID, build_inputs
+from safetensors.torch import load_file
+
+from dflash_core.data.shards import ShardReader
+from dflash_core.model.config import ModelConfig
+from dflash_core.model.drafter import build_drafter
+from dflash_core.model.target import load_target
+from dflash_core.runtime.batch import PlanRow, collate
+from dflash_core.runtime.channel import Channel
+from dflash_core.runtime.config import RunConfig
+from dflash_core.runtime.distributed import DistEnv
+from dflash_core.runtime.run_plan import read_run_plan
+from dflash_core.runtime.schedule import make_scheduler
+from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, anchor_generator
+from dflash_core.runtime.trainer import Trainer
+
+STEPS, EVERY = 6, 3  # the run trains plan steps 0..5 and checkpoints after steps 2 and 5
+
+
+def _trainer(inputs, out: Path) -> Trainer:
+    """A one-process Trainer (no torchrun) of STEPS steps, set up: resumed when `out` holds a checkpoint."""
+    cfg = RunConfig(
+        data={"source": "unused.jsonl", "tokenizer": "unused"},
+        model={"target": inputs.target, "dtype": "float32", "num_draft_layers": 1, "block_size": BLOCK,
+               "mask_token_id": MASK_ID, "num_anchors": 8},
+        # warmup then cosine: every step has another lr; AdamW's moments make the update depend on the steps before
+        train={"lr": 3e-3, "warmup_ratio": 0.2, "device": "cpu", "prefetch_threads": 1, "queue_size": 2,
+               "checkpoint_every": EVERY, "keep_checkpoints": 2, "max_steps": STEPS, "seed": 0},
+        wandb={"enabled": False},
+    )
+    reader = ShardReader(inputs.tokenized)
+    plan = read_run_plan(inputs.plan, 1, reader.fingerprint, inputs.tokenized, STEPS)
+    assert plan.num_steps == STEPS  # the fixture's plan has at least STEPS steps
+    return Trainer(cfg, plan, reader, str(out), DistEnv(), MASK_ID).setup()
+
+
+def _records(out: Path) -> list[dict]:
+    keep = ("step", "loss", "lr", "grad_norm", "n_tokens")
+    return [{k: r[k] for k in keep} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return build_inputs(tmp_path_factory.mktemp("resume-inputs"), world_size=1, n_samples=48)
+
+
+@pytest.fixture(scope="module")
+def whole(inputs, tmp_path_factory):
+    """One run of STEPS steps, never stopped: its metrics, checkpoints and drafter are what a resume must give."""
+    out = tmp_path_factory.mktemp("whole")
+    _trainer(inputs, out).train()
+    return out
+
+
+def _resumable(whole: Path, tmp_path: Path) -> Path:
+    """A run folder that holds only the whole run's checkpoint after step 2 (an interrupted launch's)."""
+    out = tmp_path / "out"
+    shutil.copytree(whole / "checkpoints" / f"step-{EVERY}", out / "checkpoints" / f"step-{EVERY}")
+    return out
+
+
+def test_a_resumed_trainer_holds_the_checkpoints_optimizer_moments_and_schedule_position(inputs, whole, tmp_path):
+    trainer = _trainer(inputs, _resumable(whole, tmp_path))
+    saved = torch.load(whole / "checkpoints" / f"step-{EVERY}" / "train_state.pt", weights_only=True)
+    assert trainer.start_step == EVERY
+    assert trainer.scheduler.last_epoch == EVERY
+    assert trainer.optimizer.param_groups[0]["lr"] == _records(whole)[EVERY]["lr"]  # the lr step 3 was trained at
+    state = trainer.optimizer.state_dict()["state"]
+    assert state.keys() == saved["optimizer"]["state"].keys() and state
+    for i, moments in saved["optimizer"]["state"].items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[i][name], moments[name]), (i, name)
+
+
+def test_a_run_resumed_from_its_checkpoint_trains_the_same_steps_as_one_never_stopped(inputs, whole, tmp_path):
+    out = _resumable(whole, tmp_path)
+    summary = _trainer(inputs, out).train()
+    assert summary["start_step"] == EVERY and summary["resumed_from"].endswith(f"step-{EVERY}")
+    assert _records(out) == _records(whole)[EVERY:]  # the steps after the checkpoint, bit for bit
+    got, want = (load_file(str(o / "checkpoints" / f"step-{STEPS}" / "model.safetensors")) for o in (out, whole))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_rank_rows_start_at_the_resumed_step(inputs):
+    plan = read_run_plan(inputs.plan, 1, ShardReader(inputs.tokenized).fingerprint, inputs.tokenized, STEPS)
+    rows = plan.rank_rows(0, EVERY)
+    assert [(r.step, r.micro) for r in rows] == [(s, m) for s in range(EVERY, STEPS) for m in range(plan.grad_accum)]
+    table = plan.table.filter((pl.col("step") == EVERY) & (pl.col("rank") == 0)).sort("micro")
+    assert [r.sample_ids for r in rows[: plan.grad_accum]] == [tuple(ids) for ids in table["sample_ids"].to_list()]
+
+
+def test_a_step_over_two_ranks_applies_the_gradient_of_the_whole_steps_loss(inputs):
+    """Two ranks' micro-batches in one process: each rank backpropagates its un-normalised weighted loss sum and
+    DDP leaves the MEAN of the ranks' gradients on each; `_apply`, given the step's total weight sum, must turn that
+    into the gradient of (sum of weighted losses) / (weight sum), as one process training both micro-batches would."""
+    target = load_target(inputs.target, dtype="float32")
+    reader = ShardReader(inputs.tokenized)
+    torch.manual_seed(0)
+    drafter = build_drafter(target, ModelConfig(target="x", block_size=BLOCK, num_anchors=8), MASK_ID)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    grads, weight_sum, loss_sum = [], 0.0, 0.0
+    for rank, ids in enumerate([(0, 1, 2), (3, 4)]):  # different sizes: a mean of per-rank means would differ
+        b = collate(reader.rows(ids), PlanRow(0, 0, 0, ids), seq=0)
+        features = target.capture(b.input_ids, b.attention_mask, drafter.target_layer_ids)
+        out = drafter(features, b.input_ids, b.loss_mask, b.attention_mask,
+                      generator=anchor_generator(0, 0, 0, rank, torch.device("cpu")))
+        grads.append(torch.autograd.grad(out.weighted_loss_sum, params))
+        weight_sum, loss_sum = weight_sum + out.weight_sum.item(), loss_sum + out.weighted_loss_sum.item()
+    for p, *per_rank in zip(params, *grads, strict=True):
+        p.grad = sum(per_rank) / 2  # what DDP's all-reduce leaves on every rank
+    expected = [sum(per_rank) / weight_sum for per_rank in zip(*grads, strict=True)]
+    opt = torch.optim.SGD(params, lr=1.0)
+    applied = []  # the gradients the optimizer steps on
+    opt.register_step_pre_hook(lambda *_: applied.append([p.grad.clone() for p in params]))
+    settings = LoopSettings(grad_accum=1, clip=1e9, seed=0, rank=0, world_size=2, device=torch.device("cpu"),
+                            buckets=[0], block_size=BLOCK)
+    loop = DrafterTrainLoop(drafter, opt, make_scheduler(opt, 10, 0.0, "constant", 0.0), Channel(1), settings)
+
+    norm, skipped, _ = loop._apply(weight_sum, loss_sum / weight_sum)
+
+    assert not skipped
+    assert norm == pytest.approx(torch.linalg.vector_norm(torch.cat([g.flatten() for g in expected])).item(), rel=1e-5)
+    assert len(applied) == 1
+    for got, want in zip(applied[0], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
