@@ -161,10 +161,15 @@ def wait_while_written(out: str, poll_s: float = 15.0) -> None:
     """Return once no live process holds `out`'s lock: its holder let go, or is gone (a lock not rewritten for
     LOCK_STALE_S, or whose owner on this host no longer runs). For a caller that would make the same output and
     can take the other writer's instead."""
+    while being_written(out):
+        time.sleep(poll_s)
+
+
+def being_written(out: str) -> bool:
+    """Whether a live process holds `out`'s lock now (one look: wait_while_written's test)."""
     fs, root = fsspec.core.url_to_fs(out)
     lock = root.rstrip("/") + ".lock"
-    while fs.exists(lock) and _lock_state(fs, lock, _read_lock(fs, lock)) == "live":
-        time.sleep(poll_s)
+    return fs.exists(lock) and _lock_state(fs, lock, _read_lock(fs, lock)) == "live"
 
 
 def join_hold(hold: str | None) -> int | None:
@@ -340,11 +345,20 @@ def _read_lock(fs: fsspec.AbstractFileSystem, lock: str) -> dict[str, Any]:
 def _lock_state(fs: fsspec.AbstractFileSystem, lock: str, holder: dict[str, Any]) -> str:
     """`live` (its holder runs), `stopping` (its holder is gone or has let go, `left`, but processes it started
     still hold `<lock>.hold`) or `stale` (to be taken over)."""
+    if not holder and _untouched_for(fs, lock, LOCK_STALE_S):  # empty or garbage and not rewritten since: a holder
+        return "stale"  # killed between creating it and writing it, or a full disk (a live one rewrites it each beat)
     if not holder.get("left") and not _is_stale(holder):
         return "live"
     if holder.get("hold") and is_local(fs) and _held(lock + HOLD_SUFFIX):
         return "stopping"
     return "stale"
+
+
+def _untouched_for(fs: fsspec.AbstractFileSystem, path: str, seconds: float) -> bool:
+    try:
+        return time.time() - fs.modified(path).timestamp() > seconds
+    except (OSError, NotImplementedError, ValueError):
+        return False
 
 
 def _is_stale(holder: dict[str, Any]) -> bool:

@@ -316,3 +316,24 @@ def test_a_lock_stays_while_a_process_started_under_it_outlives_the_block(tmp_pa
     with output_lock(out, "train"):
         pass
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text", ["", '{"pid": 41'], ids=["empty", "cut-short"])
+def test_an_unreadable_lock_is_held_while_fresh_and_taken_over_once_not_rewritten_for_lock_stale_s(
+        tmp_path: Path, text: str) -> None:
+    """A lock file with no owner to read (its holder killed between creating and writing it, a full disk): just
+    created it may be a holder writing it this instant; not rewritten for LOCK_STALE_S (a live holder rewrites it
+    every beat) it is a dead one's, taken over. It used to count as held forever."""
+    from dflash_core.publish import LOCK_STALE_S
+
+    out, lock = str(tmp_path / "out"), tmp_path / "out.lock"
+    lock.write_text(text)
+    with pytest.raises(OutputLockedError, match="being written by another process"):
+        with output_lock(out, "plan"):
+            pass
+    assert lock.read_text() == text  # left alone
+    left = time.time() - LOCK_STALE_S - 60
+    os.utime(lock, (left, left))
+    with output_lock(out, "plan"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no lock, no hold left

@@ -4,9 +4,11 @@ answers every record once, both runs count every record, and the shards are thos
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -283,3 +285,132 @@ def test_a_finished_shard_with_server_errors_is_taken_as_it_is_not_sent_again(sl
     again = stage.regenerate_dataset(source, str(out), data)
     assert again["retried"] == 1 and again["kept"] == RECORDS and _Slow.seen["q1"] == 1
     assert _shards(out) == _shards(tmp_path / "solo")
+
+
+# A run in a process of its own (this test process holds the shard it will wait for): it says what it waits for
+# on stdout, and prints "returned" if it ever returns.
+_WAITER = r"""
+import sys
+repo, tests, source, out, url, per_shard = sys.argv[1:]
+sys.path[:0] = [repo, tests]
+from common.regenerate import data_config
+from dflash_core.regenerate import stage
+stage._LOCK_POLL_S = 0.05
+stage.regenerate_dataset(source, out, data_config(source, endpoints=[url], records_per_shard=int(per_shard)),
+                         say=lambda line: print(line, flush=True))
+print("returned", flush=True)
+"""
+
+
+def _read_lines(proc: subprocess.Popen) -> list[str]:
+    """The process's output lines, appended as they come by a thread (a test polls them, never blocks on them)."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return lines
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_a_run_that_waits_for_a_shard_another_live_process_holds(slow_server, tmp_path):
+    """`dflash regenerate` waiting for a shard another live run holds: Ctrl-C ends the process at once, with its
+    other shards' locks let go. The wait used to run in a thread that asyncio.run waited for on its way out, so
+    the process stayed until the other run let go (hours), Ctrl-C after Ctrl-C."""
+    source = _source(tmp_path)
+    out = tmp_path / "out"
+    tests = Path(__file__).resolve().parent
+    with _held(out, 0):
+        waiter = subprocess.Popen([sys.executable, "-c", _WAITER, str(tests.parent), str(tests), source, str(out),
+                                   slow_server, str(PER_SHARD)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = _read_lines(waiter)
+        try:
+            deadline = time.monotonic() + 120  # a cold start of python, torch and the tokenizer on a loaded box
+            while (not any("waiting for it" in line for line in lines) and waiter.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            assert any("shard-00000" in line and "waiting for it" in line for line in lines), "".join(lines)
+            assert sum(_Slow.seen.values()) == RECORDS - PER_SHARD  # every other shard done; it waits for ours
+            time.sleep(0.3)  # well into its wait: a few of its looks at our lock
+            assert waiter.poll() is None, "".join(lines)
+            sent = time.monotonic()
+            waiter.send_signal(signal.SIGINT)
+            try:
+                waiter.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running 20 s after Ctrl-C: {''.join(lines)[-2000:]}")
+            stopped_in = time.monotonic() - sent
+            output = "".join(lines)
+            assert waiter.returncode == -signal.SIGINT and "KeyboardInterrupt" in output, output[-2000:]
+            assert "returned" not in output and stopped_in < 20
+            # its own shards' locks let go; ours (shard 0) still held
+            assert sorted(p.name for p in (out / ".work").glob("*.lock*")) == ["shard-00000.lock",
+                                                                              "shard-00000.lock.hold"]
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()
+    assert not (out / "shard-00000.jsonl").exists() and not any(f"q{i}" in _Slow.seen for i in range(PER_SHARD))
+
+
+def test_a_claim_that_fails_after_taking_its_lock_lets_it_go_and_a_retry_is_not_left_waiting_for_itself(
+        slow_server, tmp_path, monkeypatch):
+    """The look at the shard's output right after its lock is taken fails (an NFS `Stale file handle`): the run
+    fails, and lets the lock go. It used to keep it, its heartbeat rewriting it: a retry in the same process (a
+    Prefect task retry) then found it held by a live process, its own, and waited for it forever."""
+    source = _source(tmp_path)
+    out = tmp_path / "out"
+    data = data_config(source, endpoints=[slow_server], records_per_shard=PER_SHARD)
+    real, failed = OutputDir.settled, []
+
+    def flaky(self: OutputDir, shard: int) -> bool:
+        if not failed and self.fs.exists(self.work_file(shard, ".lock")):  # claim()'s look, the lock just taken
+            failed.append(shard)
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(self, shard)
+
+    monkeypatch.setattr(OutputDir, "settled", flaky)
+    with pytest.raises(OSError, match="Stale file handle"):
+        stage.regenerate_dataset(source, str(out), data)
+    assert failed == [0] and not _Slow.seen
+    assert not list((out / ".work").glob("*.lock*"))  # let go (it used to stay, rewritten by its heartbeat)
+    said: list[str] = []
+    summary = _result(*_in_thread(stage.regenerate_dataset, source, str(out), data, say=said.append), timeout=60)
+    assert summary["complete"] and summary["read"] == summary["kept"] == RECORDS and not said
+    assert _Slow.seen == Counter({f"q{i}": 1 for i in range(RECORDS)})
+    assert not list((out / ".work").glob("*.lock*"))
+
+
+def test_an_empty_shard_lock_is_waited_for_while_fresh_and_taken_over_once_not_rewritten_for_lock_stale_s(
+        slow_server, tmp_path):
+    """A shard lock file left empty (its holder killed between creating the file and writing it, or a full
+    disk): while fresh it may be a holder writing it this instant, so the run waits; once not rewritten for
+    LOCK_STALE_S (a live holder rewrites it every beat) it is a dead holder's, taken over, and the shard done.
+    It used to count as live forever: the run waited in silence (no holder to name), for ever."""
+    from dflash_core.publish import LOCK_STALE_S
+
+    source = _source(tmp_path)
+    _solo(source, tmp_path / "solo", slow_server)
+    out = tmp_path / "out"
+    (out / ".work").mkdir(parents=True)
+    lock = out / ".work" / "shard-00000.lock"
+    lock.write_text("")
+    said: list[str] = []
+    run = _in_thread(stage.regenerate_dataset, source, str(out),
+                     data_config(source, endpoints=[slow_server], records_per_shard=PER_SHARD), say=said.append)
+    try:
+        deadline = time.monotonic() + 30
+        while sum(_Slow.seen.values()) < RECORDS - PER_SHARD and time.monotonic() < deadline:  # the other shards
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few of its looks at the lock
+        assert run[0].is_alive() and not (out / "shard-00000.jsonl").exists()
+        assert not any(f"q{i}" in _Slow.seen for i in range(PER_SHARD))
+        left = time.time() - LOCK_STALE_S - 60
+        os.utime(lock, (left, left))  # as if left there LOCK_STALE_S ago
+        summary = _result(*run, timeout=30)
+    finally:
+        if run[0].is_alive():  # still waiting (a failure): let it end, or the thread its wait runs in (an
+            lock.unlink(missing_ok=True)  # executor's, joined at exit) holds up this process's exit
+            run[0].join(30)
+    assert summary["complete"] and summary["read"] == summary["kept"] == RECORDS
+    assert _Slow.seen == Counter({f"q{i}": 1 for i in range(RECORDS)})
+    assert _shards(out) == _shards(tmp_path / "solo")
+    assert not list((out / ".work").glob("*.lock*"))
