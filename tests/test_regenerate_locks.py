@@ -414,3 +414,36 @@ def test_an_empty_shard_lock_is_waited_for_while_fresh_and_taken_over_once_not_r
     assert _Slow.seen == Counter({f"q{i}": 1 for i in range(RECORDS)})
     assert _shards(out) == _shards(tmp_path / "solo")
     assert not list((out / ".work").glob("*.lock*"))
+
+
+def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shard_left(slow_server, tmp_path,
+                                                                                        monkeypatch):
+    """Local servers (no endpoints) are started only once a shard is free: while another run holds every shard
+    left, this one says so and waits without a server (on the same GPUs a second server would find no memory and
+    fail the run); once they are let go unwritten, it starts one and does them."""
+    source, out = _source(tmp_path), tmp_path / "out"
+    started: list[float] = []
+
+    @contextlib.contextmanager
+    def local_server(*args) -> Iterator[list[str]]:  # the servers the stage would start: here the loopback one
+        started.append(time.monotonic())
+        yield [slow_server]
+
+    monkeypatch.setattr(stage, "_serve", local_server)
+    said: list[str] = []
+    with contextlib.ExitStack() as others:
+        for shard in range(RECORDS // PER_SHARD):
+            others.enter_context(_held(out, shard))
+        thread, box = _in_thread(stage.regenerate_dataset, source, str(out),
+                                 data_config(source, records_per_shard=PER_SHARD), say=said.append)
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # several polls
+        assert not started and not _Slow.seen and thread.is_alive()
+        assert said and "before starting local servers" in said[0] and f"pid {os.getpid()}" in said[0], said
+        let_go = time.monotonic()
+    summary = _result(thread, box)
+    assert len(started) == 1 and started[0] >= let_go
+    assert summary["complete"] and summary["kept"] == RECORDS
+    assert set(_Slow.seen.values()) == {1} and len(_Slow.seen) == RECORDS
