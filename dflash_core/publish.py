@@ -310,16 +310,31 @@ def _acquire(fs: fsspec.AbstractFileSystem, lock: str, owner: dict[str, Any], ou
     raise OutputLockedError(f"--out {out}: could not take the lock {lock}; another writer raced for it")
 
 
+def lock_holder(out: str) -> str | None:
+    """Who holds `out`'s lock, as its lock file says ("pid P on H, stage S, since T"), for a caller that waits for
+    it; None when there is no lock file to read (let go) or it cannot be read this instant."""
+    fs, root = fsspec.core.url_to_fs(out)
+    holder = _read_lock(fs, root.rstrip("/") + ".lock")
+    return _holder_text(holder) if holder else None
+
+
+def _who(holder: dict[str, Any]) -> str:
+    return f"pid {holder.get('pid')} on {holder.get('host')}, stage {holder.get('stage')}"
+
+
+def _holder_text(holder: dict[str, Any]) -> str:
+    return f"{_who(holder)}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
+
+
 def _locked_message(out: str, lock: str, holder: dict[str, Any]) -> str:
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    return (f"--out {out} is being written by another process (pid {holder.get('pid')} on {holder.get('host')}, "
-            f"stage {holder.get('stage')}, since {since}); wait for it, or delete {lock} if that process is gone")
+    return (f"--out {out} is being written by another process ({_holder_text(holder)}); wait for it, or delete "
+            f"{lock} if that process is gone")
 
 
 def _await_stop(lock: str, holder: dict[str, Any], out: str, wait_s: float, say: Callable[[str], None]) -> None:
     """Wait up to `wait_s` for the processes a gone holder left running (they hold `<lock>.hold`) to exit;
     OutputLockedError, saying so, when they have not."""
-    hold, who = lock + HOLD_SUFFIX, f"pid {holder.get('pid')} on {holder.get('host')}, stage {holder.get('stage')}"
+    hold, who = lock + HOLD_SUFFIX, _who(holder)
     deadline = time.monotonic() + wait_s
     if wait_s > 0:
         say(f"--out {out}: the last writer ({who}) has ended, but processes it started are still stopping (the "

@@ -25,6 +25,7 @@ from typing import Any
 import fsspec
 
 from dflash_core.data.accounting import DropLog
+from dflash_core.publish import lock_holder
 from dflash_core.regenerate.errors import RegenerateError
 
 FORMAT = "dflash-regenerated-v1"
@@ -133,15 +134,8 @@ class OutputDir:
         return f"{self.out}/{WORK}/{shard_name(shard).removesuffix('.jsonl')}"
 
     def holder(self, shard: int) -> str | None:
-        """Who holds the shard's lock, as its lock file says, for a run that waits for it; None when no lock file can
-        be read (let go)."""
-        try:
-            with self.fs.open(self.work_file(shard, ".lock"), "r") as fh:
-                lock = json.load(fh)
-        except (OSError, ValueError):  # let go, or (off a local disk) being rewritten by its heartbeat this instant
-            return None
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.get("since", 0)))
-        return f"pid {lock.get('pid')} on {lock.get('host')}, since {since}"
+        """Who holds the shard's lock (publish.lock_holder), for a run that waits for it; None when let go."""
+        return lock_holder(self.lock_target(shard))
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """manifest.json, written last (whole: replace): its presence says the output is complete."""
