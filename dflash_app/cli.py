@@ -120,12 +120,11 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         if value is not None}
     if args.data is not None:
         extra["data.source"] = args.data
-    from dflash_core.publish import output_lock
-
     cfg = _resolved(_config(args, extra))
-    with output_lock(args.out, "regenerate"):  # one writer per folder (the flow's per-shard tasks share one)
-        _print_summary(regenerate_dataset(cfg.data.source, args.out, cfg.data, cfg.model.target,
-                                          cfg.data.tokenizer, progress=lambda p: log.info("regenerate: %s", p)))
+    # no lock on the whole --out: a second run into it shares the work shard by shard (.work/shard-NNNNN.lock),
+    # as two flow runs do
+    _print_summary(regenerate_dataset(cfg.data.source, args.out, cfg.data, cfg.model.target, cfg.data.tokenizer,
+                                      progress=lambda p: log.info("regenerate: %s", p)))
     return 0
 
 

@@ -165,6 +165,44 @@ def test_the_task_runs_of_one_flow_run_work_on_their_own_shards_at_once(slow_ser
     assert _Slow.seen == Counter({f"q{i}": 1 for i in range(RECORDS)})
 
 
+class _Paired(_Slow):
+    """_Slow whose first two requests are answered only once both have arrived (or after 60 s): with one request
+    in flight per run, the two runs are working on the folder at the same moment."""
+
+    pair: threading.Barrier
+
+    def do_POST(self) -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            type(self).pair.wait(timeout=60)
+        super().do_POST()
+
+
+def test_two_cli_runs_into_one_folder_at_once_share_it(tmp_path):
+    """`dflash regenerate` twice at once into one --out: both finish, and the target answers every record once.
+    Before, the CLI locked the whole folder, so the second one failed at once naming the first."""
+    source = _source(tmp_path)
+    _Paired.seen, _Paired.pair = Counter(), threading.Barrier(2)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Paired)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "dflash_app.cli", "regenerate", "--data", source, "--out", str(out),
+           "--endpoint", f"http://127.0.0.1:{server.server_address[1]}/v1", "--concurrency", "1",
+           "--set", f"data.tokenizer={data_config(source).tokenizer}",
+           "--set", f"data.regenerate.records_per_shard={PER_SHARD}"]
+    try:
+        runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        ended = [run.communicate(timeout=300) for run in runs]
+    finally:
+        server.shutdown()
+    for run, (stdout, stderr) in zip(runs, ended, strict=True):
+        assert run.returncode == 0, stderr[-2000:]
+        summary = json.loads(stdout)
+        assert summary["complete"] and summary["read"] == summary["kept"] == RECORDS
+    assert not _Paired.pair.broken  # the two were sending at the same moment
+    assert _Paired.seen == Counter({f"q{i}": 1 for i in range(RECORDS)})
+    assert not list((out / ".work").glob("*.lock*")) and not list(tmp_path.glob("out.lock*"))
+
+
 def _half_journaled(solo: Path, out: Path, shard: int) -> None:
     """The journal of a holder killed half-way through the shard: the first half of a solo run's outcomes."""
     (out / ".work").mkdir(parents=True, exist_ok=True)
