@@ -328,6 +328,33 @@ def test_dpace_loss_is_the_cross_entropy_under_its_own_detached_weights(target):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_a_soft_capped_head_caps_the_logits_of_the_loss_and_of_the_drafts(target):
+    """A target that soft-caps its logits (Gemma's final_logit_softcapping) has its drafter trained on the capped
+    logits: the loss is the weighted cross-entropy of cap * tanh(logits / cap), gradients included, and differs from
+    the uncapped one."""
+    batch = random_batch(2, 16, seed=8)
+    losses = {}
+    for cap in (None, 0.5):
+        d = tiny_drafter(target, seed=6)
+        d.softcap = cap
+        feats = features(target, d, batch)
+        out = d(feats, **batch, generator=torch.Generator().manual_seed(3))
+        anchors, valid = d.sample_anchors(batch["loss_mask"], batch["attention_mask"],
+                                          torch.Generator().manual_seed(3))
+        raw = d.lm_head(d.block_hidden(feats, batch["input_ids"], batch["attention_mask"], anchors, valid)).float()
+        logits = raw if cap is None else cap * torch.tanh(raw / cap)
+        labels, weights = d.block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid)
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        expected = (ce * weights).sum()
+        torch.testing.assert_close(out.weighted_loss_sum, expected, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(out.weighted_loss_sum, list(d.parameters()))
+        for got, ref in zip(grads, torch.autograd.grad(expected, list(d.parameters())), strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+        assert d.draft_block(feats[:1, :6], 3, 6).abs().max() <= (cap or math.inf)
+        losses[cap] = out.weighted_loss_sum.item()
+    assert abs(losses[None] - losses[0.5]) > 1e-3
+
+
 def test_loss_weighting_settings_are_checked():
     assert ModelConfig(target="x", loss_weighting="dpace").dpace_alpha == 0.5
     with pytest.raises(ValueError, match="model.gamma .* loss_weighting is dpace"):
@@ -390,17 +417,52 @@ def test_int32_shard_ids_and_uint8_masks_are_accepted(target, drafter):
     torch.testing.assert_close(out32.weighted_loss_sum, out64.weighted_loss_sum)
 
 
-def test_a_target_with_rope_per_layer_type_is_refused_by_name():
-    """Gemma 4 rotates its sliding and full layers differently: no single RoPE for a drafter to copy."""
+def test_a_target_with_rope_per_layer_type_gives_its_full_attention_rope():
+    """Gemma 3 and 4 rotate their sliding and full layers differently: the drafter takes the full layers' RoPE
+    (its layers see the whole context), on whole heads; a per-type RoPE with no full-attention entry is refused by
+    name."""
     from common.models import tiny_qwen3
 
     from dflash_core.model.target import TargetModel
 
     model = tiny_qwen3()
+    gemma3 = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    model.config.rope_parameters = gemma3
+    drafter = build_drafter(TargetModel(model), ModelConfig(target="x"), MASK_ID)
+    assert drafter.config.rope_parameters == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     model.config.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
-    with pytest.raises(DrafterError, match=r"its RoPE differs by layer type \(\['full_attention', 'sliding_attention'\]\)"):
+                                    "chunked_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    with pytest.raises(DrafterError, match=r"its RoPE differs by layer type \(\['chunked_attention', "
+                                           r"'sliding_attention'\]\) and none is 'full_attention'"):
         build_drafter(TargetModel(model), ModelConfig(target="x"), MASK_ID)
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_proportional_rope_on_whole_heads_is_written_as_a_type_the_engines_know(factor):
+    """Gemma 4's full layers: "proportional" RoPE over a quarter of each head. On whole heads (the drafter's) it
+    rotates exactly as plain RoPE (factor 1) or linear scaling by its factor, which the drafter's config.json says
+    instead (vLLM's and SGLang's Qwen3 layers build those)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dflash_core.model.drafter import drafter_rope
+
+    gemma4 = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6,
+              **({"factor": factor} if factor != 1.0 else {})}
+    rope = drafter_rope({"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": gemma4})
+    assert rope == ({"rope_type": "default", "rope_theta": 1e6} if factor == 1.0 else
+                    {"rope_type": "linear", "factor": factor, "rope_theta": 1e6})
+
+    def inv_freq(params: dict) -> torch.Tensor:
+        config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, rope_parameters=dict(params))
+        kind = params["rope_type"]
+        if kind == "default":
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, 32, 2, dtype=torch.float) / 32))
+        return ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0]
+
+    whole_heads = {k: v for k, v in gemma4.items() if k != "partial_rotary_factor"}
+    torch.testing.assert_close(inv_freq(rope), inv_freq(whole_heads))
 
 
 def test_layer_ids_and_mask_id_are_checked_against_the_targets_config_before_any_work(tmp_path):

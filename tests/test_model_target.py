@@ -1,5 +1,7 @@
 """Target loading and hidden-state capture."""
 
+import json
+
 import pytest
 import torch
 from common.models import tiny_qwen3
@@ -126,3 +128,55 @@ def test_a_gpt_oss_checkpoint_is_a_target(tmp_path):
     drafter = build_drafter(target, ModelConfig(target=str(tmp_path), block_size=4), 95)
     assert drafter.config.rope_parameters["rope_type"] == "yarn"
     assert drafter.draft_block(target.capture(ids[:1, :6], None, drafter.target_layer_ids), 3, 6).shape == (4, 96)
+
+
+@pytest.mark.parametrize("packaging", ["text", "multimodal"])
+def test_a_gemma_4_checkpoint_is_a_target(tmp_path, packaging):
+    """Gemma 4 (z-lab publishes DFlash drafters for gemma-4-31B-it and 26B-A4B-it): RoPE and head width differ by
+    layer type, per-layer inputs, keys and values shared across layers, embeddings scaled by sqrt(hidden), logits
+    soft-capped; the published checkpoints are multimodal. Its layers are captured like any other; the drafter
+    rotates as the target's full-attention layers do on whole heads (Gemma 4's "proportional" RoPE on whole heads is
+    plain RoPE: a type the engines' Qwen3 layers know), takes the global head layout, embeds with the target's
+    scaled embedding, trains, drafts, and exports a config.json that reads back. Before, it was refused by name."""
+    from common.models import gemma4_config
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    from dflash_core.model.config import ModelConfig
+    from dflash_core.model.drafter import build_drafter
+    from dflash_core.model.export import load_dflash, save_dflash
+
+    torch.manual_seed(0)
+    text = gemma4_config(96)
+    if packaging == "text":
+        AutoModelForCausalLM.from_config(text).save_pretrained(tmp_path / "target")
+    else:
+        Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict())).save_pretrained(tmp_path / "target")
+    target = load_target(str(tmp_path / "target"))
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (5, 64, 96)
+    ids = torch.randint(0, 95, (2, 12))
+    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target.capture(ids, None, [1, 3]), torch.cat([hidden[2], hidden[4]], dim=-1))
+    cfg = ModelConfig(target=str(tmp_path / "target"), num_draft_layers=2, block_size=4, num_anchors=4)
+    drafter = build_drafter(target, cfg, 95)
+    assert drafter.config.rope_parameters == {"rope_type": "default", "rope_theta": 1000000.0}
+    assert (drafter.config.head_dim, drafter.config.num_attention_heads, drafter.config.num_key_value_heads) == \
+        (16, 4, 2)
+    scale = 64 ** 0.5  # the drafter's block embeddings are the target's own, Gemma's scale included
+    torch.testing.assert_close(drafter.embed_tokens(ids), target.embed_tokens.weight[ids] * scale, rtol=1e-2,
+                               atol=1e-2)
+    out = drafter(target.capture(ids, None, drafter.target_layer_ids), ids, torch.ones_like(ids), None)
+    out.weighted_loss_sum.backward()
+    assert torch.isfinite(out.weighted_loss_sum) and drafter.fc.weight.grad is not None
+    context = target.capture(ids[:1, :6], None, drafter.target_layer_ids)
+    assert drafter.draft_block(context, 3, 6).shape == (4, 96)
+    # the head's logits are soft-capped at 30 as the target's are, in the loss too, and config.json says so (vLLM
+    # caps the drafter's logits by it); the drafter's MLP is Qwen3's SwiGLU, not Gemma's GELU (SGLang runs no other)
+    assert drafter.softcap == 30.0 and drafter.config.hidden_act == "silu"
+    states = torch.randn(3, 64) * 50
+    torch.testing.assert_close(drafter.logits(states), 30.0 * torch.tanh(target.lm_head(states) / 30.0))
+    save_dflash(drafter, str(tmp_path / "drafter"), dtype=torch.float32)
+    written = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert written["final_logit_softcapping"] == 30.0 and written["hidden_act"] == "silu"
+    again = load_dflash(str(tmp_path / "drafter"), target)
+    assert again.config.rope_parameters == drafter.config.rope_parameters and again.softcap == 30.0
+    torch.testing.assert_close(again.draft_block(context, 3, 6), drafter.draft_block(context, 3, 6))

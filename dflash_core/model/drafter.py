@@ -40,6 +40,7 @@ from dflash_core.model.loss import (
     decay_weights,
     default_gamma,
     dpace_weights,
+    soft_cap,
     weighted_sum,
 )
 from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
@@ -92,34 +93,36 @@ def drafter_config(
     windowed = SLIDING in types
     kind = getattr(target_config, "model_type", type(target_config).__name__)
     try:
-        heads = int(target_config.num_attention_heads)
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-        target_rope = getattr(target_config, "rope_parameters", None) or {
-            "rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
-    except Exception as exc:  # transformers' per-layer configs refuse a global read with their own error types
-        raise DrafterError(f"target model_type {kind!r}: its config gives no single head layout to copy "
-                           f"({type(exc).__name__}: {exc}); this implementation builds drafters for targets with "
-                           "one (Qwen3, Qwen3.5/3.6, Llama, gpt-oss, ...)") from None
-    if any(isinstance(v, dict) for v in target_rope.values()):  # RoPE per layer type (Gemma 4)
-        raise DrafterError(f"target model_type {kind!r}: its RoPE differs by layer type ({sorted(target_rope)}); this "
-                           "implementation builds drafters for targets with one RoPE (Qwen3, Qwen3.5/3.6, Llama, "
-                           "gpt-oss, ...)")
-    rope = drafter_rope(target_rope)
+        heads = int(_global(target_config, "num_attention_heads"))
+        head_dim = _global(target_config, "head_dim") or target_config.hidden_size // heads
+        target_rope = _global(target_config, "rope_parameters") or {
+            "rope_type": "default", "rope_theta": float(_global(target_config, "rope_theta", 10000.0))}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise DrafterError(f"target model_type {kind!r}: its config gives no head layout to copy "
+                           f"({type(exc).__name__}: {exc}); this implementation builds drafters for decoder-only "
+                           "targets that name one (Qwen3, Qwen3.5/3.6, Llama, gpt-oss, Gemma, ...)") from None
+    rope = drafter_rope(target_rope, kind)
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
                                      "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
+    # the target's logit soft-capping (Gemma 2-4) goes with its head, which the drafter borrows: trained with it,
+    # and written to config.json, where vLLM reads it for the drafter's logits
+    if softcap := _global(target_config, "final_logit_softcapping"):
+        dflash_fields["final_logit_softcapping"] = float(softcap)
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=int(target_config.hidden_size),
-        intermediate_size=int(target_config.intermediate_size),
+        hidden_size=int(_global(target_config, "hidden_size")),
+        intermediate_size=int(_global(target_config, "intermediate_size")),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+        num_key_value_heads=int(_global(target_config, "num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        hidden_act=getattr(target_config, "hidden_act", "silu"),
-        max_position_embeddings=int(target_config.max_position_embeddings),
-        initializer_range=float(getattr(target_config, "initializer_range", 0.02)),
-        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        # Qwen3's SwiGLU whatever the target's MLP (Gemma: GELU): as every published drafter has it, and SGLang's
+        # DFlash MLP runs nothing else
+        hidden_act="silu",
+        max_position_embeddings=int(_global(target_config, "max_position_embeddings")),
+        initializer_range=float(_global(target_config, "initializer_range", 0.02)),
+        rms_norm_eps=float(_global(target_config, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(rope),
         attention_bias=False,
         tie_word_embeddings=False,
@@ -130,6 +133,16 @@ def drafter_config(
         architectures=[ARCHITECTURE],
         **dflash_fields,
     )
+
+
+def _global(config: PretrainedConfig, name: str, default: Any = None) -> Any:
+    """A value of the target's config. One that varies by layer (Gemma 4's head_dim: 256 on sliding layers, 512 on
+    full ones) is read as the config's global value: the drafter's layers are its own, any one layout is served as
+    trained (transformers refuses a plain read of it)."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # noqa: BLE001 - transformers' per-layer configs raise their own error types here
+        return config.to_dict().get(name, default)
 
 
 def dflash_section(mask_token_id: int, target_layer_ids: Sequence[int], mask_token: str | None) -> dict[str, Any]:
@@ -146,12 +159,28 @@ def dflash_section(mask_token_id: int, target_layer_ids: Sequence[int], mask_tok
 _PARTIAL, _MROPE = "partial_rotary_factor", ("mrope_section", "mrope_interleaved")
 
 
-def drafter_rope(target_rope: dict[str, Any]) -> dict[str, Any]:
+def drafter_rope(target_rope: dict[str, Any], kind: str = "target") -> dict[str, Any]:
     """A new drafter's rope_parameters: the target's type, theta and scaling; whole heads, no M-RoPE sections.
 
     Copying a Qwen3.5 target's `partial_rotary_factor: 0.25` would have the engines rotate a quarter of each
-    head, which the drafter was never trained with."""
-    return {k: v for k, v in target_rope.items() if k != _PARTIAL and k not in _MROPE}
+    head, which the drafter was never trained with. A target whose RoPE differs by layer type (Gemma 3 and 4:
+    `{"sliding_attention": {...}, "full_attention": {...}}`) gives its full-attention layers' RoPE: the drafter's
+    layers see the whole context, as those do. The drafter's RoPE is its own (the engines build it from its
+    config.json), so any one RoPE is served as trained; this one keeps the target's long-range wavelengths.
+    Gemma 4's "proportional" RoPE on whole heads is linear scaling by its factor (plain RoPE at factor 1): written
+    so, a type every engine's Qwen3 layers know."""
+    if any(isinstance(v, dict) for v in target_rope.values()):
+        by_type = {name: v for name, v in target_rope.items() if isinstance(v, dict)}
+        if FULL not in by_type:
+            raise DrafterError(f"target model_type {kind!r}: its RoPE differs by layer type ({sorted(by_type)}) and "
+                               f"none is {FULL!r}, the RoPE a drafter takes; this implementation builds drafters for "
+                               "targets with full-attention layers")
+        target_rope = by_type[FULL]
+    rope = {k: v for k, v in target_rope.items() if k != _PARTIAL and k not in _MROPE}
+    if rope.get("rope_type") == "proportional":
+        factor = float(rope.pop("factor", 1.0))
+        rope = {**rope, "rope_type": "default"} if factor == 1.0 else {**rope, "rope_type": "linear", "factor": factor}
+    return rope
 
 
 def rotary_embedding(config: Qwen3Config) -> Qwen3RotaryEmbedding:
@@ -247,6 +276,8 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.mask_token: str | None = config.dflash_config.get("mask_token")
+        # the target's final_logit_softcapping (Gemma): its head's logits are capped, in training as in serving
+        self.softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
         self.loss_weighting, self.dpace_alpha = loss_weighting, float(dpace_alpha)
@@ -319,8 +350,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(block)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's head on drafter states, in float32."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        """The target's head on drafter states, in float32 (soft-capped as the target's, when it caps)."""
+        return soft_cap(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), self.softcap)
 
     # ---- inference ---------------------------------------------------------------------------------------
 
@@ -476,7 +507,8 @@ class DFlashDrafter(nn.Module):
         labels, weights = self.block_targets(input_ids, loss_mask, anchors, valid)
         labels, weights = labels.to(hidden.device), weights.to(hidden.device)
         selected = weights > 0
-        ce, hits = cross_entropy_rows(hidden[selected], self.lm_head, labels[selected].to(self.lm_head.weight.device))
+        ce, hits = cross_entropy_rows(hidden[selected], self.lm_head, labels[selected].to(self.lm_head.weight.device),
+                                      self.softcap)
         if self.loss_weighting == "dpace":
             weights = self._dpace(ce, selected)
         row_weights = weights[selected]
@@ -539,7 +571,7 @@ def check_mask_id(mask_token_id: int, vocab_size: int) -> None:
             f"mask_token_id {mask_token_id} is outside the target's vocabulary (0..{vocab_size - 1}); set "
             "model.mask_token_id to a row of the embedding table no text uses: the first id past the tokenizer "
             "where the table has spare rows (Qwen3: 151669), else an unused special token of the tokenizer (Llama "
-            "3: <|reserved_special_token_0|>, 128002); or give the tokenizer a mask token"
+            "3: <|reserved_special_token_0|>, 128002; Gemma 3/4: <mask>, 4); or give the tokenizer a mask token"
         )
 
 

@@ -93,6 +93,8 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "transformers_version": transformers.__version__,
         "block_size": drafter.block_size,
         "num_target_layers": drafter.num_target_layers,
+        # the target head's soft-capping the drafter trained with (Gemma): vLLM caps the drafter's logits by it
+        **({"final_logit_softcapping": drafter.softcap} if drafter.softcap else {}),
         "dflash_config": dflash,
         # vLLM captures "the input of layer i", so DFlash's "output of layer i" is its i + 1; vLLM releases before
         # it learnt to derive this from dflash_config read only this key and otherwise captured 3 default layers

@@ -63,16 +63,17 @@ def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, alpha: float) -> t
 
 
 def cross_entropy_rows(
-    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy [N] float32, top-1 hit [N]) of rows of final hidden states [N, H] through the vocab head.
+    """(cross-entropy [N] float32, top-1 hit [N]) of rows of final hidden states [N, H] through the vocab head
+    (its logits soft-capped to (-softcap, softcap) when given, as the target's own are: soft_cap).
 
     Chunks are recomputed in backward, so the [N, V] logits never exist all at once.
     """
     losses, hits = [], []
     for start in range(0, hidden.shape[0], _CE_CHUNK_ROWS):
         rows = slice(start, start + _CE_CHUNK_ROWS)
-        loss, hit = checkpoint(_chunk_ce, hidden[rows], head.weight, labels[rows], use_reentrant=False)
+        loss, hit = checkpoint(_chunk_ce, hidden[rows], head.weight, labels[rows], softcap, use_reentrant=False)
         losses.append(loss)
         hits.append(hit)
     if not losses:
@@ -89,8 +90,15 @@ def weighted_sum(ce: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.stack([(c * w).sum() for c, w in parts]).sum()
 
 
-def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden.to(weight.dtype), weight).float()
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap): Gemma's final_logit_softcapping (logits unchanged without one). It never changes
+    which token is the most likely, only how peaked the distribution is."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = soft_cap(F.linear(hidden.to(weight.dtype), weight).float(), softcap)
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1) == labels
 
 

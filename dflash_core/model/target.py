@@ -29,7 +29,7 @@ class TargetModel:
 
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval().requires_grad_(False)
-        self.config = model.config
+        self.config = model.config.get_text_config()  # a multimodal checkpoint's (Gemma 3/4) nests it
         self.embed_tokens = cast(nn.Embedding, model.get_input_embeddings())
         self.lm_head = cast(nn.Linear, model.get_output_embeddings())
         self._layers = _decoder_layers(model)

@@ -70,8 +70,8 @@ def random_batch(n: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def tiny_hybrid(kind: str, vocab: int = VOCAB) -> PreTrainedModel:
     """A tiny random target whose KV cache cannot simply be cropped: "qwen3_5" (Qwen3.5/3.6: three
-    linear-attention layers with recurrent states, then a full-attention one) or "gpt_oss" (sliding-window
-    layers of 8 tokens between full ones, mixture of experts)."""
+    linear-attention layers with recurrent states, then a full-attention one), "gpt_oss" (sliding-window
+    layers of 8 tokens between full ones, mixture of experts) or "gemma4" (gemma4_config)."""
     from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig
 
     torch.manual_seed(0)
@@ -81,7 +81,24 @@ def tiny_hybrid(kind: str, vocab: int = VOCAB) -> PreTrainedModel:
         config: Any = Qwen3_5TextConfig(**shape, linear_num_key_heads=2, linear_num_value_heads=4,
                                         linear_key_head_dim=16, linear_value_head_dim=16,
                                         layer_types=["linear_attention"] * 3 + ["full_attention"])
+    elif kind == "gemma4":
+        config = gemma4_config(vocab)
     else:
         config = GptOssConfig(**{**shape, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
                               sliding_window=8)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def gemma4_config(vocab: int = VOCAB, **extra: Any) -> Any:
+    """A tiny Gemma 4 text config as the published ones are built: sliding-window layers of 8 tokens around a
+    full-attention one with wider heads and its own RoPE (per_layer_config, rope_parameters by layer type),
+    per-layer inputs, the last layer sharing an earlier one's keys and values, embeddings scaled by sqrt(hidden),
+    tied head, logits soft-capped."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.2,
+        layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention", "full_attention"],
+        per_layer_config={"02": {"head_dim": 32}, "04": {"head_dim": 32}}, hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab,
+        num_kv_shared_layers=1, final_logit_softcapping=30.0, **extra)
