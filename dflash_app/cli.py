@@ -163,7 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     cfg = resolve_init_from(_resolved(_config(args)))  # init_from: promoted -> a path, before any worker
     # not a whole drafter folder for this target: said before the shard copy and the workers
-    check_init_from(cfg.train.init_from, cfg.model.target, cfg.model.trust_remote_code)
+    check_init_from(cfg.train.init_from, cfg.model.target, cfg.model.trust_remote_code, cfg.model.draft_layout())
     check_target_fit(cfg.model)  # the layer ids and mask id against the target's config, before the workers
     summary = launch_train(  # the workers read <out>/config.yaml, written once the run folder is locked
         tokenized=args.tokenized, plan=args.plan, out=args.out, config=lambda: write_run_config(cfg, args.out),

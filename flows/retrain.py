@@ -89,7 +89,7 @@ def retrain_drafter(
     # cannot be read
     target = (config.model.target, config.model.trust_remote_code)
     check_incumbent(root, *target)
-    check_init_from(config.train.init_from, *target)
+    check_init_from(config.train.init_from, *target, config.model.draft_layout())
     check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
     prompts = None  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
     if config.eval.data:

@@ -45,6 +45,22 @@ def test_target_forward_by_hand():
     assert target_forward_flops(TINY, [3, 2]) == 3 * per_layer == 1112832
 
 
+def test_a_drafter_of_its_own_layout_counts_the_targets_layers_by_the_targets_layout(target):
+    """model.draft_* give the drafter another layout than the target's: the target's forward is counted with the
+    target's heads and MLP, the drafter's step with its own."""
+    from dflash_core.model.drafter import drafter_layout
+
+    own = tiny_drafter(target, draft_heads=8, draft_kv_heads=2, draft_head_dim=8, draft_intermediate_size=32)
+    shape = FlopShape.of(own, drafter_layout(target.config))
+    assert (shape.heads, shape.head_dim, shape.intermediate) == (8, 8, 32)
+    assert shape.target is not None and (shape.target.heads, shape.target.head_dim, shape.target.intermediate) == \
+        (4, 16, 128)
+    per_layer = (2 * 5 * 64 * 64 * 2) + (2 * 5 * 64 * 32 * 2) + (2 * 5 * 64 * 128 * 3) + 2 * 2 * 4 * 16 * 9
+    assert target_forward_flops(shape, [3, 2]) == shape.target_layers_run * per_layer
+    assert target_forward_flops(shape, [3, 2]) != target_forward_flops(FlopShape.of(own), [3, 2])
+    assert FlopShape.of(tiny_drafter(target), drafter_layout(target.config)).target is None  # the same layout
+
+
 def test_drafter_step_by_hand():
     # 10 context tokens, 2 blocks of 4 (8 queries), 30 visible pairs, 5 supervised rows
     fc = 2 * 10 * 128 * 64

@@ -112,3 +112,43 @@ def test_promoted_resolves_to_the_promoted_drafter_or_to_scratch(tmp_path, targe
     assert resolve_init_from(cfg).train.init_from == promoted_drafter(root)
     plain = load_config("tiny-cpu", {"train.init_from": str(tmp_path / "drafter")})
     assert resolve_init_from(plain) is plain
+
+
+def test_a_drafter_of_its_own_layout_seeds_one_built_with_that_layout(tmp_path, target):
+    """A published drafter may have its own head layout and MLP width (z-lab's gemma-4-31B-it-DFlash: 64 heads of
+    128, MLP 10752, on a target of 32 heads of 256, MLP 21504). Its weights seed only a drafter of that layout: the
+    run is refused before any work with the four settings that take it (the target's config alone read), and
+    with them set it loads, trains and exports that layout."""
+    own = {"draft_heads": 8, "draft_kv_heads": 2, "draft_head_dim": 8, "draft_intermediate_size": 32}
+    published = tiny_drafter(target, seed=5, **own)
+    c = published.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (8, 2, 8, 32)
+    assert published.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # 8 heads of 8 on the target's width 64
+    save_dflash(published, str(tmp_path / "published"), dtype=torch.float32)
+    mine = save_tiny_qwen3(tmp_path / "mine")
+    settings = ("--set model.draft_heads=8 --set model.draft_kv_heads=2 --set model.draft_head_dim=8 "
+                "--set model.draft_intermediate_size=32")
+    with pytest.raises(WarmStartError) as err:
+        check_init_from(str(tmp_path / "published"), mine)
+    assert ("config.json has num_attention_heads 8 (the configured drafter: 4), head_dim 8 (the configured "
+            f"drafter: 16), intermediate_size 32 (the configured drafter: 128); take its layout with {settings}") \
+        in str(err.value)
+    with pytest.raises(WarmStartError) as err:
+        load_warm_start(tiny_drafter(target), str(tmp_path / "published"))
+    assert settings in str(err.value) and "\n" not in str(err.value)
+    layout = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32}
+    check_init_from(str(tmp_path / "published"), mine, layout=layout)
+    seeded = tiny_drafter(target, seed=9, **own)
+    load_warm_start(seeded, str(tmp_path / "published"))
+    for name, value in published.state_dict().items():
+        assert torch.equal(seeded.state_dict()[name], value), name
+    with pytest.raises(WarmStartError, match=r"intermediate_size 32 \(the configured drafter: 64\)"):
+        load_warm_start(tiny_drafter(target, **{**own, "draft_intermediate_size": 64}), str(tmp_path / "published"))
+
+
+def test_a_drafter_layout_whose_heads_do_not_group_is_refused_by_its_settings(target):
+    from dflash_core.model.drafter import DrafterError
+
+    with pytest.raises(DrafterError, match=r"6 attention heads are not a multiple of its 4 key/value heads: set "
+                       r"model.draft_heads and model.draft_kv_heads"):
+        tiny_drafter(target, draft_heads=6, draft_kv_heads=4)

@@ -49,11 +49,25 @@ class ModelConfig(StrictModel):
         "drafters' layers); None = all full_attention. A warm start must match its drafter's")
     sliding_window: PositiveInt = Field(
         2048, description="tokens a sliding_attention layer's query sees back to (the query included)")
+    draft_heads: PositiveInt | None = Field(
+        None, description="the drafter's attention heads; None = the target's (a warm start from a drafter of "
+        "another layout, e.g. z-lab's Gemma 4 ones, sets its four draft_* values)")
+    draft_kv_heads: PositiveInt | None = Field(
+        None, description="the drafter's key/value heads (draft_heads a multiple of them); None = the target's")
+    draft_head_dim: PositiveInt | None = Field(
+        None, description="the drafter's head width; None = the target's (its global one where it varies by layer)")
+    draft_intermediate_size: PositiveInt | None = Field(
+        None, description="the drafter's MLP width; None = the target's intermediate_size")
     attention: Literal["auto", "flex", "sdpa"] = Field(
         "auto",
         description="drafter training attention: flex = block-sparse FlexAttention (CUDA), sdpa = dense SDPA with a "
         "boolean mask (the reference); auto = flex on CUDA, sdpa elsewhere",
     )
+
+    def draft_layout(self) -> dict[str, int | None]:
+        """The draft_* settings under the drafter config's own names (None: the target's)."""
+        return {"num_attention_heads": self.draft_heads, "num_key_value_heads": self.draft_kv_heads,
+                "head_dim": self.draft_head_dim, "intermediate_size": self.draft_intermediate_size}
 
     @model_validator(mode="after")
     def _one_weighting(self) -> "ModelConfig":

@@ -8,7 +8,7 @@ config.json's layer_types as the serving engines read it); the masks then differ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,8 +81,10 @@ def drafter_config(
     mask_token: str | None = None,
     layer_types: Sequence[str] | None = None,
     sliding_window: int | None = None,
+    layout: Mapping[str, int | None] | None = None,
 ) -> Qwen3Config:
-    """The drafter's Qwen3 config: the target's width and head layout plus the DFlash fields.
+    """The drafter's Qwen3 config: the target's width, its head layout and MLP width (drafter_layout, `layout`
+    overriding them: ModelConfig.draft_layout) plus the DFlash fields.
 
     `mask_token` is the text of the mask token when the tokenizer has one at `mask_token_id`: SGLang resolves
     the mask by that text (default "<|MASK|>") and refuses a checkpoint whose id disagrees with its tokenizer.
@@ -92,15 +94,9 @@ def drafter_config(
     types = list(layer_types) if layer_types is not None else [FULL] * num_layers
     windowed = SLIDING in types
     kind = getattr(target_config, "model_type", type(target_config).__name__)
-    try:
-        heads = int(_global(target_config, "num_attention_heads"))
-        head_dim = _global(target_config, "head_dim") or target_config.hidden_size // heads
-        target_rope = _global(target_config, "rope_parameters") or {
-            "rope_type": "default", "rope_theta": float(_global(target_config, "rope_theta", 10000.0))}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise DrafterError(f"target model_type {kind!r}: its config gives no head layout to copy "
-                           f"({type(exc).__name__}: {exc}); this implementation builds drafters for decoder-only "
-                           "targets that name one (Qwen3, Qwen3.5/3.6, Llama, gpt-oss, Gemma, ...)") from None
+    shape = drafter_layout(target_config, layout)
+    target_rope = _global(target_config, "rope_parameters") or {
+        "rope_type": "default", "rope_theta": float(_global(target_config, "rope_theta", 10000.0))}
     rope = drafter_rope(target_rope, kind)
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
@@ -112,11 +108,11 @@ def drafter_config(
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=int(_global(target_config, "hidden_size")),
-        intermediate_size=int(_global(target_config, "intermediate_size")),
         num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(_global(target_config, "num_key_value_heads") or heads),
-        head_dim=int(head_dim),
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
         # Qwen3's SwiGLU whatever the target's MLP (Gemma: GELU): as every published drafter has it, and SGLang's
         # DFlash MLP runs nothing else
         hidden_act="silu",
@@ -133,6 +129,29 @@ def drafter_config(
         architectures=[ARCHITECTURE],
         **dflash_fields,
     )
+
+
+def drafter_layout(target_config: PretrainedConfig, layout: Mapping[str, int | None] | None = None) -> dict[str, int]:
+    """A new drafter's num_attention_heads, num_key_value_heads, head_dim and intermediate_size: the target's
+    (its global ones where they vary by layer: the drafter's layers are its own), each replaced by `layout`'s
+    value where that is not None (model.draft_*)."""
+    kind = getattr(target_config, "model_type", type(target_config).__name__)
+    try:
+        heads = int(_global(target_config, "num_attention_heads"))
+        shape = {"num_attention_heads": heads,
+                 "num_key_value_heads": int(_global(target_config, "num_key_value_heads") or heads),
+                 "head_dim": int(_global(target_config, "head_dim") or _global(target_config, "hidden_size") // heads),
+                 "intermediate_size": int(_global(target_config, "intermediate_size"))}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise DrafterError(f"target model_type {kind!r}: its config gives no head layout to copy "
+                           f"({type(exc).__name__}: {exc}); this implementation builds drafters for decoder-only "
+                           "targets that name one (Qwen3, Qwen3.5/3.6, Llama, gpt-oss, Gemma, ...)") from None
+    shape.update({key: int(value) for key, value in (layout or {}).items() if value is not None})
+    if shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        raise DrafterError(f"the drafter's {shape['num_attention_heads']} attention heads are not a multiple of its "
+                           f"{shape['num_key_value_heads']} key/value heads: set model.draft_heads and "
+                           "model.draft_kv_heads so that they are")
+    return shape
 
 
 def _global(config: PretrainedConfig, name: str, default: Any = None) -> Any:
@@ -593,6 +612,7 @@ def build_drafter(
         mask_token=mask_token,
         layer_types=cfg.layer_types,
         sliding_window=cfg.sliding_window,
+        layout=cfg.draft_layout(),
     )
     drafter = DFlashDrafter(
         config, target.embed_tokens, target.lm_head, cfg.num_anchors, cfg.gamma, cfg.gradient_checkpointing,

@@ -15,7 +15,7 @@ on padding or dropped blocks are not counted, as in the usual MFU definition (Pa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -23,7 +23,9 @@ from torch import nn
 
 @dataclass(frozen=True)
 class FlopShape:
-    """The sizes a FLOP count needs (target and drafter share width and head layout, DFLASH_SPEC.md)."""
+    """The sizes a FLOP count needs: the drafter's, and the target's layers' where they differ (`target`: a
+    drafter with model.draft_* set; None: the target's layers have the drafter's width and head layout, as
+    DFLASH_SPEC.md builds it)."""
 
     hidden: int
     heads: int
@@ -35,19 +37,28 @@ class FlopShape:
     target_layers_run: int  # layers the target forward runs: max(target_layer_ids) + 1
     num_features: int  # K, target layers concatenated into fc
     block_size: int
+    target: FlopShape | None = None
 
     @classmethod
-    def of(cls, drafter: nn.Module) -> FlopShape:
-        """The shape of a DFlashDrafter (or a DDP wrapper around one)."""
+    def of(cls, drafter: nn.Module, target_layout: dict[str, int] | None = None) -> FlopShape:
+        """The shape of a DFlashDrafter (or a DDP wrapper around one); `target_layout`: the target's layers'
+        num_attention_heads, num_key_value_heads, head_dim and intermediate_size (drafter.drafter_layout of its
+        config), when known."""
         drafter = getattr(drafter, "module", drafter)
         c: Any = drafter.config
         layer_ids: list[int] = list(drafter.target_layer_ids)  # type: ignore[arg-type]  # a transformers config (nn.Module's attribute typing knows only tensors/modules)
-        return cls(
+        shape = cls(
             hidden=int(c.hidden_size), heads=int(c.num_attention_heads), kv_heads=int(c.num_key_value_heads),
             head_dim=int(c.head_dim), intermediate=int(c.intermediate_size), vocab=int(c.vocab_size),
             draft_layers=int(c.num_hidden_layers), target_layers_run=max(layer_ids) + 1,
             num_features=len(layer_ids), block_size=int(drafter.block_size),  # type: ignore[arg-type]
         )
+        if target_layout is None:
+            return shape
+        layers = replace(shape, heads=target_layout["num_attention_heads"],
+                         kv_heads=target_layout["num_key_value_heads"], head_dim=target_layout["head_dim"],
+                         intermediate=target_layout["intermediate_size"])
+        return shape if layers == shape else replace(shape, target=layers)
 
 
 def layer_matmul_flops(shape: FlopShape, q_tokens: float, kv_tokens: float) -> float:
@@ -66,6 +77,7 @@ def attention_flops(shape: FlopShape, pairs: float) -> float:
 
 def target_forward_flops(shape: FlopShape, lengths: Iterable[int]) -> float:
     """The target's forward over sequences of these real lengths, up to the last captured layer."""
+    shape = shape.target or shape
     lengths = [int(n) for n in lengths]
     tokens = sum(lengths)
     pairs = sum(n * (n + 1) / 2 for n in lengths)

@@ -8,7 +8,7 @@ from typing import cast
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from dflash_core.errors import InputError
 from dflash_core.io import missing_local_folder
@@ -142,17 +142,27 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int, served: bool = Tr
                           f"L-3)")
     return ids
 
-def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, int] | None:
-    """(hidden size, vocab size, layers) of a target from its config alone, no weights read: what a drafter must
-    match. None when the config cannot be read here (loading the target reports why, with its own message)."""
+def target_text_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig | None:
+    """A target's (text model's) config alone, no weights read; None when it cannot be read here (loading the
+    target reports why, with its own message)."""
     from transformers import AutoConfig
 
     if missing_local_folder(path):
         return None
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
-        return int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
     except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, int] | None:
+    """(hidden size, vocab size, layers) of a target from its config alone, no weights read: what a drafter must
+    match. None when the config cannot be read here."""
+    config = target_text_config(path, trust_remote_code)
+    try:
+        return None if config is None else (int(config.hidden_size), int(config.vocab_size),
+                                            int(config.num_hidden_layers))
+    except (ValueError, AttributeError, TypeError):
         return None
 
 

@@ -108,9 +108,10 @@ class FlopMeter:
 
     @classmethod
     def for_model(cls, drafter: torch.nn.Module, device: torch.device, peak_override: float | None = None,
-                  devices: int = 1) -> FlopMeter:
-        """A meter for this drafter on this device (peak from the table unless overridden)."""
-        return cls(FlopShape.of(drafter), device_peak_tflops(device, peak_override), devices)
+                  devices: int = 1, target_layout: dict[str, int] | None = None) -> FlopMeter:
+        """A meter for this drafter on this device (peak from the table unless overridden; `target_layout`: the
+        target's layers' layout, FlopShape.of)."""
+        return cls(FlopShape.of(drafter, target_layout), device_peak_tflops(device, peak_override), devices)
 
     def add(self, batch: MicroBatch, out: LossOutput) -> None:
         """Count one micro-batch (its lengths are read from the host copy of the attention mask)."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections.abc import Mapping
+from typing import Any
 
 import fsspec
 
 from dflash_core.errors import InputError
 from dflash_core.model.attention import AttentionError, layer_spelling
-from dflash_core.model.drafter import DFlashDrafter
+from dflash_core.model.drafter import DFlashDrafter, DrafterError, drafter_layout
 from dflash_core.model.export import (
     CONFIG_FILE,
     ExportError,
@@ -26,6 +28,7 @@ from dflash_core.model.export import (
     read_config_json,
     read_weights,
 )
+from dflash_core.model.target import target_text_config
 
 log = logging.getLogger(__name__)
 PROMOTED = "promoted"  # train.init_from: the drafter the promotion gate last promoted
@@ -35,17 +38,47 @@ class WarmStartError(InputError):
     """train.init_from names a drafter that cannot seed the configured one; the message says which tensor."""
 
 
-def check_init_from(uri: str | None, target: str | None = None, trust_remote_code: bool = False) -> None:
+def check_init_from(uri: str | None, target: str | None = None, trust_remote_code: bool = False,
+                    layout: Mapping[str, int | None] | None = None) -> None:
     """Before a run pays for its data and training: a train.init_from folder must be a whole DFlash drafter
-    (config.json, weights not cut short) for `target` when given (the tensors are checked against the
-    configured drafter when the workers load them)."""
+    (config.json, weights not cut short) for `target` when given, and of the layout the configured drafter has
+    (the target's, or model.draft_* given as `layout`: ModelConfig.draft_layout) when the target's config can be
+    read here (the tensors are checked against the configured drafter when the workers load them)."""
     if uri is None or uri == PROMOTED:
         return
     try:
-        check_drafter_folder(uri, target, trust_remote_code)
+        raw = check_drafter_folder(uri, target, trust_remote_code)
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder, 'promoted' or null "
                              "(train from scratch)") from None
+    if target is not None and (config := target_text_config(target, trust_remote_code)) is not None:
+        try:
+            want = drafter_layout(config, layout)
+        except DrafterError:  # the configured drafter itself is refused: said where the run builds it
+            return
+        _check_layout(uri, raw, want)
+
+
+def _check_layout(uri: str, raw: Mapping[str, Any], want: Mapping[str, int]) -> None:
+    """A drafter's weights fit only a drafter of its own head layout and MLP width: a mismatch names the four
+    model.draft_* settings that take the folder's layout (z-lab's Gemma 4 drafters, e.g., have their own)."""
+    got: dict[str, Any] = {key: raw.get(key) for key in want}
+    if got.get("head_dim") is None and got.get("num_attention_heads"):  # a config.json that leaves it implied
+        got["head_dim"] = int(raw.get("hidden_size", 0)) // int(got["num_attention_heads"])
+    if got.get("num_key_value_heads") is None:
+        got["num_key_value_heads"] = got.get("num_attention_heads")
+    differ = [key for key in want if got[key] != want[key]]
+    if not differ:
+        return
+    said = ", ".join(f"{key} {got[key]} (the configured drafter: {want[key]})" for key in differ)
+    sets = " ".join(f"--set model.{_SETTING[key]}={got[key]}" for key in want)
+    raise WarmStartError(f"train.init_from {uri}: config.json has {said}; take its layout with {sets} (or train "
+                         "from scratch)")
+
+
+# the drafter config's layout keys and the model.* settings that choose them
+_SETTING = {"num_attention_heads": "draft_heads", "num_key_value_heads": "draft_kv_heads",
+            "head_dim": "draft_head_dim", "intermediate_size": "draft_intermediate_size"}
 
 
 def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
@@ -60,6 +93,7 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder") from None
     _check_layers(uri, config, drafter)
+    _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in _SETTING})
     expected = drafter.state_dict()
     for name, want in expected.items():
         got = tensors.get(name)
