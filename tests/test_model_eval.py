@@ -336,7 +336,7 @@ def test_responses_past_the_targets_context_are_counted_and_said(tmp_path, targe
     assert "exceed the target's max_position_embeddings 24" in warning and "--max-new-tokens" in warning
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss", "gemma4"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "gpt_oss", "gemma4", "deepseek_v3"])
 def test_kv_cached_verification_on_targets_whose_cache_cannot_simply_be_cropped(kind):
     """gpt-oss's sliding-window layers drop keys past their window, and Qwen3.5/3.6's linear-attention layers
     fold every token into a recurrent state no crop can undo: rejected drafts must still leave no trace. With

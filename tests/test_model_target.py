@@ -180,3 +180,33 @@ def test_a_gemma_4_checkpoint_is_a_target(tmp_path, packaging):
     again = load_dflash(str(tmp_path / "drafter"), target)
     assert again.config.rope_parameters == drafter.config.rope_parameters and again.softcap == 30.0
     torch.testing.assert_close(again.draft_block(context, 3, 6), drafter.draft_block(context, 3, 6))
+
+
+def test_a_multimodal_checkpoint_with_no_causal_lm_class_is_a_target(tmp_path):
+    """Kimi K2.5 (z-lab publishes a DFlash drafter for it): transformers maps its multimodal config to no causal
+    LM; it loads as the image-text-to-text model, whose DeepSeek-V3 text layers are captured like any other."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.kimi_k25 import Kimi_K25Config
+
+    from dflash_core.model.config import ModelConfig
+    from dflash_core.model.drafter import build_drafter
+
+    text = {"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+            "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+            "topk_group": 1}
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(Kimi_K25Config(text_config=text, vision_config=vision)).save_pretrained(
+        tmp_path / "target")
+    target = load_target(str(tmp_path / "target"))
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 64, 96)
+    ids = torch.randint(0, 95, (2, 12))
+    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target.capture(ids, None, [0, 2]), torch.cat([hidden[1], hidden[3]], dim=-1))
+    drafter = build_drafter(target, ModelConfig(target=str(tmp_path / "target"), block_size=4, num_anchors=4), 95)
+    out = drafter(target.capture(ids, None, drafter.target_layer_ids), ids, torch.ones_like(ids), None)
+    out.weighted_loss_sum.backward()
+    assert torch.isfinite(out.weighted_loss_sum)
+    assert drafter.draft_block(target.capture(ids[:1, :6], None, drafter.target_layer_ids), 3, 6).shape == (4, 96)

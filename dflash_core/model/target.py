@@ -166,6 +166,23 @@ def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, i
         return None
 
 
+def _from_pretrained(path: str, dtype: torch.dtype | str, trust_remote_code: bool) -> PreTrainedModel:
+    """The model as a causal LM; a multimodal checkpoint transformers maps to no causal LM (Kimi K2.5) as the
+    image-text-to-text model around its language model (its text layers, embeddings and head are the target's)."""
+    from transformers import AutoModelForImageTextToText
+
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_kernels": False}
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        try:
+            return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+        except ValueError:
+            raise exc from None  # neither: transformers' first answer says what it expected
+
+
 def load_target(
     path: str,
     dtype: str | torch.dtype = "auto",
@@ -179,9 +196,7 @@ def load_target(
     try:
         # use_kernels: transformers 5.25 turned Hub kernels on by default (a download on load, and an error where
         # the `kernels` package is missing); the target runs transformers' own layers, as it did before
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, use_kernels=False
-        )
+        model = _from_pretrained(path, torch_dtype, trust_remote_code)
     except (OSError, ValueError) as exc:
         raise TargetError(f"cannot load the target model from '{path}': {exc}") from exc
     # nn.Module.to moves in place; transformers' decorated `to` has a signature type checkers misread

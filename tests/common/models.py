@@ -71,7 +71,8 @@ def random_batch(n: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def tiny_hybrid(kind: str, vocab: int = VOCAB) -> PreTrainedModel:
     """A tiny random target whose KV cache cannot simply be cropped: "qwen3_5" (Qwen3.5/3.6: three
     linear-attention layers with recurrent states, then a full-attention one), "gpt_oss" (sliding-window
-    layers of 8 tokens between full ones, mixture of experts) or "gemma4" (gemma4_config)."""
+    layers of 8 tokens between full ones, mixture of experts), "gemma4" (gemma4_config) or "deepseek_v3" (latent
+    attention, whose cache holds compressed keys)."""
     from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig
 
     torch.manual_seed(0)
@@ -83,6 +84,13 @@ def tiny_hybrid(kind: str, vocab: int = VOCAB) -> PreTrainedModel:
                                         layer_types=["linear_attention"] * 3 + ["full_attention"])
     elif kind == "gemma4":
         config = gemma4_config(vocab)
+    elif kind == "deepseek_v3":  # Kimi K2.5's text model: latent attention, a dense layer then experts
+        from transformers import DeepseekV3Config
+
+        dense = {k: v for k, v in shape.items() if k != "head_dim"}  # its heads are qk_nope + qk_rope wide
+        config = DeepseekV3Config(**{**dense, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
     else:
         config = GptOssConfig(**{**shape, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
                               sliding_window=8)
