@@ -134,3 +134,36 @@ def test_a_step_over_two_ranks_applies_the_gradient_of_the_whole_steps_loss(inpu
     assert len(applied) == 1
     for got, want in zip(applied[0], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _with_trained_as(out: Path, trained_as: dict | None) -> None:
+    """The checkpoint's record of what its weights were trained with, replaced (None: a checkpoint from before
+    it was recorded)."""
+    path = out / "checkpoints" / f"step-{EVERY}" / "train_state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["trained_as"] == {"hidden_act": "silu", "final_logit_softcapping": None}
+    if trained_as is None:
+        del state["trained_as"]
+    else:
+        state["trained_as"] = trained_as
+    torch.save(state, path)
+
+
+def test_a_checkpoint_trained_with_another_mlp_activation_is_not_resumed_into_this_drafter(
+        inputs, whole, tmp_path, capsys):
+    """Drafters once took a GELU target's activation; new ones are SwiGLU. A checkpoint of a GELU drafter would load
+    (same shapes) and go on silently as another function: refused, saying what to do. Another soft-capping is a
+    note (the weights fit); a checkpoint from before the record resumes as its drafter was built then."""
+    from dflash_core.runtime.checkpoint import CheckpointError
+
+    out = _resumable(whole, tmp_path)
+    _with_trained_as(out, {"hidden_act": "gelu_pytorch_tanh", "final_logit_softcapping": None})
+    with pytest.raises(CheckpointError, match=r"step-3: its weights were trained with the MLP activation "
+                       r"gelu_pytorch_tanh, this drafter's is silu .*finish this run with the version that wrote it"):
+        _trainer(inputs, out)
+    _with_trained_as(out := _resumable(whole, tmp_path / "capped"), {"hidden_act": "silu",
+                                                                     "final_logit_softcapping": 30.0})
+    assert _trainer(inputs, out).start_step == EVERY
+    assert "trained with logit soft-capping 30.0, this run trains with None" in capsys.readouterr().out
+    _with_trained_as(out := _resumable(whole, tmp_path / "legacy"), None)
+    assert _trainer(inputs, out).start_step == EVERY

@@ -152,3 +152,24 @@ def test_a_drafter_layout_whose_heads_do_not_group_is_refused_by_its_settings(ta
     with pytest.raises(DrafterError, match=r"6 attention heads are not a multiple of its 4 key/value heads: set "
                        r"model.draft_heads and model.draft_kv_heads"):
         tiny_drafter(target, draft_heads=6, draft_kv_heads=4)
+
+
+def test_a_drafter_trained_with_another_mlp_activation_does_not_seed_this_one(tmp_path, target, caplog):
+    """A drafter exported before drafters were always SwiGLU (a GELU target's, e.g. Gemma 1) would load (same shapes)
+    and continue as another function: refused. One trained without the target's soft-capping seeds it with a
+    warning (the weights fit; the loss and the served logits follow the cap from now on)."""
+    import logging
+
+    save_dflash(tiny_drafter(target, seed=5), str(tmp_path / "drafter"), dtype=torch.float32)
+    config_path = tmp_path / "drafter" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_act": "gelu_pytorch_tanh"}))
+    with pytest.raises(WarmStartError, match=r"its weights were trained with the MLP activation gelu_pytorch_tanh, "
+                       r"this drafter's is silu .*train from scratch \(train.init_from: null\) once"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))
+    config_path.write_text(json.dumps(config))
+    capped = tiny_drafter(target, seed=9)
+    capped.softcap = 30.0
+    with caplog.at_level(logging.WARNING, logger="dflash_core.runtime.warm_start"):
+        load_warm_start(capped, str(tmp_path / "drafter"))
+    assert "trained with logit soft-capping None, this run trains with 30.0" in caplog.text

@@ -25,6 +25,7 @@ from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink
 from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel, fail_all
 from dflash_core.runtime.checkpoint import (
+    Checkpoint,
     CheckpointError,
     CheckpointManager,
     identity_change,
@@ -53,7 +54,7 @@ from dflash_core.runtime.stopping import StoppedBySignal, StopRequest
 from dflash_core.runtime.target_loop import TargetForwardLoop, batch_cost
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, NonFiniteError
 from dflash_core.runtime.validate import BestTracker, Validator
-from dflash_core.runtime.warm_start import load_warm_start
+from dflash_core.runtime.warm_start import load_warm_start, trained_as, trained_otherwise
 
 
 def wrap_ddp(drafter: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -143,6 +144,7 @@ class Trainer:
                 f": resuming would continue its weights on this run's data and export them as this run's drafter. "
                 f"Train into a new run folder (--out / --run-name), or delete {self.ckpts.root} to start this one "
                 f"from scratch")
+        self._check_trained_as(ckpt)
         self.drafter.load_state_dict(ckpt.model)
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
@@ -154,6 +156,24 @@ class Trainer:
         self.val_pending = ckpt.state.get("val_pending")
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
+
+    def _check_trained_as(self, ckpt: Checkpoint) -> None:
+        """A checkpoint's weights continue only in a drafter of their MLP activation (warm_start.trained_otherwise);
+        one written before checkpoints recorded it was trained as drafters then were built: the target's
+        activation, no soft-capping."""
+        was = ckpt.state.get("trained_as")
+        if was is None:
+            try:
+                act = getattr(self.targets[0].config, "hidden_act", "silu")
+            except Exception:  # noqa: BLE001 - transformers' per-layer configs refuse the read: the old code's silu
+                act = "silu"
+            was = {"hidden_act": act, "final_logit_softcapping": None}
+        refusal, note = trained_otherwise(was, self.drafter)
+        if refusal:
+            raise CheckpointError(f"{ckpt.path}: {refusal}; finish this run with the version that wrote it, or "
+                                  f"train into a new run folder (--out / --run-name)")
+        if note and self.env.is_main:
+            print(f"note: resumed from {ckpt.path}: {note}", flush=True)
 
     def _note_schedule(self, step: int, was_steps: int | None) -> None:
         """A resume whose schedule spans another number of steps (train.max_steps changed) moves the lr: say so."""
@@ -374,6 +394,7 @@ class Trainer:
             "val_pending": val_pending,
             "schedule_steps": self.plan.num_steps,  # what the lr schedule spans (train.max_steps may change it)
             "settings": learning_settings(self.cfg),  # what a resume with other ones notes
+            "trained_as": trained_as(self.drafter),  # what a resume checks beside the shapes
         }
         self.ckpts.save(step, self.drafter.state_dict(), state, self.identity, self.made_for)
 

@@ -76,6 +76,28 @@ def _check_layout(uri: str, raw: Mapping[str, Any], want: Mapping[str, int]) -> 
                          "from scratch)")
 
 
+def trained_as(drafter: DFlashDrafter) -> dict[str, Any]:
+    """What a drafter's weights are trained with besides their shapes: its MLP activation and its head's logit
+    soft-capping (a checkpoint records it; a warm start reads it from config.json)."""
+    return {"hidden_act": drafter.config.hidden_act, "final_logit_softcapping": drafter.softcap}
+
+
+def trained_otherwise(was: Mapping[str, Any], drafter: DFlashDrafter) -> tuple[str | None, str | None]:
+    """(refusal, note) for weights trained as `was` (trained_as) continued in `drafter`: another MLP activation
+    refuses (the weights do not fit it: drafters before Dec 2026 took a GELU target's, new ones are SwiGLU, what
+    SGLang runs); another soft-capping is a note (the weights fit; the loss and the served logits follow the
+    new one)."""
+    now = trained_as(drafter)
+    refusal = note = None
+    if (was.get("hidden_act") or "silu") != now["hidden_act"]:
+        refusal = (f"its weights were trained with the MLP activation {was.get('hidden_act')}, this drafter's is "
+                   f"{now['hidden_act']} (drafters are SwiGLU, what SGLang's DFlash runs)")
+    if (was.get("final_logit_softcapping") or None) != now["final_logit_softcapping"]:
+        note = (f"its weights were trained with logit soft-capping {was.get('final_logit_softcapping')}, this run "
+                f"trains with {now['final_logit_softcapping']} (the target's final_logit_softcapping)")
+    return refusal, note
+
+
 # the drafter config's layout keys and the model.* settings that choose them
 _SETTING = {"num_attention_heads": "draft_heads", "num_key_value_heads": "draft_kv_heads",
             "head_dim": "draft_head_dim", "intermediate_size": "draft_intermediate_size"}
@@ -94,6 +116,12 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder") from None
     _check_layers(uri, config, drafter)
     _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in _SETTING})
+    refusal, note = trained_otherwise({"hidden_act": config.get("hidden_act", "silu"),
+                                       "final_logit_softcapping": config.get("final_logit_softcapping")}, drafter)
+    if refusal:
+        raise WarmStartError(f"train.init_from {uri}: {refusal}; train from scratch (train.init_from: null) once")
+    if note:
+        log.warning("train.init_from %s: %s", uri, note)
     expected = drafter.state_dict()
     for name, want in expected.items():
         got = tensors.get(name)
