@@ -485,3 +485,106 @@ def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shar
     assert len(started) == 1 and started[0] >= let_go
     assert summary["complete"] and summary["kept"] == RECORDS
     assert set(_Slow.seen.values()) == {1} and len(_Slow.seen) == RECORDS
+
+
+def test_two_runs_of_other_settings_claiming_the_folder_at_once_cannot_both_have_it(tmp_path, monkeypatch):
+    """Two runs into one --out with other settings (another max_tokens: another fingerprint), each looking for
+    .work/run.json at the same moment: one claims the folder, the other is refused naming it. Before (no lock
+    around the look and the write), both found none, both went on and the shards mixed both settings."""
+    from dflash_core.regenerate.errors import RegenerateError
+
+    out = str(tmp_path / "out")
+    OutputDir(out)
+    real_exists = OutputDir(out).fs.exists.__func__
+
+    def slow_exists(fs, path):  # the look at run.json takes a while: the other run looks meanwhile
+        if path.endswith("run.json"):
+            time.sleep(0.3)
+        return real_exists(fs, path)
+
+    monkeypatch.setattr(type(OutputDir(out).fs), "exists", slow_exists)
+    start = threading.Barrier(2)
+
+    def claim(fingerprint: str) -> str:
+        start.wait()
+        OutputDir(out).claim({"fingerprint": fingerprint})
+        return fingerprint
+
+    runs = [_in_thread(claim, f) for f in ("max-tokens-24", "max-tokens-25")]
+    outcomes = []
+    for run in runs:
+        try:
+            outcomes.append(_result(*run))
+        except RegenerateError as exc:
+            outcomes.append(str(exc))
+    claimed = json.loads((tmp_path / "out" / ".work" / "run.json").read_text())["fingerprint"]
+    assert claimed in outcomes
+    [refused] = [o for o in outcomes if o != claimed]
+    assert "holds the output of another regenerate run" in refused
+    assert not list((tmp_path / "out" / ".work").glob("run.lock*"))
+
+
+_LINKER = r"""
+import sys
+from pathlib import Path
+from dflash_core.regenerate.server import servable_model
+for _ in range(200):
+    servable_model(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+"""
+
+
+def test_two_runs_making_the_served_model_folder_at_once_never_find_a_link_missing(tmp_path):
+    """The served-model folder (the target's files and the tokenizer's, linked) is made by every run that serves
+    locally; two at once on one --out each replace its links by renaming a fresh one over the old. Before, one
+    removed a link the other was re-creating (FileNotFoundError / FileExistsError)."""
+    target, tokenizer, work = tmp_path / "target", tmp_path / "tok", tmp_path / "out" / ".work"
+    for folder, names in ((target, ["config.json", "model.safetensors"]),
+                          (tokenizer, ["tokenizer.json", "tokenizer_config.json"])):
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_text("x")
+    runs = [subprocess.Popen([sys.executable, "-c", _LINKER, str(target), str(tokenizer), str(work)],
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr[-1500:]
+    served = work / "served-model"
+    assert sorted(p.name for p in served.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                         "tokenizer_config.json"]
+    assert (served / "config.json").resolve() == (target / "config.json").resolve()
+
+
+def test_a_run_with_local_servers_waits_for_another_runs_local_servers_on_the_same_host(slow_server, tmp_path,
+                                                                                        monkeypatch):
+    """Another run into the same --out has its local servers up on this host (it holds .work/serve-<host>) and works
+    on one shard: this run, also without endpoints, starts no server of its own while they are up (on the same GPUs
+    they would find no memory), says so naming that run, then starts one and does the shards left. Before, it
+    started its servers beside the other's (the CLI failed at once instead, while it locked the whole folder)."""
+    from dflash_core.publish import output_lock
+
+    source, out = _source(tmp_path), tmp_path / "out"
+    started: list[float] = []
+
+    @contextlib.contextmanager
+    def local_server(*args) -> Iterator[list[str]]:
+        started.append(time.monotonic())
+        yield [slow_server]
+
+    monkeypatch.setattr(stage, "_serve", local_server)
+    said: list[str] = []
+    with contextlib.ExitStack() as other:
+        other.enter_context(output_lock(f"{out}/.work/serve-{socket.gethostname()}", "regenerate"))
+        other.enter_context(_held(out, 0))
+        thread, box = _in_thread(stage.regenerate_dataset, source, str(out),
+                                 data_config(source, records_per_shard=PER_SHARD), say=said.append)
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # several polls
+        assert not started and not _Slow.seen and thread.is_alive()
+        assert "another run's local servers are up on this host" in said[0] and f"pid {os.getpid()}" in said[0]
+        let_go = time.monotonic()
+    summary = _result(thread, box)
+    assert len(started) == 1 and started[0] >= let_go
+    assert summary["complete"] and summary["kept"] == RECORDS
+    assert not list((out / ".work").glob("serve-*"))

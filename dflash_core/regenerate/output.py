@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 
 from dflash_core.data.accounting import DropLog
-from dflash_core.publish import lock_holder
+from dflash_core.publish import OutputLockedError, lock_holder, output_lock, wait_while_written
 from dflash_core.regenerate.errors import RegenerateError
 
 FORMAT = "dflash-regenerated-v1"
@@ -37,6 +37,7 @@ RETRIED = frozenset({"server_error"})
 # a temporary file of `OutputDir.replace` this much older than now was left by a killed writer (a live one renames
 # its file within seconds of writing it; parallel shard task runs may be writing theirs right now)
 STALE_TMP_S = 3600.0
+_CLAIM_POLL_S = 0.05  # how often a run whose claim met another's looks again
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +75,18 @@ class OutputDir:
         return f"{self.root}/{name}"
 
     def claim(self, state: dict[str, Any]) -> None:
-        """Record the run's identity in .work/run.json, or refuse a folder that holds a different run."""
+        """Record the run's identity in .work/run.json, or refuse a folder that holds a different run: under
+        `.work/run.lock`, so that of two runs that claim the folder at the same moment the second sees the first's
+        identity (without it, two runs of other settings could both find no run.json and both go on)."""
+        target = f"{self.out}/{WORK}/run"
+        while True:
+            try:
+                with output_lock(target, "regenerate"):
+                    return self._claim(state)
+            except OutputLockedError:  # another run is claiming this moment (a few ms)
+                wait_while_written(target, _CLAIM_POLL_S)
+
+    def _claim(self, state: dict[str, Any]) -> None:
         path = self.path(f"{WORK}/run.json")
         if self.fs.exists(path):
             with self.fs.open(path, "r") as fh:

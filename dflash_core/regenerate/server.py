@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -73,10 +74,12 @@ def servable_model(target: str, tokenizer: str, workdir: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     for src in (tokenizer, target):  # the target's own files win over the tokenizer's
         for name in os.listdir(src):
-            link = folder / name
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            link.symlink_to(os.path.abspath(os.path.join(src, name)))
+            # made under a name of its own, then renamed over the old link: another run making the folder at the
+            # same moment (two runs into one --out) never finds a link missing
+            fresh = folder / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+            fresh.unlink(missing_ok=True)
+            fresh.symlink_to(os.path.abspath(os.path.join(src, name)))
+            os.replace(fresh, folder / name)
     return str(folder)
 
 

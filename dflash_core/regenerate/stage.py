@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -29,7 +30,7 @@ from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_
 from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
 from dflash_core.data.template import load_tokenizer, turn_shaping
 from dflash_core.io import is_local
-from dflash_core.publish import OutputLockedError, being_written, output_lock
+from dflash_core.publish import OutputLockedError, being_written, lock_holder, output_lock, wait_while_written
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, sampling_body
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
@@ -221,13 +222,15 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     total_shards = cfg.shard_count(records)
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
     todo = {s for s in covered if not output.settled(s)}
-    if todo and not cfg.endpoints:
-        todo = _until_one_is_free(output, todo, say)
-    run = _Run(output, data, records, todo, progress, say)
     model, seconds = cfg.model, 0.0
-    if todo:
-        key = api_key(cfg)
-        with ExitStack() as stack:
+    with ExitStack() as stack:
+        if todo and not cfg.endpoints:
+            todo = _until_one_is_free(output, todo, say)
+        if todo and not cfg.endpoints:
+            todo = _servers_of_this_host(output, todo, say, stack)
+        run = _Run(output, data, records, todo, progress, say)
+        if todo:
+            key = api_key(cfg)
             urls = cfg.endpoints or stack.enter_context(_serve(cfg, target, tokenizer, output, key))
             model, seconds = asyncio.run(run.execute(lambda only: read_items(files, data, only, run.claim), urls,
                                                      key))
@@ -266,6 +269,29 @@ def _until_one_is_free(output: OutputDir, todo: set[int], say: Say) -> set[int]:
         time.sleep(_LOCK_POLL_S)
         todo = {s for s in todo if not output.settled(s)}
     return todo
+
+
+def _servers_of_this_host(output: OutputDir, todo: set[int], say: Say, stack: ExitStack) -> set[int]:
+    """The shards still to do once this run holds `.work/serve-<host>` (held in `stack` while its local servers
+    run): one run's local servers at a time on a host (another run's on the same GPUs leave its own no memory:
+    they would fail to start, and the run with them). While another live run on this host holds it, wait, saying
+    so once; its shards are taken as it writes them, so that run's end may leave nothing to do."""
+    lock = f"{output.out}/{WORK}/serve-{socket.gethostname()}"
+    said = False
+    while True:
+        try:
+            stack.enter_context(output_lock(lock, "regenerate"))
+            return {s for s in todo if not output.settled(s)}
+        except OutputLockedError:
+            if not said:
+                say(f"regenerate: another run's local servers are up on this host for {output.out} "
+                    f"({lock_holder(lock)}); waiting for them to stop before starting this run's (the GPUs are "
+                    f"taken), then doing the shards left")
+                said = True
+            wait_while_written(lock, _LOCK_POLL_S)
+            todo = {s for s in todo if not output.settled(s)}
+            if not todo:
+                return todo
 
 
 def _why(result: Regenerated) -> str:
