@@ -56,6 +56,17 @@ SPECS = {
                                   "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                                   "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"],
               None, "<|endoftext|>"),
+    "gemma4": ("google-gemma-4-31B-it-interleaved", ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>",
+                                                     "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",
+                                                     "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'],
+               "<bos>", "<eos>"),
+    "minimax": ("unsloth-MiniMax-M2", ["]!d~[", "]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>",
+                                       "</minimax:tool_call>"], "]~!b[", "[e~["),
+    "kimi": ("moonshotai-Kimi-K2-Thinking", ["[PAD]", "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                                             "<|im_system|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
+                                             "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                                             "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"],
+             "[BOS]", "[EOS]"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -144,7 +155,8 @@ def _supervised(record: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_only_replies_are_supervised_under_real_templates(name: str, thinking: str) -> None:
     records = _preview(name, thinking)
-    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>"}.get(name, SPECS[name][3])  # what ends a reply
+    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>", "gemma4": "<turn|>", "kimi": "<|im_end|>"}.get(
+        name, SPECS[name][3])  # what ends a reply
     for rid, record in records.items():
         if not record["kept"]:
             assert record["reason"] in POLICY, (name, thinking, rid, record["reason"], record["detail"])
@@ -307,6 +319,9 @@ REASONED = {
                              {"role": "assistant", "content": MENTION}, {"role": "user", "content": "Thanks."},
                              {"role": "assistant", "content": "You are welcome."}],
 }
+# templates that never render a last reply's reasoning: DeepSeek's render none at all; Gemma 4's only a turn of tool
+# calls' (a reply's thought channel is cut from its content); Kimi K2's only after the last reply without calls
+NO_LAST_REASONING = ("r1distill", "dsv31", "gemma4", "kimi")
 # templates that render every reply as what follows its '</think>' (DeepSeek's), or every earlier one (QwQ's and
 # Nemotron's); DeepSeek's render no reasoning at all
 CUT_AT_TAG = {"r1distill": ("mentions-tag", "mentions-tag-earlier"), "dsv31": ("mentions-tag", "mentions-tag-earlier"),
@@ -314,7 +329,8 @@ CUT_AT_TAG = {"r1distill": ("mentions-tag", "mentions-tag-earlier"), "dsv31": ("
 
 
 @pytest.mark.parametrize("thinking", ["strip", "keep"])
-@pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45", "r1distill", "dsv31", "qwq", "nemotron"])
+@pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45", "r1distill", "dsv31", "qwq", "nemotron", "gemma4",
+                                  "minimax", "kimi"])
 def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text(name: str, thinking: str) -> None:
     """Reasoning given as a field and again inline in the content was left in the content: under strip Qwen3's
     template re-read it as reasoning and supervised it, Llama's trained it as text, under keep it came twice. A
@@ -326,7 +342,7 @@ def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text
     records = _preview(name, thinking, REASONED)
     cut = CUT_AT_TAG.get(name, ())
     for rid in ("field-and-inline", "r1-style"):
-        if name in ("r1distill", "dsv31") and thinking == "keep":  # their templates render no reasoning
+        if name in NO_LAST_REASONING and thinking == "keep":
             assert records[rid]["reason"] == "reasoning_dropped_by_template", (name, rid, records[rid])
             continue
         assert records[rid]["kept"], (name, thinking, rid, records[rid])
@@ -342,3 +358,128 @@ def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text
         if rid not in cut:
             mention = "".join(_supervised(records[rid]))
             assert MENTION in mention and "closes it with \n</think>" not in mention, (name, thinking, rid, mention)
+
+
+def _tool_variants() -> dict[str, list[dict[str, Any]]]:
+    """The tools record with text beside the calls, with reasoning on the turn of calls (and on the answer), and
+    cut after the tool result (the model's turn still in progress)."""
+    text = json.loads(json.dumps(RECORDS["tools"]))
+    text[2]["content"] = "Let me check."
+    reasoned = json.loads(json.dumps(RECORDS["tools"]))
+    reasoned[2].update(content="", reasoning_content="R need the weather")
+    answered = json.loads(json.dumps(reasoned))
+    answered[4]["reasoning_content"] = "R it is mild"
+    return {"text": text, "reasoned": reasoned, "answered": answered, "open": reasoned[:4]}
+
+
+def test_kimi_calls_are_named_by_ids_of_the_shape_its_model_writes() -> None:
+    """Kimi K2's template writes a call's id and not its name (its model writes `functions.<name>:<n>` and the
+    name is read from that): the probe saw no name and every tool record was dropped as template_has_no_tools. Such
+    a template now gets ids of that shape (n counts the conversation's calls), results answer their own calls, and
+    an id already of that shape is kept."""
+    openai = _with_ids(lambda old: f"call_{old}XYZ")
+    openai["parallel"][2:4] = openai["parallel"][3:1:-1]  # results out of order: linked by id, not by place
+    records = {"tools": RECORDS["tools"], "parallel": RECORDS["parallel"], "tools-openai": openai["tools"],
+               "parallel-openai": openai["parallel"]}
+    kimi_ids = json.loads(json.dumps(RECORDS["tools"]))
+    kimi_ids[2]["tool_calls"][0]["id"] = kimi_ids[3]["tool_call_id"] = "functions.get_weather:7"
+    no_ids = _with_ids(None)["parallel"]
+    out = _preview("kimi", "strip", {**records, "kimi-ids": kimi_ids, "no-ids": no_ids})
+    for rid, record in out.items():
+        assert record["kept"], (rid, record["reason"], record["detail"])
+        calls, reply = _supervised(record)
+        text = "".join(t for t, _ in record["segments"])
+        if rid == "kimi-ids":
+            assert "<|tool_call_begin|>functions.get_weather:7<|tool_call_argument_begin|>" in calls, calls
+            assert "## Return of functions.get_weather:7\n" in text
+            continue
+        assert calls.startswith("<think></think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                                "<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"), (rid, calls)
+        assert calls.endswith("<|tool_calls_section_end|><|im_end|>") and "call0" not in text, (rid, text)
+        assert "## Return of functions.get_weather:0\n{\"temp\": 18}" in text
+        if "parallel" in rid or rid == "no-ids":
+            assert "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>" in calls
+            assert "## Return of functions.get_time:1\n{\"time\": \"9:00\"}" in text
+        assert reply.endswith("<|im_end|>") and "## Return" not in reply
+    folder = Path(tempfile.mkdtemp(prefix="dflash-kimi-records-"))
+    (folder / "chats.jsonl").write_text(json.dumps({"messages": RECORDS["single"]}) + "\n")
+    cfg = data_config(source=str(folder), tokenizer=_tokenizer("kimi"), thinking="strip")
+    identity = preview_samples(str(folder), _tokenizer("kimi"), cfg, block_size=1, limit=1)["summary"]["tokenizer"]
+    assert identity["tool_call_ids"].startswith("functions.<name>:<n>") and identity["renders_tools"], identity
+
+
+@pytest.mark.parametrize("name", ["gemma4", "minimax", "kimi", "qwen3", "glm45"])
+def test_reasoning_of_the_turn_in_progress_is_kept_or_the_record_dropped(name: str) -> None:
+    """Under thinking keep, a turn of tool calls after the last user turn is the model's own turn in progress: its
+    reasoning must be learnt with it. Kimi K2's template renders reasoning only after the last reply without calls
+    (never in a finished conversation), so the turn of calls was supervised as '<think></think>' and its calls,
+    the reasoning lost without a word; it is dropped now, naming the turn. Gemma 4's renders a turn of calls'
+    reasoning (its thought channel), MiniMax's after the '<think>\\n' its generation prompt pre-fills, and both
+    drop a record whose last reply's reasoning they cannot render (Gemma 4) or keep it (MiniMax)."""
+    out = _preview(name, "keep", _tool_variants())
+    if name == "kimi":
+        for rid in ("reasoned", "answered"):
+            assert not out[rid]["kept"] and out[rid]["reason"] == "reasoning_dropped_by_template", (rid, out[rid])
+            assert "turn 2 ('assistant')" in out[rid]["detail"] and "strip" in out[rid]["detail"], out[rid]["detail"]
+        calls = _supervised(out["open"])[0]  # still in progress: the template renders its reasoning
+        assert calls.startswith("<think>R need the weather</think><|tool_calls_section_begin|>"), calls
+        return
+    opener = {"gemma4": "<|channel>thought\nR need the weather<channel|><|tool_call>call:get_weather{",
+              "minimax": "R need the weather\n</think>\n\n\n<minimax:tool_call>\n<invoke name=\"get_weather\">",
+              "qwen3": "<think>\nR need the weather\n</think>\n\n<tool_call>",
+              "glm45": "\n<think>R need the weather</think>\n<tool_call>get_weather"}[name]
+    for rid in ("reasoned", "open", "answered"):
+        if rid == "answered" and name == "gemma4":  # a reply's thought channel is cut from its content
+            assert not out[rid]["kept"] and out[rid]["reason"] == "reasoning_dropped_by_template", out[rid]
+            assert "the last reply" in out[rid]["detail"], out[rid]["detail"]
+            continue
+        assert out[rid]["kept"], (rid, out[rid])
+        calls = _supervised(out[rid])[0]
+        assert calls.startswith(opener), (rid, calls)
+        assert "Weather in Paris?" not in "".join(_supervised(out[rid])) and "temp" not in calls
+    if name != "gemma4":
+        answer = _supervised(out["answered"])[-1]
+        assert "R it is mild" in answer and answer.rstrip("\n").endswith(SPECS[name][3] if name != "glm45" else
+                                                                          "<|user|>"), answer
+
+
+def test_gemma4_writes_a_turns_text_after_its_calls_so_such_a_turn_is_a_policy_drop() -> None:
+    """Gemma 4's template writes a model turn's calls first and its text after them (where a turn goes on after
+    the tool results in Gemma's own format); a turn whose text precedes its calls, as in OpenAI-style data, was
+    kept with the text supervised after the calls, which the model never writes there. It is dropped as
+    template_rewrites_reply (policy); the templates that write the text first keep it, before the calls."""
+    for thinking in ("strip", "keep"):
+        record = _preview("gemma4", thinking, _tool_variants())["text"]
+        assert not record["kept"] and record["reason"] == "template_rewrites_reply", record
+        assert "turn 2 ('assistant')" in record["detail"] and "after its tool calls" in record["detail"]
+        assert record["reason"] in POLICY_REASONS
+    think = json.loads(json.dumps(_tool_variants()["text"]))  # a tool named like a special token's word
+    think[2]["tool_calls"][0]["function"]["name"] = think[3]["name"] = "think"
+    for name in ("qwen3", "glm45", "minimax", "kimi", "dsv31"):
+        for thinking in ("strip", "keep"):
+            records = _preview(name, thinking, {**_tool_variants(), "think": think})
+            for rid in ("text", "think"):
+                assert records[rid]["kept"], (name, thinking, rid, records[rid])
+                calls = _supervised(records[rid])[0]
+                assert calls.index("Let me check.") < calls.rindex(think[2]["tool_calls"][0]["function"]["name"]
+                                                                   if rid == "think" else "get_weather"), calls
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+def test_what_gemma4_and_minimax_prompts_pre_fill_or_switch_on_is_never_supervised(thinking: str) -> None:
+    """Gemma 4's generation prompt pre-fills an empty thought channel with thinking off, and thinking on writes
+    '<|think|>' into the system turn; MiniMax's always pre-fills '<think>\\n'. None of it is learnt: a reply is
+    supervised from where the model starts writing, through its end-of-turn."""
+    gemma = _preview("gemma4", thinking)
+    for rid in ("single", "multi"):
+        spans = _supervised(gemma[rid])
+        assert all(span.startswith(("Hello", "A1", "A2")) and span.endswith("<turn|>") for span in spans), spans
+        assert not any(tag in "".join(spans) for tag in ("<|think|>", "<|channel>", "<|turn>")), spans
+    assert ("<|think|>" in "".join(t for t, _ in gemma["single"]["segments"])) == (thinking == "keep")
+    minimax = _preview("minimax", thinking)
+    assert [span for span in _supervised(minimax["multi"])] == ["A1 three[e~[", "A2 six[e~["]
+    reason = _supervised(minimax["reason"])
+    if thinking == "keep":  # the last reply's reasoning follows the pre-filled '<think>\n'; history's is not shown
+        assert reason == ["A1 three[e~[", "R2 think two\n</think>\n\nA2 six[e~["], reason
+    else:
+        assert reason == ["A1 three[e~[", "A2 six[e~["], reason

@@ -49,6 +49,7 @@ _SKELETONS = 4096  # cached role sequences
 _PROBE_TOOL = "dflash_probe_tool"
 _ID_CHARS = string.ascii_letters + string.digits
 _ID_LENGTH = 9  # Mistral's templates raise on any tool call id that is not 9 letters or digits
+_SHORT_IDS, _NAMED_IDS = "short", "named"  # the tool call ids a template needs (ChatEncoder.call_ids)
 
 Span = tuple[int, int]
 Slot = tuple[int, str]  # (message index, "content" | "reasoning_content")
@@ -184,7 +185,9 @@ class ChatEncoder:
         self.backend.no_padding()
         self.skeletons: dict[str, str | Exception] = {}
         self.string_arguments = False  # set by _renders_tools
-        self.call_ids = False  # set by _renders_tools: the template refuses calls without a 9-character id
+        # set by _renders_tools: the ids the template's calls need: "" (as in the data), _SHORT_IDS (it refuses
+        # calls without a 9-character id: Mistral's) or _NAMED_IDS (it writes a call's id, not its name: Kimi K2's)
+        self.call_ids = ""
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.headers = self._learn_headers()
@@ -205,8 +208,9 @@ class ChatEncoder:
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token, "end_of_turn": self.eot,
                 "turn_ends_with": self._turn_ends_with(),
                 "generation_prompts": self.prompts, "renders_tools": self.tools,
-                "tool_call_ids": f"{_ID_LENGTH} letters or digits (the template refuses others)"
-                if self.call_ids else "as in the data",
+                "tool_call_ids": {_SHORT_IDS: f"{_ID_LENGTH} letters or digits (the template refuses others)",
+                                  _NAMED_IDS: "functions.<name>:<n> (the template writes a call's id, not its name)"
+                                  }.get(self.call_ids, "as in the data"),
                 "system_turn": "merged into the first user turn" if self.fold_system else "kept",
                 "same_role_turns": "merged into one turn, replies before the first user turn left out"
                 if self.merge_roles else "kept",
@@ -228,7 +232,7 @@ class ChatEncoder:
         template that joins them into its text needs, or as objects)."""
         messages, kwargs = chat_template_inputs(conv, self.thinking, self.template)
         if self.call_ids:
-            messages = _with_call_ids(messages)
+            messages = _with_call_ids(messages, named=self.call_ids == _NAMED_IDS)
         if self.string_arguments:
             messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                 c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
@@ -305,14 +309,14 @@ class ChatEncoder:
         """Whether the template writes an assistant's tool calls (probed once with a made-up call)."""
         conv = _calls_probe()
         # DeepSeek's templates join the arguments into the text (a JSON string); Mistral's refuse a call without
-        # an id of 9 letters or digits
-        for self.call_ids in (False, True):
+        # an id of 9 letters or digits; Kimi K2's write a call's id and not its name, so the id must name it
+        for self.call_ids in ("", _SHORT_IDS, _NAMED_IDS):
             for self.string_arguments in (False, True):
                 text = self._render_one(*self.inputs(conv))
                 if isinstance(text, str) and _PROBE_TOOL in text.split(_MARK.format(0), 1)[-1]:
                     self.call_opener = self._learn_call_opener(text)
                     return True
-        self.string_arguments = self.call_ids = False
+        self.string_arguments, self.call_ids = False, ""
         return False
 
     def _learn_stops(self) -> dict[str, str]:
@@ -437,18 +441,27 @@ class ChatEncoder:
         return self._assistant_spans(conv, messages, slots, spans, text)
 
     def _reasoning_left_out(self, conv: Conversation, text: str) -> Drop | None:
-        """With data.thinking: keep, the last reply's reasoning must be in the render (earlier turns' may be left
-        out, as templates render history: Qwen3); DeepSeek-R1's template cuts every reply before '</think>'."""
+        """With data.thinking: keep, the reasoning of every reply after the last user turn (the model's turn in
+        progress: its tool calls and its answer) must be in the render; earlier turns' may be left out, as
+        templates render history (Qwen3). DeepSeek-R1's template cuts every reply before '</think>', Gemma 4's
+        renders a reply's reasoning only on a turn of tool calls, Kimi K2's only after the last reply without calls
+        (so never a finished conversation's)."""
         if self.thinking != "keep":
             return None
-        last = next((m for m in reversed(conv.messages) if m["role"] == "assistant"), None)
-        reasoning = (last or {}).get("reasoning_content") or ""
-        if not reasoning.strip() or reasoning.strip() in text:
-            return None
-        return Drop("reasoning_dropped_by_template", f"the chat template of '{self.name}' leaves the reasoning of "
-                    f"the last reply out of the text (it renders replies without it), so with data.thinking: keep "
-                    f"the drafter would learn replies without their reasoning; use data.thinking: strip, or a "
-                    f"template that renders reasoning")
+        replies = [j for j, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        users = [j for j, m in enumerate(conv.messages) if m["role"] == "user"]
+        for j in replies:
+            last = j == replies[-1]
+            in_progress = not users or j > users[-1]  # a reply of the model's turn in progress (not history)
+            reasoning = (conv.messages[j].get("reasoning_content") or "").strip()
+            if not (last or in_progress and j not in conv.unsupervised) or not reasoning or reasoning in text:
+                continue
+            which = "the last reply" if last else f"turn {j} ({conv.source(j)!r}), a reply after the last user turn,"
+            return Drop("reasoning_dropped_by_template", f"the chat template of '{self.name}' leaves the reasoning of "
+                        f"{which} out of the text (it renders such replies without it), so with data.thinking: keep "
+                        f"the drafter would learn replies without their reasoning; use data.thinking: strip, or a "
+                        f"template that renders reasoning")
+        return None
 
     def _single_calls_only(self, messages: Messages, kwargs: dict[str, Any]) -> bool:
         """Whether the template refused the messages for their parallel tool calls alone (Llama 3.1's "This model
@@ -486,8 +499,34 @@ class ChatEncoder:
             answer = conv.messages[j].get("content")
             if isinstance(answer, str) and answer.strip() not in text[turn[0]:turn[1]]:
                 return self._rewritten_reply(conv, j, text[turn[0]:turn[1]])
+            if m.get("tool_calls") and self._calls_before_text(m, j, slots, spans, text, turn[0]):
+                return Drop("template_rewrites_reply", f"the chat template of '{self.name}' writes the text of turn "
+                            f"{j} ({conv.source(j)!r}) after its tool calls, where the model wrote it before them; "
+                            f"trained on, the drafter would learn text after calls that the model never writes there "
+                            f"(Gemma 4's template puts there the text a model turn goes on with after the tool results)")
             out.append(turn)
         return out
+
+    def _calls_before_text(self, m: dict[str, Any], j: int, slots: list[Slot], spans: dict[int, Span], text: str,
+                           start: int) -> bool:
+        """Whether the template writes turn j's tool calls (a call's name, as a word) between the turn's start and
+        its text, leaving out the turn's reasoning (which may name them) and special tokens (a tool named 'think'
+        is not in '<think>')."""
+        own = {f: spans[k] for k, (i, f) in enumerate(slots) if i == j and k in spans}
+        content = own.get("content")
+        if content is None or content[1] <= content[0]:
+            return False
+        pieces, pos = [], start
+        for s, e in sorted(span for f, span in own.items() if f != "content"):
+            if pos <= s and e <= content[0]:
+                pieces.append(text[pos:s])
+                pos = e
+        pieces.append(text[pos:content[0]])
+        before = " ".join(pieces)
+        for special in self._specials():
+            before = before.replace(special, " ")
+        names = {str((c.get("function") or {}).get("name") or "") for c in m["tool_calls"]}
+        return any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", before) for name in names if name)
 
     def _rewritten_reply(self, conv: Conversation, j: int, rendered: str) -> Drop:
         """Why a reply the template renders other than written is dropped: its supervised span would teach the
@@ -546,11 +585,15 @@ def _calls_probe() -> Conversation:
                          {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[tool])
 
 
-def _with_call_ids(messages: Messages) -> Messages:
-    """The messages with an id of 9 letters or digits on every tool call and tool result, for templates that
-    refuse any other (Mistral's). An id of that shape is kept; any other is replaced by one made from it (the same
-    id gives the same new one, so results stay linked to their calls); a call without an id gets one made from its
-    place, and a result without one the id of the call it answers (a turn's results answer its calls in order)."""
+def _with_call_ids(messages: Messages, named: bool = False) -> Messages:
+    """The messages with an id on every tool call and tool result that the template takes. By default 9 letters
+    or digits, for templates that refuse any other (Mistral's): an id of that shape is kept; any other is replaced
+    by one made from it (the same id gives the same new one), and a call without an id gets one made from its
+    place. `named`, for a template that writes a call's id and not its name (Kimi K2's, whose model names a call
+    by its id): `functions.<name>:<n>`, the id that model writes, n counting the conversation's calls from 0 (an
+    id of that shape naming the call's own function is kept). Results stay linked to their calls: a result takes
+    the new id of the call whose id it gives, and a result without one (or with one no call has) the id of the
+    call it answers (a turn's results answer its calls in order)."""
     def made(key: str) -> str:
         number = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
         return "".join(_ID_CHARS[(number // len(_ID_CHARS) ** k) % len(_ID_CHARS)] for k in range(_ID_LENGTH))
@@ -560,16 +603,33 @@ def _with_call_ids(messages: Messages) -> Messages:
             return raw
         return made(f"id:{raw}" if isinstance(raw, str) and raw else f"place:{place}")
 
+    def naming(call: dict[str, Any], number: int) -> str:
+        raw, name = call.get("id"), str((call.get("function") or {}).get("name", ""))
+        if isinstance(raw, str) and re.fullmatch(rf"functions\.{re.escape(name)}:\d+", raw):
+            return raw
+        return f"functions.{name}:{number}"
+
     out: Messages = []
     waiting: list[str] = []  # ids of the last turn's calls not answered yet
+    renamed: dict[str, str] = {}  # a call's id in the data -> its new id
+    count = 0  # calls so far
     for j, m in enumerate(messages):
         if m.get("tool_calls"):
-            calls = [{**c, "id": shaped(c.get("id"), f"{j}.{k}")} for k, c in enumerate(m["tool_calls"])]
+            calls = []
+            for k, c in enumerate(m["tool_calls"]):
+                new = naming(c, count) if named else shaped(c.get("id"), f"{j}.{k}")
+                if isinstance(c.get("id"), str) and c["id"]:
+                    renamed[c["id"]] = new
+                calls.append({**c, "id": new})
+                count += 1
             waiting = [c["id"] for c in calls]
             m = {**m, "tool_calls": calls}
         elif m["role"] == "tool":
             raw = m.get("tool_call_id")
-            new = shaped(raw, str(j)) if isinstance(raw, str) and raw else waiting[0] if waiting else made(f"place:{j}")
+            if isinstance(raw, str) and raw and (raw in renamed or not named):
+                new = renamed.get(raw) or shaped(raw, str(j))
+            else:
+                new = waiting[0] if waiting else raw if named and isinstance(raw, str) and raw else made(f"place:{j}")
             waiting = [w for w in waiting if w != new]
             m = {**m, "tool_call_id": new}
         else:
