@@ -22,7 +22,7 @@ from dflash_core.io import write_jsonl
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.evaluate import evaluate
-from dflash_core.model.export import save_dflash
+from dflash_core.model.export import config_layout, save_dflash
 from dflash_core.model.target import load_target
 
 HELD_OUT_SEED = 424242
@@ -31,8 +31,12 @@ HELD_OUT_SEED = 424242
 def untrained_like(drafter_dir: str, target: str, out: str, seed: int = 0) -> str:
     """A random-init drafter with the trained one's shape, exported like it."""
     cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    layout = config_layout(cfg)
     model_cfg = ModelConfig(target=target, num_draft_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"],
-                            target_layer_ids=cfg["dflash_config"]["target_layer_ids"])
+                            target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
+                            draft_heads=layout["num_attention_heads"], draft_kv_heads=layout["num_key_value_heads"],
+                            draft_head_dim=layout["head_dim"], draft_intermediate_size=layout["intermediate_size"],
+                            layer_types=cfg.get("layer_types"), sliding_window=cfg.get("sliding_window") or 2048)
     torch.manual_seed(seed)
     drafter = build_drafter(load_target(target), model_cfg, cfg["dflash_config"]["mask_token_id"])
     save_dflash(drafter, out)

@@ -28,12 +28,13 @@ from dflash_core.runtime.trainer import Trainer
 STEPS, EVERY = 6, 3  # the run trains plan steps 0..5 and checkpoints after steps 2 and 5
 
 
-def _trainer(inputs, out: Path) -> Trainer:
-    """A one-process Trainer (no torchrun) of STEPS steps, set up: resumed when `out` holds a checkpoint."""
+def _trainer(inputs, out: Path, **model) -> Trainer:
+    """A one-process Trainer (no torchrun) of STEPS steps, set up: resumed when `out` holds a checkpoint (`model`:
+    more model settings)."""
     cfg = RunConfig(
         data={"source": "unused.jsonl", "tokenizer": "unused"},
         model={"target": inputs.target, "dtype": "float32", "num_draft_layers": 1, "block_size": BLOCK,
-               "mask_token_id": MASK_ID, "num_anchors": 8},
+               "mask_token_id": MASK_ID, "num_anchors": 8, **model},
         # warmup then cosine: every step has another lr; AdamW's moments make the update depend on the steps before
         train={"lr": 3e-3, "warmup_ratio": 0.2, "device": "cpu", "prefetch_threads": 1, "queue_size": 2,
                "checkpoint_every": EVERY, "keep_checkpoints": 2, "max_steps": STEPS, "seed": 0},
@@ -167,3 +168,15 @@ def test_a_checkpoint_trained_with_another_mlp_activation_is_not_resumed_into_th
     assert "trained with logit soft-capping 30.0, this run trains with None" in capsys.readouterr().out
     _with_trained_as(out := _resumable(whole, tmp_path / "legacy"), None)
     assert _trainer(inputs, out).start_step == EVERY
+
+
+def test_a_checkpoint_of_another_drafter_layout_is_refused_naming_the_settings(inputs, whole, tmp_path):
+    """model.draft_* changed between two launches of one run: the checkpoint's tensors no longer fit. Said as what
+    changed and what to do, not as load_state_dict's size mismatch."""
+    from dflash_core.runtime.checkpoint import CheckpointError
+
+    out = _resumable(whole, tmp_path)
+    with pytest.raises(CheckpointError, match=r"step-3: tensor layers\.0\.mlp\.\w+_proj\.weight has shape .* its "
+                       r"layout changed since the checkpoint \(now model.draft_heads None, .* draft_intermediate_size "
+                       r"96; null: the target's\); set them back, or train into a new run folder"):
+        _trainer(inputs, out, draft_intermediate_size=96)

@@ -173,3 +173,26 @@ def test_a_drafter_trained_with_another_mlp_activation_does_not_seed_this_one(tm
     with caplog.at_level(logging.WARNING, logger="dflash_core.runtime.warm_start"):
         load_warm_start(capped, str(tmp_path / "drafter"))
     assert "trained with logit soft-capping None, this run trains with 30.0" in caplog.text
+
+
+def test_a_config_json_that_leaves_head_dim_out_is_read_as_the_loader_reads_it(tmp_path):
+    """Published Qwen3 drafters' config.json may leave head_dim (or num_key_value_heads) out; the loader fills in
+    transformers' defaults (heads of 128), so the layout check must read them the same way: a drafter of this
+    project's own export, the key removed, still seeds a drafter of that layout. Before, the check took
+    hidden // heads and refused it, naming settings that would then not load."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_core.model.target import TargetModel
+
+    wide = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(wide).save_pretrained(tmp_path / "target")
+    wide_target = TargetModel(Qwen3ForCausalLM.from_pretrained(tmp_path / "target"))
+    save_dflash(tiny_drafter(wide_target, seed=5), str(tmp_path / "drafter"), dtype=torch.float32)
+    config_path = tmp_path / "drafter" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert config.pop("head_dim") == 128
+    config_path.write_text(json.dumps(config))
+    check_init_from(str(tmp_path / "drafter"), str(tmp_path / "target"))
+    load_warm_start(tiny_drafter(wide_target, seed=9), str(tmp_path / "drafter"))

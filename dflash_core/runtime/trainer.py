@@ -145,6 +145,7 @@ class Trainer:
                 f"Train into a new run folder (--out / --run-name), or delete {self.ckpts.root} to start this one "
                 f"from scratch")
         self._check_trained_as(ckpt)
+        self._check_shapes(ckpt)
         self.drafter.load_state_dict(ckpt.model)
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
@@ -156,6 +157,21 @@ class Trainer:
         self.val_pending = ckpt.state.get("val_pending")
         set_rng_state(ckpt.state["rng"][self.env.rank])
         self.start_step, self.resumed_from = step, str(ckpt.path)
+
+    def _check_shapes(self, ckpt: Checkpoint) -> None:
+        """A checkpoint's tensors fit this run's drafter only if its layout is the one they were trained in: the
+        model.draft_* settings are not in the run's identity (adding them would have refused every checkpoint
+        written before them), so a changed one is said here, not as load_state_dict's size mismatch."""
+        want = self.drafter.state_dict()
+        for name, tensor in ckpt.model.items():
+            if name in want and tuple(tensor.shape) != tuple(want[name].shape):
+                m = self.cfg.model
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, this run's drafter "
+                    f"{tuple(want[name].shape)}: its layout changed since the checkpoint (now model.draft_heads "
+                    f"{m.draft_heads}, draft_kv_heads {m.draft_kv_heads}, draft_head_dim {m.draft_head_dim}, "
+                    f"draft_intermediate_size {m.draft_intermediate_size}; null: the target's); set them back, or "
+                    f"train into a new run folder (--out / --run-name)")
 
     def _check_trained_as(self, ckpt: Checkpoint) -> None:
         """A checkpoint's weights continue only in a drafter of their MLP activation (warm_start.trained_otherwise);

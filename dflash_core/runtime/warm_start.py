@@ -24,6 +24,7 @@ from dflash_core.model.export import (
     config_block_size,
     config_layer_attention,
     config_layer_ids,
+    config_layout,
     drafter_location,
     read_config_json,
     read_weights,
@@ -62,11 +63,7 @@ def check_init_from(uri: str | None, target: str | None = None, trust_remote_cod
 def _check_layout(uri: str, raw: Mapping[str, Any], want: Mapping[str, int]) -> None:
     """A drafter's weights fit only a drafter of its own head layout and MLP width: a mismatch names the four
     model.draft_* settings that take the folder's layout (z-lab's Gemma 4 drafters, e.g., have their own)."""
-    got: dict[str, Any] = {key: raw.get(key) for key in want}
-    if got.get("head_dim") is None and got.get("num_attention_heads"):  # a config.json that leaves it implied
-        got["head_dim"] = int(raw.get("hidden_size", 0)) // int(got["num_attention_heads"])
-    if got.get("num_key_value_heads") is None:
-        got["num_key_value_heads"] = got.get("num_attention_heads")
+    got = config_layout(dict(raw))  # what the loader makes of it, values left out included
     differ = [key for key in want if got[key] != want[key]]
     if not differ:
         return
