@@ -48,17 +48,57 @@ def test_target_forward_by_hand():
 def test_a_drafter_of_its_own_layout_counts_the_targets_layers_by_the_targets_layout(target):
     """model.draft_* give the drafter another layout than the target's: the target's forward is counted with the
     target's heads and MLP, the drafter's step with its own."""
-    from dflash_core.model.drafter import drafter_layout
+    from dflash_core.model.flops import target_layer_layout
 
     own = tiny_drafter(target, draft_heads=8, draft_kv_heads=2, draft_head_dim=8, draft_intermediate_size=32)
-    shape = FlopShape.of(own, drafter_layout(target.config))
+    shape = FlopShape.of(own, target_layer_layout(target.config))
     assert (shape.heads, shape.head_dim, shape.intermediate) == (8, 8, 32)
     assert shape.target is not None and (shape.target.heads, shape.target.head_dim, shape.target.intermediate) == \
         (4, 16, 128)
     per_layer = (2 * 5 * 64 * 64 * 2) + (2 * 5 * 64 * 32 * 2) + (2 * 5 * 64 * 128 * 3) + 2 * 2 * 4 * 16 * 9
     assert target_forward_flops(shape, [3, 2]) == shape.target_layers_run * per_layer
     assert target_forward_flops(shape, [3, 2]) != target_forward_flops(FlopShape.of(own), [3, 2])
-    assert FlopShape.of(tiny_drafter(target), drafter_layout(target.config)).target is None  # the same layout
+    assert FlopShape.of(tiny_drafter(target), target_layer_layout(target.config)).target is None  # the same layout
+
+
+def _moe_configs():
+    from transformers import DeepseekV3Config, Gemma4TextConfig, GptOssConfig, Qwen3MoeConfig, Qwen3NextConfig
+
+    dense = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 100}
+    return {
+        # routed experts x their width (Qwen3-Coder-30B-A3B: 8 of 128 x 768)
+        "qwen3_moe": (Qwen3MoeConfig(**dense, head_dim=16, intermediate_size=6144, moe_intermediate_size=768,
+                                     num_experts=128, num_experts_per_tok=8), 8 * 768),
+        # experts as wide as intermediate_size (gpt-oss-20b: 4 of 32 x 2880)
+        "gpt_oss": (GptOssConfig(**dense, head_dim=16, intermediate_size=2880, num_local_experts=32,
+                                 num_experts_per_tok=4), 4 * 2880),
+        # routed + shared experts (DeepSeek-V3 / Kimi K2: 8 routed + 1 shared x 2048)
+        "deepseek_v3": (DeepseekV3Config(**dense, intermediate_size=18432, moe_intermediate_size=2048,
+                                         n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1),
+                        9 * 2048),
+        # routed + a shared expert of its own width (Qwen3-Next: 10 x 512 + 512)
+        "qwen3_next": (Qwen3NextConfig(**dense, head_dim=16, intermediate_size=5632, moe_intermediate_size=512,
+                                       num_experts=512, num_experts_per_tok=10, shared_expert_intermediate_size=512),
+                       10 * 512 + 512),
+        # a dense MLP beside the experts (Gemma 4 26B-A4B: 2112 + 8 x 704)
+        "gemma4": (Gemma4TextConfig(**dense, head_dim=16, intermediate_size=2112, enable_moe_block=True,
+                                    num_experts=128, top_k_experts=8, moe_intermediate_size=704), 2112 + 8 * 704),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next", "gemma4"])
+def test_a_mixture_of_experts_targets_layers_are_counted_by_the_experts_a_token_runs(family):
+    """The target's MLP FLOPs follow the experts a token is routed to (and shared or dense ones beside them), not
+    the config's intermediate_size alone (gpt-oss: 4x more, MiniMax: 8x); a dense target keeps its own."""
+    from transformers import Qwen3Config
+
+    from dflash_core.model.flops import target_layer_layout
+
+    config, active = _moe_configs()[family]
+    assert target_layer_layout(config)["intermediate_size"] == active
+    assert target_layer_layout(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16))["intermediate_size"] == 128
 
 
 def test_drafter_step_by_hand():

@@ -95,19 +95,19 @@ def drafter_config(
     windowed = SLIDING in types
     kind = getattr(target_config, "model_type", type(target_config).__name__)
     shape = drafter_layout(target_config, layout)
-    target_rope = _global(target_config, "rope_parameters") or {
-        "rope_type": "default", "rope_theta": float(_global(target_config, "rope_theta", 10000.0))}
+    target_rope = config_value(target_config, "rope_parameters") or {
+        "rope_type": "default", "rope_theta": float(config_value(target_config, "rope_theta", 10000.0))}
     rope = drafter_rope(target_rope, kind)
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
                                      "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
     # the target's logit soft-capping (Gemma 2-4) goes with its head, which the drafter borrows: trained with it,
     # and written to config.json, where vLLM reads it for the drafter's logits
-    if softcap := _global(target_config, "final_logit_softcapping"):
+    if softcap := config_value(target_config, "final_logit_softcapping"):
         dflash_fields["final_logit_softcapping"] = float(softcap)
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=int(_global(target_config, "hidden_size")),
+        hidden_size=int(config_value(target_config, "hidden_size")),
         num_hidden_layers=num_layers,
         num_attention_heads=shape["num_attention_heads"],
         num_key_value_heads=shape["num_key_value_heads"],
@@ -116,9 +116,9 @@ def drafter_config(
         # Qwen3's SwiGLU whatever the target's MLP (Gemma: GELU): as every published drafter has it, and SGLang's
         # DFlash MLP runs nothing else
         hidden_act="silu",
-        max_position_embeddings=int(_global(target_config, "max_position_embeddings")),
-        initializer_range=float(_global(target_config, "initializer_range", 0.02)),
-        rms_norm_eps=float(_global(target_config, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config_value(target_config, "max_position_embeddings")),
+        initializer_range=float(config_value(target_config, "initializer_range", 0.02)),
+        rms_norm_eps=float(config_value(target_config, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(rope),
         attention_bias=False,
         tie_word_embeddings=False,
@@ -137,11 +137,11 @@ def drafter_layout(target_config: PretrainedConfig, layout: Mapping[str, int | N
     value where that is not None (model.draft_*)."""
     kind = getattr(target_config, "model_type", type(target_config).__name__)
     try:
-        heads = int(_global(target_config, "num_attention_heads"))
+        heads = int(config_value(target_config, "num_attention_heads"))
         shape = {"num_attention_heads": heads,
-                 "num_key_value_heads": int(_global(target_config, "num_key_value_heads") or heads),
-                 "head_dim": int(_global(target_config, "head_dim") or _global(target_config, "hidden_size") // heads),
-                 "intermediate_size": int(_global(target_config, "intermediate_size"))}
+                 "num_key_value_heads": int(config_value(target_config, "num_key_value_heads") or heads),
+                 "head_dim": int(config_value(target_config, "head_dim") or config_value(target_config, "hidden_size") // heads),
+                 "intermediate_size": int(config_value(target_config, "intermediate_size"))}
     except (TypeError, ValueError, AttributeError) as exc:
         raise DrafterError(f"target model_type {kind!r}: its config gives no head layout to copy "
                            f"({type(exc).__name__}: {exc}); this implementation builds drafters for decoder-only "
@@ -154,7 +154,7 @@ def drafter_layout(target_config: PretrainedConfig, layout: Mapping[str, int | N
     return shape
 
 
-def _global(config: PretrainedConfig, name: str, default: Any = None) -> Any:
+def config_value(config: PretrainedConfig, name: str, default: Any = None) -> Any:
     """A value of the target's config. One that varies by layer (Gemma 4's head_dim: 256 on sliding layers, 512 on
     full ones) is read as the config's global value: the drafter's layers are its own, any one layout is served as
     trained (transformers refuses a plain read of it)."""

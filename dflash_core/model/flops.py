@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from dflash_core.model.drafter import config_value, drafter_layout
+
 
 @dataclass(frozen=True)
 class FlopShape:
@@ -59,6 +61,26 @@ class FlopShape:
                          kv_heads=target_layout["num_key_value_heads"], head_dim=target_layout["head_dim"],
                          intermediate=target_layout["intermediate_size"])
         return shape if layers == shape else replace(shape, target=layers)
+
+
+def target_layer_layout(config: Any) -> dict[str, int]:
+    """The target's layers as FlopShape.of counts them: its global head layout (drafter_layout) and the SwiGLU
+    width a token runs through. A mixture of experts counts the experts a token is routed to (num_experts_per_tok
+    or top_k_experts, each moe_intermediate_size wide, else intermediate_size: gpt-oss, MiniMax), its shared
+    experts (DeepSeek's n_shared_experts, Qwen3-Next's shared_expert_intermediate_size) and a dense MLP beside them
+    (Gemma 4's enable_moe_block); the router is left out. DeepSeek's first dense layers are as wide as its routed
+    and shared experts together, so they need no case of their own."""
+    layout = drafter_layout(config)
+    routed = config_value(config, "num_experts_per_tok") or config_value(config, "top_k_experts")
+    experts = (config_value(config, "num_local_experts") or config_value(config, "num_experts")
+               or config_value(config, "n_routed_experts"))
+    if routed and experts:
+        width = int(config_value(config, "moe_intermediate_size") or layout["intermediate_size"])
+        shared = int(config_value(config, "n_shared_experts") or 0) * width + int(
+            config_value(config, "shared_expert_intermediate_size") or 0)
+        beside = layout["intermediate_size"] if config_value(config, "enable_moe_block") else 0
+        layout["intermediate_size"] = int(routed) * width + shared + beside
+    return layout
 
 
 def layer_matmul_flops(shape: FlopShape, q_tokens: float, kv_tokens: float) -> float:

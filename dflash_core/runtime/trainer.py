@@ -18,8 +18,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_core.atomic_dir import replace_dir
-from dflash_core.model.drafter import DFlashDrafter, build_drafter, drafter_layout
+from dflash_core.model.drafter import DFlashDrafter, build_drafter
 from dflash_core.model.export import save_dflash
+from dflash_core.model.flops import target_layer_layout
 from dflash_core.model.target import TargetModel, load_target
 from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink, WandbSink, wandb_mode
 from dflash_core.runtime.batch import MicroBatch
@@ -249,9 +250,10 @@ class Trainer:
             self.targets, self.drafter.target_layer_ids, batches, features,
             cost=lambda b: batch_cost(b.n_samples, b.max_len, hidden), feature_device=self.device, faults=self.faults,
         )
-        # the target's layers counted by its own layout (the drafter's differs when model.draft_* are set)
+        # the target's layers counted by their own layout and active MLP width (model.draft_* give the drafter
+        # another; a mixture of experts runs a few experts a token)
         meter = FlopMeter.for_model(self.drafter, self.device, t.peak_tflops, len(self._devices()),
-                                    drafter_layout(self.targets[0].config))
+                                    target_layer_layout(self.targets[0].config))
         settings = LoopSettings(
             grad_accum=self.plan.grad_accum, clip=t.clip_grad, seed=t.seed, rank=self.env.rank,
             world_size=self.env.world_size, device=self.device, buckets=self.plan.buckets,
