@@ -454,12 +454,10 @@ def test_an_empty_shard_lock_is_waited_for_while_fresh_and_taken_over_once_not_r
     assert not list((out / ".work").glob("*.lock*"))
 
 
-def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shard_left(slow_server, tmp_path,
-                                                                                        monkeypatch):
-    """Local servers (no endpoints) are started only once a shard is free: while another run holds every shard
-    left, this one says so and waits without a server (on the same GPUs a second server would find no memory and
-    fail the run); once they are let go unwritten, it starts one and does them."""
-    source, out = _source(tmp_path), tmp_path / "out"
+def _local_run_waits(slow_server: str, out: Path, source: str, monkeypatch, held, says: str) -> dict:
+    """A run without endpoints into `out` while `held` (a context: what another run holds) lasts: it must start
+    no server and send nothing, say `says` naming this process, then start one once `held` ends and do every
+    record; returns its summary."""
     started: list[float] = []
 
     @contextlib.contextmanager
@@ -469,9 +467,7 @@ def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shar
 
     monkeypatch.setattr(stage, "_serve", local_server)
     said: list[str] = []
-    with contextlib.ExitStack() as others:
-        for shard in range(RECORDS // PER_SHARD):
-            others.enter_context(_held(out, shard))
+    with held:
         thread, box = _in_thread(stage.regenerate_dataset, source, str(out),
                                  data_config(source, records_per_shard=PER_SHARD), say=said.append)
         deadline = time.monotonic() + 30
@@ -479,11 +475,24 @@ def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shar
             time.sleep(0.02)
         time.sleep(0.3)  # several polls
         assert not started and not _Slow.seen and thread.is_alive()
-        assert said and "before starting local servers" in said[0] and f"pid {os.getpid()}" in said[0], said
+        assert said and says in said[0] and f"pid {os.getpid()}" in said[0], said
         let_go = time.monotonic()
     summary = _result(thread, box)
     assert len(started) == 1 and started[0] >= let_go
     assert summary["complete"] and summary["kept"] == RECORDS
+    return summary
+
+
+def test_a_run_with_local_servers_starts_none_while_another_run_holds_every_shard_left(slow_server, tmp_path,
+                                                                                        monkeypatch):
+    """Local servers (no endpoints) are started only once a shard is free: while another run holds every shard
+    left, this one says so and waits without a server (on the same GPUs a second server would find no memory and
+    fail the run); once they are let go unwritten, it starts one and does them."""
+    source, out = _source(tmp_path), tmp_path / "out"
+    others = contextlib.ExitStack()
+    for shard in range(RECORDS // PER_SHARD):
+        others.enter_context(_held(out, shard))
+    _local_run_waits(slow_server, out, source, monkeypatch, others, "before starting local servers")
     assert set(_Slow.seen.values()) == {1} and len(_Slow.seen) == RECORDS
 
 
@@ -563,28 +572,8 @@ def test_a_run_with_local_servers_waits_for_another_runs_local_servers_on_the_sa
     from dflash_core.publish import output_lock
 
     source, out = _source(tmp_path), tmp_path / "out"
-    started: list[float] = []
-
-    @contextlib.contextmanager
-    def local_server(*args) -> Iterator[list[str]]:
-        started.append(time.monotonic())
-        yield [slow_server]
-
-    monkeypatch.setattr(stage, "_serve", local_server)
-    said: list[str] = []
-    with contextlib.ExitStack() as other:
-        other.enter_context(output_lock(f"{out}/.work/serve-{socket.gethostname()}", "regenerate"))
-        other.enter_context(_held(out, 0))
-        thread, box = _in_thread(stage.regenerate_dataset, source, str(out),
-                                 data_config(source, records_per_shard=PER_SHARD), say=said.append)
-        deadline = time.monotonic() + 30
-        while not said and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.3)  # several polls
-        assert not started and not _Slow.seen and thread.is_alive()
-        assert "another run's local servers are up on this host" in said[0] and f"pid {os.getpid()}" in said[0]
-        let_go = time.monotonic()
-    summary = _result(thread, box)
-    assert len(started) == 1 and started[0] >= let_go
-    assert summary["complete"] and summary["kept"] == RECORDS
+    other = contextlib.ExitStack()
+    other.enter_context(output_lock(f"{out}/.work/serve-{socket.gethostname()}", "regenerate"))
+    other.enter_context(_held(out, 0))
+    _local_run_waits(slow_server, out, source, monkeypatch, other, "another run's local servers are up on this host")
     assert not list((out / ".work").glob("serve-*"))
