@@ -19,7 +19,7 @@ import torch
 from dflash_core.example import build_example
 from dflash_core.example.corpus import generate_conversations
 from dflash_core.io import write_jsonl
-from dflash_core.model.config import ModelConfig
+from dflash_core.model.config import DRAFT_SETTINGS, ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.evaluate import evaluate
 from dflash_core.model.export import config_layout, save_dflash
@@ -34,8 +34,7 @@ def untrained_like(drafter_dir: str, target: str, out: str, seed: int = 0) -> st
     layout = config_layout(cfg)
     model_cfg = ModelConfig(target=target, num_draft_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"],
                             target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
-                            draft_heads=layout["num_attention_heads"], draft_kv_heads=layout["num_key_value_heads"],
-                            draft_head_dim=layout["head_dim"], draft_intermediate_size=layout["intermediate_size"],
+                            **{DRAFT_SETTINGS[key]: value for key, value in layout.items()},
                             layer_types=cfg.get("layer_types"), sliding_window=cfg.get("sliding_window") or 2048)
     torch.manual_seed(seed)
     drafter = build_drafter(load_target(target), model_cfg, cfg["dflash_config"]["mask_token_id"])

@@ -7,6 +7,9 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from dflash_core.schema import StrictModel
 
 DEFAULT_DPACE_ALPHA = 0.5  # the D-PACE paper's and speculators' default
+# the drafter config's layout keys and the model.* settings that choose them (None: the target's)
+DRAFT_SETTINGS = {"num_attention_heads": "draft_heads", "num_key_value_heads": "draft_kv_heads",
+                  "head_dim": "draft_head_dim", "intermediate_size": "draft_intermediate_size"}
 
 
 class ModelConfig(StrictModel):
@@ -66,8 +69,7 @@ class ModelConfig(StrictModel):
 
     def draft_layout(self) -> dict[str, int | None]:
         """The draft_* settings under the drafter config's own names (None: the target's)."""
-        return {"num_attention_heads": self.draft_heads, "num_key_value_heads": self.draft_kv_heads,
-                "head_dim": self.draft_head_dim, "intermediate_size": self.draft_intermediate_size}
+        return {key: getattr(self, setting) for key, setting in DRAFT_SETTINGS.items()}
 
     @model_validator(mode="after")
     def _one_weighting(self) -> "ModelConfig":

@@ -27,6 +27,7 @@ from dflash_core.model.attention import (
     layer_attention,
     layer_spelling,
 )
+from dflash_core.model.config import DRAFT_SETTINGS
 from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
 
@@ -362,14 +363,11 @@ def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
         raise ExportError(f"{path}: {exc.__cause__ or exc}") from None
 
 
-LAYOUT_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-
-
 def config_layout(raw: dict[str, Any]) -> dict[str, int]:
     """A drafter's head layout and MLP width as its config.json gives them, each left-out value as the loader
     fills it in (transformers' Qwen3 defaults: a config.json without head_dim has heads of 128)."""
     config = _qwen3_config(raw)
-    return {key: int(getattr(config, key)) for key in LAYOUT_KEYS}
+    return {key: int(getattr(config, key)) for key in DRAFT_SETTINGS}
 
 
 def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:

@@ -18,7 +18,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_core.atomic_dir import replace_dir
-from dflash_core.model.drafter import DFlashDrafter, build_drafter
+from dflash_core.model.config import DRAFT_SETTINGS
+from dflash_core.model.drafter import DFlashDrafter, build_drafter, config_value
 from dflash_core.model.export import save_dflash
 from dflash_core.model.flops import target_layer_layout
 from dflash_core.model.target import TargetModel, load_target
@@ -166,25 +167,18 @@ class Trainer:
         want = self.drafter.state_dict()
         for name, tensor in ckpt.model.items():
             if name in want and tuple(tensor.shape) != tuple(want[name].shape):
-                m = self.cfg.model
+                now = ", ".join(f"{setting} {getattr(self.cfg.model, setting)}" for setting in DRAFT_SETTINGS.values())
                 raise CheckpointError(
                     f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, this run's drafter "
-                    f"{tuple(want[name].shape)}: its layout changed since the checkpoint (now model.draft_heads "
-                    f"{m.draft_heads}, draft_kv_heads {m.draft_kv_heads}, draft_head_dim {m.draft_head_dim}, "
-                    f"draft_intermediate_size {m.draft_intermediate_size}; null: the target's); set them back, or "
-                    f"train into a new run folder (--out / --run-name)")
+                    f"{tuple(want[name].shape)}: its layout changed since the checkpoint (now model.{now}; null: the "
+                    f"target's); set them back, or train into a new run folder (--out / --run-name)")
 
     def _check_trained_as(self, ckpt: Checkpoint) -> None:
         """A checkpoint's weights continue only in a drafter of their MLP activation (warm_start.trained_otherwise);
         one written before checkpoints recorded it was trained as drafters then were built: the target's
         activation, no soft-capping."""
-        was = ckpt.state.get("trained_as")
-        if was is None:
-            try:
-                act = getattr(self.targets[0].config, "hidden_act", "silu")
-            except Exception:  # noqa: BLE001 - transformers' per-layer configs refuse the read: the old code's silu
-                act = "silu"
-            was = {"hidden_act": act, "final_logit_softcapping": None}
+        was = ckpt.state.get("trained_as") or {
+            "hidden_act": config_value(self.targets[0].config, "hidden_act", "silu"), "final_logit_softcapping": None}
         refusal, note = trained_otherwise(was, self.drafter)
         if refusal:
             raise CheckpointError(f"{ckpt.path}: {refusal}; finish this run with the version that wrote it, or "

@@ -16,6 +16,7 @@ import fsspec
 
 from dflash_core.errors import InputError
 from dflash_core.model.attention import AttentionError, layer_spelling
+from dflash_core.model.config import DRAFT_SETTINGS
 from dflash_core.model.drafter import DFlashDrafter, DrafterError, drafter_layout
 from dflash_core.model.export import (
     CONFIG_FILE,
@@ -68,7 +69,7 @@ def _check_layout(uri: str, raw: Mapping[str, Any], want: Mapping[str, int]) -> 
     if not differ:
         return
     said = ", ".join(f"{key} {got[key]} (the configured drafter: {want[key]})" for key in differ)
-    sets = " ".join(f"--set model.{_SETTING[key]}={got[key]}" for key in want)
+    sets = " ".join(f"--set model.{DRAFT_SETTINGS[key]}={got[key]}" for key in want)
     raise WarmStartError(f"train.init_from {uri}: config.json has {said}; take its layout with {sets} (or train "
                          "from scratch)")
 
@@ -95,10 +96,6 @@ def trained_otherwise(was: Mapping[str, Any], drafter: DFlashDrafter) -> tuple[s
     return refusal, note
 
 
-# the drafter config's layout keys and the model.* settings that choose them
-_SETTING = {"num_attention_heads": "draft_heads", "num_key_value_heads": "draft_kv_heads",
-            "head_dim": "draft_head_dim", "intermediate_size": "draft_intermediate_size"}
-
 
 def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
     """Copy an exported drafter's weights into `drafter`; WarmStartError names the first mismatch."""
@@ -112,7 +109,7 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder") from None
     _check_layers(uri, config, drafter)
-    _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in _SETTING})
+    _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in DRAFT_SETTINGS})
     refusal, note = trained_otherwise({"hidden_act": config.get("hidden_act", "silu"),
                                        "final_logit_softcapping": config.get("final_logit_softcapping")}, drafter)
     if refusal:
