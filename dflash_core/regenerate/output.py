@@ -116,6 +116,10 @@ class OutputDir:
         """Whether the shard is written and a re-run has nothing to retry in it."""
         return self.shard_done(shard) and not self.fs.exists(self.work_file(shard, ".retry"))
 
+    def unsettled(self, shards: Iterable[int]) -> set[int]:
+        """Those of `shards` not settled: what a run still has to do."""
+        return {s for s in shards if not self.settled(s)}
+
     def work_file(self, shard: int, suffix: str) -> str:
         """A shard's file under .work/: `.journal.jsonl`, `.retry`."""
         return self.path(f"{WORK}/{shard_name(shard).removesuffix('.jsonl')}{suffix}")

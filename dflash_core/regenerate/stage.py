@@ -221,13 +221,11 @@ def regenerate_dataset(source: str, out: str, data: DataConfig, target: str | No
     records = count_records(files, data) if records is None else records
     total_shards = cfg.shard_count(records)
     covered = range(total_shards) if shards is None else sorted(s for s in set(shards) if 0 <= s < total_shards)
-    todo = {s for s in covered if not output.settled(s)}
+    todo = output.unsettled(covered)
     model, seconds = cfg.model, 0.0
     with ExitStack() as stack:
-        if todo and not cfg.endpoints:
-            todo = _until_one_is_free(output, todo, say)
-        if todo and not cfg.endpoints:
-            todo = _servers_of_this_host(output, todo, say, stack)
+        if not cfg.endpoints:  # local servers: started once a shard is free, one run's at a time on a host
+            todo = _servers_of_this_host(output, _until_one_is_free(output, todo, say), say, stack)
         run = _Run(output, data, records, todo, progress, say)
         if todo:
             key = api_key(cfg)
@@ -267,7 +265,7 @@ def _until_one_is_free(output: OutputDir, todo: set[int], say: Say) -> set[int]:
                 f"they are written (or to do them, if that run stops first)")
             said = True
         time.sleep(_LOCK_POLL_S)
-        todo = {s for s in todo if not output.settled(s)}
+        todo = output.unsettled(todo)
     return todo
 
 
@@ -278,10 +276,10 @@ def _servers_of_this_host(output: OutputDir, todo: set[int], say: Say, stack: Ex
     so once; its shards are taken as it writes them, so that run's end may leave nothing to do."""
     lock = f"{output.out}/{WORK}/serve-{socket.gethostname()}"
     said = False
-    while True:
+    while todo:
         try:
             stack.enter_context(output_lock(lock, "regenerate"))
-            return {s for s in todo if not output.settled(s)}
+            return output.unsettled(todo)
         except OutputLockedError:
             if not said:
                 say(f"regenerate: another run's local servers are up on this host for {output.out} "
@@ -289,9 +287,8 @@ def _servers_of_this_host(output: OutputDir, todo: set[int], say: Say, stack: Ex
                     f"taken), then doing the shards left")
                 said = True
             wait_while_written(lock, _LOCK_POLL_S)
-            todo = {s for s in todo if not output.settled(s)}
-            if not todo:
-                return todo
+            todo = output.unsettled(todo)
+    return todo
 
 
 def _why(result: Regenerated) -> str:
