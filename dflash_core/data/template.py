@@ -18,12 +18,13 @@ One batched fast-tokenizer call over the real texts then maps the spans onto tok
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +193,7 @@ class ChatEncoder:
         self.prompts = self._learn_prompts()
         self.headers = self._learn_headers()
         # the special token every message's header opens with (<|im_start|>, gpt-oss's <|start|>), or ''
-        self.opener = _special_prefix(self.prompts[0], self._specials()).strip() if self.prompts else ""
+        self.opener = _special_prefix(self.prompts[0], self._specials).strip() if self.prompts else ""
         self.call_opener = ""  # set by _renders_tools: what opens a turn of calls where no prompt does
         self.tools = self._renders_tools()
         # where the template writes nothing after a reply, the model ends its turn by writing the special token that
@@ -270,7 +271,7 @@ class ChatEncoder:
             end = _MARK.format(len(probe) - 1)
             text = self._render([self._plain(*[(r, _MARK.format(k)) for k, (r, _) in enumerate(probe)])])[0]
             if isinstance(text, str) and end in text:
-                return _special_prefix(text.split(end, 1)[1], self._specials())
+                return _special_prefix(text.split(end, 1)[1], self._specials)
         raise TemplateError(
             f"the chat template of tokenizer '{self.name}' cannot render a plain user/assistant conversation "
             "(or drops the assistant's content); check the template")
@@ -291,7 +292,7 @@ class ChatEncoder:
         """The assistant header of an earlier turn where it is shorter than the generation prompt, which pre-fills
         more (QwQ's and Nemotron's '<think>\n'): what a turn without text (tool calls only) is anchored on. It
         starts with a special token, and the generation prompt starts with it."""
-        specials, headers = tuple(self._specials()), []
+        specials, headers = self._specials, []
         for turns in (("user", "assistant", "user"), ("user", "assistant")):  # a reply in history, the last one
             messages, kwargs = self._plain(*[(role, _MARK.format(k)) for k, role in enumerate(turns)])
             text = self._render_one(messages, kwargs)
@@ -333,7 +334,7 @@ class ChatEncoder:
         for role, (alone, followed) in probes.items():
             bare, longer = self._render_one(*alone), self._render_one(*followed)
             if isinstance(bare, str) and isinstance(longer, str) and longer.startswith(bare):
-                stop = _special_prefix(longer[len(bare):], self._specials())
+                stop = _special_prefix(longer[len(bare):], self._specials)
                 if stop:
                     stops[role] = stop
         return stops
@@ -357,11 +358,13 @@ class ChatEncoder:
         # the user turn's closing; what follows it is the reply's own (Mistral 7B v0.3 writes ' ' + reply)
         closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0].rstrip()
         calls = probe.split(_MARK.format(0), 1)[1]
-        return _special_prefix(calls[len(closing):], self._specials()) if calls.startswith(closing) else ""
+        return _special_prefix(calls[len(closing):], self._specials) if calls.startswith(closing) else ""
 
-    def _specials(self) -> list[str]:
+    @functools.cached_property
+    def _specials(self) -> tuple[str, ...]:
+        """The tokenizer's special and added tokens, longest first (made once: turns with tool calls read them)."""
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
-        return sorted(set(added) | set(self.tokenizer.all_special_tokens), key=len, reverse=True)
+        return tuple(sorted(set(added) | set(self.tokenizer.all_special_tokens), key=len, reverse=True))
 
     def shape(self, conv: Conversation) -> Conversation:
         """The conversation as this template takes it: made to alternate user/assistant (data.same_role_turns),
@@ -523,7 +526,7 @@ class ChatEncoder:
                 pos = e
         pieces.append(text[pos:content[0]])
         before = " ".join(pieces)
-        for special in self._specials():
+        for special in self._specials:
             before = before.replace(special, " ")
         names = {str((c.get("function") or {}).get("name") or "") for c in m["tool_calls"]}
         return any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", before) for name in names if name)
@@ -663,7 +666,7 @@ def _marked(messages: Messages) -> tuple[Messages, list[Slot]]:
     return out, slots
 
 
-def _special_prefix(suffix: str, specials: list[str]) -> str:
+def _special_prefix(suffix: str, specials: Sequence[str]) -> str:
     """Leading whitespace plus the special token that opens `suffix`, or '' when there is none."""
     body = suffix.lstrip()
     token = next((s for s in specials if s and body.startswith(s)), "")
