@@ -231,7 +231,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.against:
         other = evaluate(target=loaded, drafter_dir=args.against, **prompts)
         summary["gain"] = paired_gain(summary.pop("per_response"), other.pop("per_response"))
-        summary["against"] = {"drafter": args.against, **{k: other[k] for k in ("tau", "tau_pooled", "histogram")}}
+        figures = ("tau", "tau_pooled", "tau_server", "histogram")
+        summary["against"] = {"drafter": args.against, **{k: other[k] for k in figures}}
     _print_summary(summary)
     return 0
 
@@ -412,9 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the N instances of each suite the public benchmark's --max-samples N evaluates")
     p.add_argument("--sample-seed", type=int, default=0,
                    help="the seed of --sample's shuffle (0: the public benchmark's transformers backend)")
-    p.add_argument("--sample-shuffle", choices=["random", "datasets"], default="random",
-                   help="how --sample shuffles: random (Python's, the public benchmark.py today) or datasets "
-                        "(Dataset.shuffle, the script of the DFlash paper's figures)")
+    p.add_argument("--sample-shuffle", choices=["random", "datasets", "server"], default="random",
+                   help="how --sample picks: random (Python's shuffle, the public benchmark.py's transformers "
+                        "backend), datasets (Dataset.shuffle, the script of the DFlash paper's figures) or server "
+                        "(its sglang/vllm backends at --concurrency 1: rows 1..N in order, wrapping, first turns)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=2048,
                    help="most new tokens per response (default 2048, as the public benchmark)")
     p.add_argument("--thinking", choices=["on", "off"], default="off",

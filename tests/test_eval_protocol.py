@@ -275,8 +275,27 @@ def test_sample_shuffle_datasets_takes_the_instances_of_the_papers_script():
     assert paper == [items[r["i"]] for r in rows]
     assert paper != sample_instances(items, 128)
     assert sample_instances(items[:100], 128, shuffle="datasets") == items[:100]
-    with pytest.raises(EvalDataError, match="choose from random, datasets"):
+    with pytest.raises(EvalDataError, match="choose from random, datasets, server"):
         sample_instances(items, 8, shuffle="numpy")
+
+
+def test_sample_shuffle_server_takes_the_prompts_of_the_published_server_commands(capsys):
+    """z-lab's `benchmark.py --backend sglang --num-prompts N --concurrency 1` builds N + 1 prompts as row
+    i % len, sends the first as an untimed warm-up and measures the rest, each the first turn alone: on mt-bench
+    (80 rows) with N 128 that is rows 1..79, then 0..48 again, second turns never."""
+    from dflash_core.model.evaluate import sample_instances
+
+    rows = [Instance((f"q{i}", f"follow-up {i}"), system="sys" if i == 3 else None) for i in range(80)]
+    server = sample_instances(rows, 128, seed=42, shuffle="server")
+    num_prompts, concurrency = 128, 1  # the reference's loop, written out
+    prompts = [rows[i % len(rows)].turns[0] for i in range(num_prompts + concurrency)][concurrency:]
+    assert [i.turns for i in server] == [(p,) for p in prompts]
+    assert server[0].turns == ("q1",) and server[79].turns == ("q0",) and server[127].turns == ("q48",)
+    assert server[2] == Instance(("q3",), system="sys")  # a record's own system prompt stays
+    assert sample_instances(rows[:3], 4, shuffle="server") == [Instance((f"q{i}",)) for i in (1, 2, 0, 1)]
+    assert sample_instances([], 3, shuffle="server") == []
+    base = ["eval", "--target", "t", "--drafter", "d", "--tokenizer", "k", "--bench", "mt-bench"]
+    assert build_parser().parse_args([*base, "--sample", "128", "--sample-shuffle", "server"]).sample_shuffle == "server"
 
 
 def test_the_papers_other_suites_load_in_its_prompt_format(tmp_path):

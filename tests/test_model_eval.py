@@ -130,6 +130,20 @@ def test_tau_is_the_mean_of_per_response_means():
     assert histogram([4, 4, 2, 1, 1, 3], 4) == {"1": 2, "2": 1, "3": 1, "4": 2}
 
 
+def test_tau_server_is_sglangs_per_request_figure_averaged_over_requests():
+    """SGLang's meta_info spec_accept_length is completion_tokens / spec_verify_ct per request (the first token,
+    from the prefill, among the completion tokens), and the public benchmark's sglang backend reports the mean of
+    it over requests: not tau (no prefill token) and not pooled over requests."""
+    responses = [Response("s", 0, [4, 4, 2], 11, seconds=1.0),  # 1 prefill token + 10 accepted in 3 passes
+                 Response("s", 1, [1, 1], 3, seconds=1.0),
+                 Response("s", 2, [3], 2, seconds=1.0),  # cut at max_new_tokens 2: the pass still counts
+                 Response("s", 3, [], 1, seconds=0.0)]  # no verify pass: SGLang reports no ratio for it
+    out = summarize(responses, 4)
+    assert out["tau_server"] == pytest.approx((11 / 3 + 3 / 2 + 2 / 1) / 3)
+    assert out["tau"] == pytest.approx((10 / 3 + 1 + 3) / 3)
+    assert summarize([Response("s", 0, [], 1, seconds=0.0)], 4)["tau_server"] is None
+
+
 def test_speedup_is_the_ratio_of_mean_per_token_decoding_times_as_the_benchmark_reports_it():
     """z-lab/dflash benchmark.py: each response's decoding seconds (after the prefill and the first draft pass)
     per new token, averaged over responses; throughput is 1 / that mean, speedup the ratio of the two means (not
@@ -273,6 +287,7 @@ def test_evaluate_end_to_end(tmp_path, target):
     assert len(summary["per_response"]) == 5  # each response's mean, in decoding order: tau is their mean
     assert summary["tau"] == pytest.approx(sum(summary["per_response"]) / 5)
     assert 1.0 <= summary["tau"] <= B and 1.0 <= summary["tau_pooled"] <= B
+    assert 1.0 <= summary["tau_server"] <= B + 1  # the prefill's token on top of the accepted ones
     assert list(summary["histogram"]) == ["1", "2", "3", "4"]
     assert 0 < summary["tokens_generated"] <= 50
     assert summary["baseline_matches"] == 5  # lossless: every response equals target-only greedy decoding

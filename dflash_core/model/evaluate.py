@@ -6,7 +6,8 @@ decoding (greedy, or the target's tokens sampled at `temperature` as its `--temp
 eos/end-of-turn token or `max_new_tokens`, and the answer (decoded with
 `skip_special_tokens=True`) is fed back as the assistant turn before the next user turn. tau is the mean over
 responses of each response's mean acceptance length (DFLASH_SPEC.md "Evaluation"); `tau_pooled` is the mean
-over all decoding steps.
+over all decoding steps; `tau_server` the mean over responses of new tokens per verify pass (the figure SGLang
+reports per request, which the benchmark's server backend averages).
 """
 
 from __future__ import annotations
@@ -102,9 +103,13 @@ class Response:
 def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
     """The figures of a list of responses: tau (mean of means), tau_pooled, histogram, throughput."""
     pooled = [n for r in responses for n in r.lengths]
+    per_request = [r.tokens / len(r.lengths) for r in responses if r.lengths]
     out: dict[str, Any] = {
         "tau": mean_of_means([r.lengths for r in responses]),
         "tau_pooled": tau(pooled) if pooled else None,
+        # SGLang's per-request spec_accept_length (completion tokens, the prefill's first token among them, over
+        # verify passes), averaged over responses as the public benchmark's server backend reports it
+        "tau_server": sum(per_request) / len(per_request) if per_request else None,
         "instances": len({(r.suite, r.instance) for r in responses}),
         "responses": len(responses),
         "tokens_generated": sum(r.tokens for r in responses),
@@ -171,7 +176,7 @@ def _timed(fn: Callable[[Callable[[], None]], T], device: torch.device) -> tuple
     return result, now() - start[0]
 
 
-SAMPLE_SHUFFLES = ("random", "datasets")
+SAMPLE_SHUFFLES = ("random", "datasets", "server")
 
 
 def sample_instances(items: list[Instance], sample: int, seed: int = 0, shuffle: str = "random") -> list[Instance]:
@@ -179,10 +184,15 @@ def sample_instances(items: list[Instance], sample: int, seed: int = 0, shuffle:
     (`shuffle` random) shuffles the whole list with Python's `random` seeded `seed` (0 in its transformers
     backend) and takes the first ones; the paper's script (`shuffle` datasets) took `Dataset.shuffle(seed=0)
     .select(range(sample))`, a NumPy default_rng permutation. A list of at most `sample` is kept whole and in
-    order, as in both."""
+    order, as in both. `shuffle` server takes what its SGLang/vLLM backends measure with `--num-prompts sample
+    --concurrency 1` (the published commands of its Qwen3.5/3.6, gpt-oss and Kimi drafters): row k % len for k
+    in 1..sample (row 0 is the warm-up request; a suite shorter than that wraps round, so rows repeat), first
+    turn only; `seed` is not used."""
     check_limit(sample)
     if shuffle not in SAMPLE_SHUFFLES:
         raise EvalDataError(f"sample shuffle {shuffle!r}: choose from {', '.join(SAMPLE_SHUFFLES)}")
+    if shuffle == "server" and items:
+        return [replace(items[k % len(items)], turns=items[k % len(items)].turns[:1]) for k in range(1, sample + 1)]
     if len(items) <= sample:
         return items
     if shuffle == "datasets":
