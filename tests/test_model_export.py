@@ -87,6 +87,7 @@ def test_export_config_fields(tmp_path, drafter):
     }
     assert {k: cfg[k] for k in want} == want
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] and cfg["rope_scaling"] is None
+    assert cfg["is_neox_style"] is True  # rotate_half, said: SGLang and vLLM read it, defaulting to True
     for key in ("rms_norm_eps", "hidden_act"):
         assert key in cfg
     loaded = AutoConfig.from_pretrained(tmp_path / "d")  # what serving engines do first
@@ -167,6 +168,7 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ({"dflash_config": {"conv_kernel_size": 4}}, "DFlash 2 block convolutions"),
     ({"is_neox_style": False}, "interleaved"),
+    ({"rope_is_neox_style": False}, "interleaved"),  # SGLang's other spelling
 ])
 def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter, change, says):
     save_dflash(drafter, str(tmp_path / "d"))

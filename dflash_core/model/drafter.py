@@ -102,7 +102,8 @@ def drafter_config(
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
                                      "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
     # the target's logit soft-capping (Gemma 2-4) goes with its head, which the drafter borrows: trained with it,
-    # and written to config.json, where vLLM reads it for the drafter's logits
+    # and written to config.json (what the weights were trained with; this loader reads it back). Greedy drafts,
+    # all the engines' plain DFlash runs, do not depend on it: capping never changes the argmax
     if softcap := config_value(target_config, "final_logit_softcapping"):
         dflash_fields["final_logit_softcapping"] = float(softcap)
     return Qwen3Config(

@@ -71,6 +71,9 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "hidden_act": c.hidden_act,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": rope.get("rope_theta"),
+        # the rotation the layers apply (rotate_half); said, as SGLang and vLLM read it, since a target's own may
+        # be interleaved (DeepSeek-V3, Kimi) and engines have been known to copy the target's onto the drafter
+        "is_neox_style": True,
         "rope_parameters": rope,
         # transformers < 5 (and the serving engines built on it) read rope_theta + rope_scaling, not rope_parameters:
         # without it a YaRN-scaled target's drafter would be served with plain RoPE
@@ -94,7 +97,7 @@ def export_config(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -
         "transformers_version": transformers.__version__,
         "block_size": drafter.block_size,
         "num_target_layers": drafter.num_target_layers,
-        # the target head's soft-capping the drafter trained with (Gemma): vLLM caps the drafter's logits by it
+        # the target head's soft-capping the drafter trained with (Gemma; read back by load_dflash)
         **({"final_logit_softcapping": drafter.softcap} if drafter.softcap else {}),
         "dflash_config": dflash,
         # vLLM captures "the input of layer i", so DFlash's "output of layer i" is its i + 1; vLLM releases before
@@ -386,7 +389,7 @@ _UNSUPPORTED = {
 def _check_supported(path: str, raw: dict[str, Any]) -> None:
     dflash = raw.get("dflash_config") or {}
     extras = [what for key, what in _UNSUPPORTED.items() if dflash.get(key) or raw.get(key)]
-    if raw.get("is_neox_style") is False:
+    if raw.get("is_neox_style") is False or raw.get("rope_is_neox_style") is False:
         extras.append("interleaved (non-NeoX) RoPE")
     if extras:
         raise ExportError(f"{path}: this drafter has {', '.join(sorted(set(extras)))}, which this implementation "
