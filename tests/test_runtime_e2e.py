@@ -186,6 +186,26 @@ def test_kill_9_then_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
     assert _same_drafter(out, base_out)
 
 
+def test_wandb_has_every_step_once_after_rank_0_is_killed_and_the_run_resumed(inputs, tmp_path):
+    """Rank 0 killed outright before step 5: W&B (offline) had written none of its records (it writes whole
+    32 KiB blocks), so the relaunch removes that empty folder (`wandb sync` stops at one), logs the steps
+    metrics.jsonl kept (0-2) and then those it re-runs (before, it took metrics.jsonl's steps 0-4 for W&B's and
+    logged 5 and 6 alone)."""
+    from dflash_core.monitor.sinks import wandb_file_steps
+
+    out = tmp_path / "out"
+    config = _config(tmp_path, inputs, "wandb", wandb={"mode": "offline", "project": "t"})
+    killed = torchrun(inputs, out, config, fault="kill@5:0")
+    assert killed.returncode != 0 and "SIGKILL" in killed.output
+    resumed = torchrun(inputs, out, config)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert _summary(resumed.output)["start_step"] == 3
+    assert "killed before W&B wrote a record" in resumed.output
+    logged = [step for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+              for kind, step in wandb_file_steps(path) if kind == "train"]
+    assert logged == list(range(7))
+
+
 def test_sigterm_checkpoints_the_step_reached_and_the_rerun_resumes_bit_identically(inputs, baseline, tmp_path):
     """A preempted pod's ranks get SIGTERM (here rank 0 alone, before step 4): every rank finishes step 4, writes
     the checkpoint step-5 together (not one of the every-3 schedule) and stops with a message saying so; the

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import time
 import uuid
 
 import fsspec
@@ -337,3 +338,91 @@ def test_wandb_failing_mid_run_is_warned_once_and_training_goes_on(tmp_path, mon
     assert first.startswith("W&B logging failed at step 0 (BrokenPipeError: wandb service process is "
                                          "gone): no more records go to W&B in this launch; metrics.jsonl has every")
     assert last.startswith("W&B could not finish its run (BrokenPipeError")
+
+
+_KILLED_LAUNCH = """
+import os, signal, sys
+from dflash_core.monitor.config import WandbConfig
+from dflash_core.monitor.sinks import JsonlSink, WandbSink
+out, steps = sys.argv[1], int(sys.argv[2])
+jsonl = JsonlSink(out + "/metrics.jsonl")
+wandb = WandbSink(WandbConfig(mode="offline", project="t"), {}, out)
+for s in range(steps):
+    record = {"step": s, "loss": 1.0 / (s + 1), "grad_norm": 0.5, "acc_by_slot": [0.5] * 15, "nonfinite": False}
+    jsonl.log(record)
+    wandb.log(record)
+    if s % 50 == 49:
+        val = {"kind": "val", "step": s, "val_loss": 2.0, "val_accept_len": 1.5}
+        jsonl.log(val)
+        wandb.log(val)
+os.kill(os.getpid(), signal.SIGKILL)  # an OOM kill: no finish, no flush
+"""
+
+
+def _wandb_history(out) -> list[tuple[str, int]]:
+    """(kind, step) of every history record in the run's W&B files, every launch's (not the latest-run link)."""
+    from dflash_core.monitor.sinks import wandb_file_steps
+
+    return [seen for path in sorted((out / "wandb").glob("*-*/run-*.wandb")) if not path.parent.is_symlink()
+            for seen in wandb_file_steps(path)]
+
+
+def _killed_launch(out, steps: int) -> None:
+    import subprocess
+    import sys
+
+    # a launch of its own W&B service, as a relaunch's rank 0 has (not this process's, which wandb names in
+    # WANDB_SERVICE once a test here has started one: the killed run would stay open in it)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    done = subprocess.run([sys.executable, "-c", _KILLED_LAUNCH, str(out), str(steps)], capture_output=True,
+                          text=True, timeout=300, env={**env, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == -9, done.stderr[-2000:]
+
+
+def _resume(out, at: int, steps: int) -> None:
+    """A resume from the checkpoint of step `at`, as Trainer._sink opens its sinks, re-running at..steps-1."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    jsonl = JsonlSink(str(out / "metrics.jsonl"), resumed_at=at)
+    logged = wandb_steps(str(out))
+    wandb = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(out),
+                      jsonl.last_steps() if logged is None else logged)
+    wandb.backfill(jsonl)
+    for s in range(at, steps):
+        wandb.log(_rec(s))
+    wandb.close()
+    import wandb as wandb_module
+
+    wandb_module.teardown()  # its service gone, as a launch's ends with its process: every file written
+
+
+@pytest.mark.slow
+def test_a_launch_killed_outright_leaves_no_step_out_of_wandb_after_its_resume(tmp_path, caplog):
+    """W&B writes its run file in 32 KiB blocks: a launch killed outright (an OOM kill) loses the records of the
+    block it was filling, whatever metrics.jsonl has. The resume reads what the files hold and logs the kept steps
+    they lack (before, it took metrics.jsonl's steps for W&B's and left a gap the W&B-based gate warned about)."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    _killed_launch(tmp_path, 400)
+    held = wandb_steps(str(tmp_path))
+    assert held is not None and 0 < held["train"] < 399  # the tail is lost
+    _resume(tmp_path, 300, 400)
+    seen = _wandb_history(tmp_path)
+    assert {s for k, s in seen if k == "train"} == set(range(400))  # no gap
+    assert set(range(49, 300, 50)) <= {s for k, s in seen if k == "val"}  # the kept ones (not re-run here)
+    assert len(set(seen)) == len(seen)  # nothing W&B had is logged again
+    assert wandb_steps(str(tmp_path))["train"] == 399
+
+
+@pytest.mark.slow
+def test_a_launch_killed_before_wandb_wrote_a_record_leaves_no_empty_folder_to_stop_wandb_sync(tmp_path, caplog):
+    """A run file of its header alone makes `wandb sync <run>/wandb/offline-run-*` stop there ("error getting next
+    record: EOF") and upload none of the others: the resume removes its folder and logs the kept steps again."""
+    _killed_launch(tmp_path, 3)
+    (killed,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert (killed / f"run-{(tmp_path / 'wandb_run_id').read_text()}.wandb").stat().st_size <= 7
+    time.sleep(1.1)  # W&B names a launch's folder by the second it starts: a relaunch's is another
+    with caplog.at_level("WARNING"):
+        _resume(tmp_path, 2, 3)
+    assert not killed.exists() and "killed before W&B wrote a record" in caplog.text
+    assert sorted(s for k, s in _wandb_history(tmp_path) if k == "train") == [0, 1, 2]

@@ -13,6 +13,7 @@ import os
 import posixpath
 import secrets
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +23,14 @@ import fsspec
 
 from dflash_core.io import is_local
 from dflash_core.monitor.config import WandbConfig
-from dflash_core.monitor.sources import MetricsError, record_kind
+from dflash_core.monitor.sources import VAL_KIND, MetricsError, record_kind
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password")
 READ_CHUNK = 1 << 20  # bytes a metrics.jsonl reader asks for at once: its memory does not grow with the file
 WANDB_INIT_TIMEOUT_S = 30.0  # how long rank 0 waits for a W&B server before logging offline
+# a W&B run's transaction log (`run-<id>.wandb`): LevelDB's log format after a 7-byte ':W&B' header, 32 KiB blocks
+# of records, each behind a 7-byte header (crc32, length, type: 1 whole, 2 first, 3 middle, 4 last part)
+WANDB_LOG_MAGIC, WANDB_LOG_HEADER, WANDB_LOG_BLOCK = b":W&B", 7, 32 * 1024
 log = logging.getLogger(__name__)
 
 
@@ -143,6 +147,10 @@ class JsonlSink(MetricSink):
         re-runs them; W&B, whose history only grows, has them already)."""
         return dict(self._found)
 
+    def open_read(self) -> IO[bytes]:
+        """The file opened for reading (its records: metrics_records)."""
+        return self._fs.open(self._path, "rb")
+
     def kept_record(self, kind: str) -> dict[str, Any]:
         """The newest record of a kind ('train', 'val') kept from the file as it was opened ({} when none): what
         a launch that resumes a finished run reports, having trained no step of its own."""
@@ -245,8 +253,8 @@ class WandbSink(MetricSink):
 
     The run id is kept in `<out_dir>/wandb_run_id` so that a resumed training run continues the same W&B run.
     Records of steps W&B already has (a resume re-executes a few steps) are not logged again: those up to
-    `logged_through` (the last step metrics.jsonl holds, per record kind, or an int for training records) or
-    up to the resumed run's summary step.
+    `logged_through` (per record kind, or an int for training records: what `wandb_steps` finds in the run's
+    W&B files) or up to the resumed run's summary step; `backfill` logs the steps a resume keeps that W&B lacks.
 
     W&B is optional for training: metrics.jsonl has every step. A W&B that cannot start (a server out of reach,
     a bad WANDB_* variable) or fails mid-run costs a warning, never the run: online falls back to offline (a
@@ -264,6 +272,7 @@ class WandbSink(MetricSink):
         id_file = out / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
         id_file.write_text(run_id)
+        _drop_empty_offline_runs(out / "wandb", run_id)
         init = {"project": cfg.project, "entity": cfg.entity, "name": cfg.name, "tags": list(cfg.tags),
                 "id": run_id, "resume": "allow", "dir": str(out), "config": scrub_secrets(run_config)}
         self.run: Any = None
@@ -309,6 +318,22 @@ class WandbSink(MetricSink):
             return
         self._last_step[kind] = step
 
+    def backfill(self, history: JsonlSink) -> None:
+        """Log the records metrics.jsonl kept (a resume keeps the steps before its checkpoint) that W&B lacks: a
+        launch killed outright (SIGKILL, an OOM kill) leaves its last records out of W&B's files, which it writes
+        in 32 KiB blocks, and a launch whose W&B failed mid-run left out the rest. Read only when it lacks some."""
+        if self.run is None or all(int(history.kept_record(kind).get("step", -1)) <= self._last_step.get(kind, -1)
+                                   for kind in ("train", VAL_KIND)):
+            return
+        before = dict(self._last_step)
+        with history.open_read() as fh:
+            for _, _, record in metrics_records(fh, history.uri):
+                self.log(record)
+        added = {kind: (before.get(kind, -1) + 1, step) for kind, step in self._last_step.items()
+                 if step > before.get(kind, -1)}
+        log.info("W&B lacked steps metrics.jsonl has, logged now: %s",
+                 ", ".join(f"{kind} {lo}-{hi}" for kind, (lo, hi) in added.items()))
+
     def close(self) -> None:
         """Finish the run (writes the offline run folder); a failure is a warning."""
         run, self.run = self.run, None
@@ -319,6 +344,80 @@ class WandbSink(MetricSink):
         except Exception as exc:  # noqa: BLE001 - the training is done and metrics.jsonl complete
             log.warning("W&B could not finish its run (%s): the W&B run may lack its last steps; metrics.jsonl "
                         "has every step", _cause(exc))
+
+
+def wandb_steps(out_dir: str) -> dict[str, int] | None:
+    """The newest step of each record kind in the W&B run files under `<out_dir>/wandb` of the run named by
+    `<out_dir>/wandb_run_id` (every launch's `run-<id>.wandb`, online or offline): what W&B recorded of the run
+    here. None when there is no such file, or one cannot be read (another W&B version's format): the caller
+    then takes metrics.jsonl's steps for W&B's, as before these files were read."""
+    out = Path(out_dir)
+    try:
+        run_id = (out / "wandb_run_id").read_text().strip()
+    except OSError:
+        return None
+    # each launch's folder (`offline-run-<time>-<id>` or `run-<time>-<id>`), not the `latest-run` link to one
+    files = sorted((out / "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")) if run_id else []
+    if not files:
+        return None
+    steps: dict[str, int] = {}
+    try:
+        for path in files:
+            for kind, step in wandb_file_steps(path):
+                steps[kind] = max(steps.get(kind, -1), step)
+    except Exception as exc:  # noqa: BLE001 - W&B's own format: unreadable means unknown, not a failed launch
+        log.info("W&B's run files under %s cannot be read (%s): taking metrics.jsonl's steps for those W&B has",
+                 out / "wandb", _cause(exc))
+        return None
+    return steps
+
+
+def wandb_file_steps(path: Path) -> Iterator[tuple[str, int]]:
+    """(record kind, step) of each history record of one W&B run file, in order."""
+    from wandb.proto import wandb_internal_pb2  # W&B is installed where its files are read
+
+    for raw in _wandb_log_records(path):
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated at import
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            if "step" in items:
+                yield record_kind(items), int(float(items["step"]))
+
+
+def _wandb_log_records(path: Path) -> Iterator[bytes]:
+    """The records of a W&B transaction log, whole, read a block at a time; a torn tail (W&B writes whole
+    blocks, a killed launch loses the block it was filling) ends them."""
+    parts: list[bytes] = []
+    with open(path, "rb") as fh:
+        block, pos = fh.read(WANDB_LOG_BLOCK), WANDB_LOG_HEADER
+        if block[: len(WANDB_LOG_MAGIC)] != WANDB_LOG_MAGIC:
+            raise ValueError(f"{path}: no W&B transaction log header")
+        while block:
+            while pos + 7 <= len(block):  # a header fits: a record, or zeros padding the block
+                _crc, length, kind = struct.unpack_from("<IHB", block, pos)
+                if kind == 0 and length == 0:
+                    break
+                chunk, pos = block[pos + 7 : pos + 7 + length], pos + 7 + length
+                if len(chunk) < length or kind not in (1, 2, 3, 4):
+                    return
+                parts = [chunk] if kind in (1, 2) else [*parts, chunk]
+                if kind in (1, 4):
+                    yield b"".join(parts)
+            block, pos = fh.read(WANDB_LOG_BLOCK), 0
+
+
+def _drop_empty_offline_runs(folder: Path, run_id: str) -> None:
+    """This run's offline folders whose transaction log holds no record (a launch killed before W&B wrote its
+    first block) removed, with a warning: `wandb sync <run>/wandb/offline-run-*` stops at such a file
+    ("transactionlog: error getting next record: EOF", exit 0) and uploads none of the others. Nothing is lost:
+    metrics.jsonl's kept steps are logged again (WandbSink.backfill)."""
+    for log_file in folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+        with contextlib.suppress(OSError):
+            if log_file.stat().st_size <= WANDB_LOG_HEADER:
+                log.warning("W&B: removing %s, the folder of a launch killed before W&B wrote a record (`wandb sync` "
+                            "stops at it); metrics.jsonl's steps go to W&B again", log_file.parent)
+                shutil.rmtree(log_file.parent)
 
 
 def _init_timeout() -> dict[str, float]:

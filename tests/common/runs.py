@@ -110,6 +110,7 @@ def torchrun(inputs: RunInputs, out: Path, config: str, nproc: int = 2, fault: s
     """Launch the worker with torchrun (2 CPU processes by default), capture the whole log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     env.pop("DFLASH_FAULT", None)
+    env.pop("WANDB_SERVICE", None)  # this process's W&B service, if a test started one: a launch has its own
     if fault:
         env["DFLASH_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
