@@ -426,3 +426,59 @@ def test_a_launch_killed_before_wandb_wrote_a_record_leaves_no_empty_folder_to_s
         _resume(tmp_path, 2, 3)
     assert not killed.exists() and "killed before W&B wrote a record" in caplog.text
     assert sorted(s for k, s in _wandb_history(tmp_path) if k == "train") == [0, 1, 2]
+
+
+def test_an_online_resume_backfills_only_what_the_server_lacks_and_never_fails_the_run(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Online, W&B streams records to its server while it writes its local file in 32 KiB blocks: the file of a
+    killed launch can end before what the server has (summary step 395 here, the file 340 and val 299). The
+    backfill logs what neither has, not the validation record of step 349 the server already holds. A
+    metrics.jsonl that cannot be read for it costs a warning, not the run."""
+    jsonl = JsonlSink(str(tmp_path / "metrics.jsonl"))
+    for s in range(400):
+        jsonl.log(_rec(s))
+        if s % 50 == 49:
+            jsonl.log({"kind": "val", "step": s, "val_loss": 2.0})
+    jsonl.close()
+    jsonl = JsonlSink(str(tmp_path / "metrics.jsonl"), resumed_at=390)
+    run = _FakeRun()
+    run.resumed, run.summary = True, {"step": 395}
+    _fake_init(monkeypatch, (), run)
+    sink = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path), {"train": 340, "val": 299})
+    sink.backfill(jsonl)
+    assert run.logged == []  # the server has every kept step (0-389) and validation (to 349)
+    run.resumed, run.summary = False, {}  # offline: the files alone say what W&B has
+    sink = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path), {"train": 340, "val": 299})
+    sink.backfill(jsonl)
+    assert [(r.get("val_loss") is not None, r["step"]) for r in run.logged] == [
+        *((False, s) for s in range(341, 350)), (True, 349), *((False, s) for s in range(350, 390))]
+
+    def unreadable():
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(jsonl, "open_read", unreadable)
+    sink = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path), {"train": 10})
+    with caplog.at_level("WARNING"):
+        sink.backfill(jsonl)
+    assert "metrics.jsonl could not be read for the steps W&B lacks (OSError" in caplog.text
+
+
+def test_wandb_files_of_a_launch_killed_before_its_header_hold_no_step(tmp_path):
+    """A 0-byte run file (killed before W&B wrote its header) says nothing: it does not make the other files
+    unreadable (which would take metrics.jsonl's steps for W&B's again)."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    (tmp_path / "wandb_run_id").write_text("abc123")
+    empty = tmp_path / "wandb" / "offline-run-20261205_000000-abc123" / "run-abc123.wandb"
+    empty.parent.mkdir(parents=True)
+    empty.write_bytes(b"")
+    assert wandb_steps(str(tmp_path)) == {}
+    other = tmp_path / "wandb" / "offline-run-20261205_000000-xabc123" / "run-xabc123.wandb"
+    other.parent.mkdir()
+    other.write_bytes(b"not a W&B file")  # another run's, whose id ends the same way: not read
+    assert wandb_steps(str(tmp_path)) == {}
+    # W&B names a second launch started in the same second `...-<id>-1`: its file is read too
+    again = tmp_path / "wandb" / "offline-run-20261205_000000-abc123-1" / "run-abc123.wandb"
+    again.parent.mkdir()
+    again.write_bytes(b"not a W&B file")
+    assert wandb_steps(str(tmp_path)) is None  # read, and found in no format this reads

@@ -6,11 +6,13 @@ Records are the per-step dicts of the metrics.jsonl contract (docs: /work/notes/
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import math
 import os
 import posixpath
+import re
 import secrets
 import shutil
 import struct
@@ -291,7 +293,9 @@ class WandbSink(MetricSink):
             log.warning(_unavailable(errors, self.mode, f"{out}/wandb"))
         resumed = int(self.run.summary.get("step", -1)) if self.run is not None and self.run.resumed else -1
         through = logged_through if isinstance(logged_through, dict) else {"train": logged_through}
-        self._last_step = {**through, "train": max(resumed, through.get("train", -1))}
+        # a server that has step N has every record logged before it: the validation records of the steps before
+        self._last_step = {**through, "train": max(resumed, through.get("train", -1)),
+                           VAL_KIND: max(resumed - 1, through.get(VAL_KIND, -1))}
 
     def _start(self, mode: str, init: dict[str, Any]) -> Any:
         """A W&B run in `mode`, its metrics defined."""
@@ -326,9 +330,13 @@ class WandbSink(MetricSink):
                                    for kind in ("train", VAL_KIND)):
             return
         before = dict(self._last_step)
-        with history.open_read() as fh:
-            for _, _, record in metrics_records(fh, history.uri):
-                self.log(record)
+        try:
+            with history.open_read() as fh:
+                for _, _, record in metrics_records(fh, history.uri):
+                    self.log(record)
+        except Exception as exc:  # noqa: BLE001 - W&B is optional: a failed read costs its records, not the run
+            log.warning("W&B: metrics.jsonl could not be read for the steps W&B lacks (%s): the W&B run may miss "
+                        "steps before this launch's; metrics.jsonl has them", _cause(exc))
         added = {kind: (before.get(kind, -1) + 1, step) for kind, step in self._last_step.items()
                  if step > before.get(kind, -1)}
         log.info("W&B lacked steps metrics.jsonl has, logged now: %s",
@@ -356,8 +364,7 @@ def wandb_steps(out_dir: str) -> dict[str, int] | None:
         run_id = (out / "wandb_run_id").read_text().strip()
     except OSError:
         return None
-    # each launch's folder (`offline-run-<time>-<id>` or `run-<time>-<id>`), not the `latest-run` link to one
-    files = sorted((out / "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")) if run_id else []
+    files = _run_files(out / "wandb", run_id) if run_id else []
     if not files:
         return None
     steps: dict[str, int] = {}
@@ -370,6 +377,14 @@ def wandb_steps(out_dir: str) -> dict[str, int] | None:
                  out / "wandb", _cause(exc))
         return None
     return steps
+
+
+def _run_files(folder: Path, run_id: str) -> list[Path]:
+    """The run file of each launch of run `run_id` under a W&B folder: `offline-run-<time>-<id>` or
+    `run-<time>-<id>`, `-<n>` added to a second launch in the same second; not the `latest-run` link to one."""
+    named = re.compile(rf".*-{re.escape(run_id)}(-\d+)?")
+    return sorted(path for path in folder.glob(f"*-{glob.escape(run_id)}*/run-{glob.escape(run_id)}.wandb")
+                  if named.fullmatch(path.parent.name) and not path.parent.is_symlink())
 
 
 def wandb_file_steps(path: Path) -> Iterator[tuple[str, int]]:
@@ -391,6 +406,8 @@ def _wandb_log_records(path: Path) -> Iterator[bytes]:
     parts: list[bytes] = []
     with open(path, "rb") as fh:
         block, pos = fh.read(WANDB_LOG_BLOCK), WANDB_LOG_HEADER
+        if len(block) < WANDB_LOG_HEADER:  # a launch killed before W&B wrote even its header: no record
+            return
         if block[: len(WANDB_LOG_MAGIC)] != WANDB_LOG_MAGIC:
             raise ValueError(f"{path}: no W&B transaction log header")
         while block:
@@ -412,8 +429,10 @@ def _drop_empty_offline_runs(folder: Path, run_id: str) -> None:
     first block) removed, with a warning: `wandb sync <run>/wandb/offline-run-*` stops at such a file
     ("transactionlog: error getting next record: EOF", exit 0) and uploads none of the others. Nothing is lost:
     metrics.jsonl's kept steps are logged again (WandbSink.backfill)."""
-    for log_file in folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"):
+    for log_file in _run_files(folder, run_id):
         with contextlib.suppress(OSError):
+            if not log_file.parent.name.startswith("offline-run-"):
+                continue
             if log_file.stat().st_size <= WANDB_LOG_HEADER:
                 log.warning("W&B: removing %s, the folder of a launch killed before W&B wrote a record (`wandb sync` "
                             "stops at it); metrics.jsonl's steps go to W&B again", log_file.parent)
