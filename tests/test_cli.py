@@ -52,9 +52,11 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
     assert check["verdict"] in ("pass", "warn") and (tmp_path / "report" / "stability.png").exists()
 
     ev = dflash("eval", "--target", "example://target", "--drafter", str(run / "drafter"), "--tokenizer",
-                "example://tokenizer", "--data", str(data), "--limit", "2", "--max-new-tokens", "8",
-                "--against", str(run / "drafter-best"))
+                "example://tokenizer", "--data", str(data), "--sample", "2", "--sample-shuffle", "server",
+                "--max-new-tokens", "8", "--against", str(run / "drafter-best"))
     assert ev["instances"] == 2 and 1.0 <= ev["tau"] <= 8.0 and ev["baseline_matches"] == ev["responses"]
+    assert ev["responses"] == 2 and 0.0 <= ev["tau_server"] <= 9.0  # first turns only; SGLang's figure
+    assert ev["against"]["tau_server"] is not None
     assert ev["against"]["drafter"] == str(run / "drafter") + "-best" and 1.0 <= ev["against"]["tau"] <= 8.0
     assert ev["gain"]["pairs"] == ev["responses"] and "per_response" not in ev  # paired over every response
     assert ev["gain"]["mean"] == pytest.approx(ev["tau"] - ev["against"]["tau"])

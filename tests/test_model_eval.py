@@ -134,14 +134,22 @@ def test_tau_server_is_sglangs_per_request_figure_averaged_over_requests():
     """SGLang's meta_info spec_accept_length is completion_tokens / spec_verify_ct per request (the first token,
     from the prefill, among the completion tokens), and the public benchmark's sglang backend reports the mean of
     it over requests: not tau (no prefill token) and not pooled over requests."""
-    responses = [Response("s", 0, [4, 4, 2], 11, seconds=1.0),  # 1 prefill token + 10 accepted in 3 passes
-                 Response("s", 1, [1, 1], 3, seconds=1.0),
-                 Response("s", 2, [3], 2, seconds=1.0),  # cut at max_new_tokens 2: the pass still counts
-                 Response("s", 3, [], 1, seconds=0.0)]  # no verify pass: SGLang reports no ratio for it
+    from dflash_core.model.evaluate import sglang_passes
+
+    responses = [Response("s", 0, [4, 4, 2], 11, seconds=1.0, server_passes=3),  # 1 prefill token + 10 in 3
+                 Response("s", 1, [1, 1], 3, seconds=1.0, server_passes=2),
+                 Response("s", 2, [3], 2, seconds=1.0, server_passes=1),  # cut at max_new_tokens 2
+                 Response("s", 3, [2], 1, seconds=0.0, server_passes=0)]  # its first token a stop: SGLang says 0
     out = summarize(responses, 4)
-    assert out["tau_server"] == pytest.approx((11 / 3 + 3 / 2 + 2 / 1) / 3)
-    assert out["tau"] == pytest.approx((10 / 3 + 1 + 3) / 3)
-    assert summarize([Response("s", 0, [], 1, seconds=0.0)], 4)["tau_server"] is None
+    assert out["tau_server"] == pytest.approx((11 / 3 + 3 / 2 + 2 / 1 + 0) / 4)  # the 0 averaged in, as z-lab's
+    assert out["tau"] == pytest.approx((10 / 3 + 1 + 3 + 2) / 4)
+    assert summarize([], 4)["tau_server"] is None
+    # SGLang's passes: none after a stop token from the prefill; none once max_new_tokens are committed (the
+    # reference loop steps once more with exactly max_new_tokens committed, and counts that step in tau)
+    assert sglang_passes([4, 4, 2], 2048, first_is_stop=False) == 3
+    assert sglang_passes([2], 2048, first_is_stop=True) == 0
+    assert sglang_passes([3], 1, first_is_stop=False) == 0  # max_new_tokens 1: the prefill's token is all
+    assert sglang_passes([4, 4, 3], 9, first_is_stop=False) == 2  # 1 + 4 + 4 = 9 committed: no third pass
 
 
 def test_speedup_is_the_ratio_of_mean_per_token_decoding_times_as_the_benchmark_reports_it():

@@ -98,12 +98,27 @@ class Response:
     baseline_seconds: float | None = None
     matches_baseline: bool | None = None
     past_context: bool = False  # prompt + its new tokens exceed the target's max_position_embeddings
+    server_passes: int | None = None  # the verify passes a server makes for it (sglang_passes); None: every step
+
+
+def sglang_passes(lengths: Sequence[int], max_new_tokens: int, first_is_stop: bool) -> int:
+    """The verify passes SGLang runs for a response of these acceptance lengths: none when the prefill's token
+    ends it (a stop token, or max_new_tokens 1), then one while fewer than max_new_tokens are committed (the
+    reference loop also steps once with exactly max_new_tokens committed, which SGLang does not)."""
+    committed, passes = 1, 0
+    for n in [] if first_is_stop else lengths:
+        if committed >= max_new_tokens:
+            break
+        passes, committed = passes + 1, committed + n
+    return passes
 
 
 def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
     """The figures of a list of responses: tau (mean of means), tau_pooled, histogram, throughput."""
     pooled = [n for r in responses for n in r.lengths]
-    per_request = [r.tokens / len(r.lengths) for r in responses if r.lengths]
+    passes = [(r.tokens, len(r.lengths) if r.server_passes is None else r.server_passes) for r in responses]
+    # SGLang reports 0 for a request it verified nothing for, and the public benchmark averages that in
+    per_request = [tokens / n if n else 0.0 for tokens, n in passes]
     out: dict[str, Any] = {
         "tau": mean_of_means([r.lengths for r in responses]),
         "tau_pooled": tau(pooled) if pooled else None,
@@ -371,7 +386,9 @@ class _Run:
                         "past_context counts such responses): lower --max-new-tokens or drop the long prompts",
                         suite, index, ids.shape[0], new.shape[0], self.context)
         self._warned_past_context |= past
-        response = Response(suite, index, lengths, int(new.shape[0]), seconds, past_context=past)
+        first_is_stop = new.shape[0] > 0 and int(new[0]) in self.stops
+        response = Response(suite, index, lengths, int(new.shape[0]), seconds, past_context=past,
+                            server_passes=sglang_passes(lengths, self.max_new_tokens, first_is_stop))
         if self.baseline:
             ref, base_seconds = _timed(
                 lambda starts: greedy_generate(self.target, ids, self.max_new_tokens, self.stops, kv_cache=True,
