@@ -361,9 +361,9 @@ os.kill(os.getpid(), signal.SIGKILL)  # an OOM kill: no finish, no flush
 
 def _wandb_history(out) -> list[tuple[str, int]]:
     """(kind, step) of every history record in the run's W&B files, every launch's (not the latest-run link)."""
-    from dflash_core.monitor.sinks import wandb_file_steps
+    from dflash_core.monitor.sinks import _run_files, wandb_file_steps
 
-    return [seen for path in sorted((out / "wandb").glob("*-*/run-*.wandb")) if not path.parent.is_symlink()
+    return [seen for path in _run_files(out / "wandb", (out / "wandb_run_id").read_text())
             for seen in wandb_file_steps(path)]
 
 
@@ -381,13 +381,10 @@ def _killed_launch(out, steps: int) -> None:
 
 def _resume(out, at: int, steps: int) -> None:
     """A resume from the checkpoint of step `at`, as Trainer._sink opens its sinks, re-running at..steps-1."""
-    from dflash_core.monitor.sinks import wandb_steps
+    from dflash_core.monitor.sinks import open_wandb
 
     jsonl = JsonlSink(str(out / "metrics.jsonl"), resumed_at=at)
-    logged = wandb_steps(str(out))
-    wandb = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(out),
-                      jsonl.last_steps() if logged is None else logged)
-    wandb.backfill(jsonl)
+    wandb = open_wandb(WandbConfig(mode="offline", project="t"), {}, str(out), jsonl)
     for s in range(at, steps):
         wandb.log(_rec(s))
     wandb.close()

@@ -339,8 +339,9 @@ class WandbSink(MetricSink):
                         "steps before this launch's; metrics.jsonl has them", _cause(exc))
         added = {kind: (before.get(kind, -1) + 1, step) for kind, step in self._last_step.items()
                  if step > before.get(kind, -1)}
-        log.info("W&B lacked steps metrics.jsonl has, logged now: %s",
-                 ", ".join(f"{kind} {lo}-{hi}" for kind, (lo, hi) in added.items()))
+        if added:
+            log.info("W&B lacked steps metrics.jsonl has, logged now: %s",
+                     ", ".join(f"{kind} {lo}-{hi}" for kind, (lo, hi) in added.items()))
 
     def close(self) -> None:
         """Finish the run (writes the offline run folder); a failure is a warning."""
@@ -352,6 +353,17 @@ class WandbSink(MetricSink):
         except Exception as exc:  # noqa: BLE001 - the training is done and metrics.jsonl complete
             log.warning("W&B could not finish its run (%s): the W&B run may lack its last steps; metrics.jsonl "
                         "has every step", _cause(exc))
+
+
+def open_wandb(cfg: WandbConfig, run_config: dict[str, Any], out_dir: str, history: JsonlSink) -> WandbSink:
+    """Rank 0's W&B sink for a launch of the run in `out_dir`, whose metrics.jsonl is `history` as the launch
+    opened it (a resume keeps the steps before its checkpoint). It is told which steps W&B has: what the run's W&B
+    files hold (wandb_steps: a launch killed outright leaves its last records out), else what metrics.jsonl held,
+    and it logs the kept steps W&B lacks (backfill); the steps the launch re-runs past them follow."""
+    held = wandb_steps(out_dir)
+    sink = WandbSink(cfg, run_config, out_dir, history.last_steps() if held is None else held)
+    sink.backfill(history)
+    return sink
 
 
 def wandb_steps(out_dir: str) -> dict[str, int] | None:

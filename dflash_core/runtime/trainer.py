@@ -23,15 +23,7 @@ from dflash_core.model.drafter import DFlashDrafter, build_drafter, config_value
 from dflash_core.model.export import save_dflash
 from dflash_core.model.flops import target_layer_layout
 from dflash_core.model.target import TargetModel, load_target
-from dflash_core.monitor.sinks import (
-    JsonlSink,
-    MetricSink,
-    MultiSink,
-    NullSink,
-    WandbSink,
-    wandb_mode,
-    wandb_steps,
-)
+from dflash_core.monitor.sinks import JsonlSink, MetricSink, MultiSink, NullSink, open_wandb, wandb_mode
 from dflash_core.runtime.batch import MicroBatch
 from dflash_core.runtime.channel import Channel, fail_all
 from dflash_core.runtime.checkpoint import (
@@ -287,13 +279,7 @@ class Trainer:
         self._history = jsonl
         sinks: list[MetricSink] = [jsonl]
         if wandb_mode(self.cfg.wandb) != "disabled":
-            # what W&B recorded of the run here (a launch killed outright leaves its last records out), else what
-            # metrics.jsonl held: a resume re-runs the steps after its checkpoint, W&B gets those it lacks
-            logged = wandb_steps(str(self.out))
-            wandb = WandbSink(self.cfg.wandb, self.cfg.model_dump(mode="json"), str(self.out),
-                              jsonl.last_steps() if logged is None else logged)
-            wandb.backfill(jsonl)
-            sinks.append(wandb)
+            sinks.append(open_wandb(self.cfg.wandb, self.cfg.model_dump(mode="json"), str(self.out), jsonl))
         return MultiSink(sinks)
 
     def train(self) -> dict[str, Any]:
