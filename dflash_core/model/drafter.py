@@ -296,7 +296,8 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.mask_token: str | None = config.dflash_config.get("mask_token")
-        # the target's final_logit_softcapping (Gemma): its head's logits are capped, in training as in serving
+        # the target's final_logit_softcapping (Gemma): its head's logits are capped in training and in this
+        # repo's drafts (the engines draft by argmax of uncapped logits, the same tokens)
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
         self.num_anchors = num_anchors
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)

@@ -83,8 +83,7 @@ def trained_as(drafter: DFlashDrafter) -> dict[str, Any]:
 def trained_otherwise(was: Mapping[str, Any], drafter: DFlashDrafter) -> tuple[str | None, str | None]:
     """(refusal, note) for weights trained as `was` (trained_as) continued in `drafter`: another MLP activation
     refuses (the weights do not fit it: drafters before Dec 2026 took a GELU target's, new ones are SwiGLU, what
-    SGLang runs); another soft-capping is a note (the weights fit; the loss and the served logits follow the
-    new one)."""
+    SGLang runs); another soft-capping is a note (the weights fit; the loss follows the new one)."""
     now = trained_as(drafter)
     refusal = note = None
     if (was.get("hidden_act") or "silu") != now["hidden_act"]:
