@@ -229,12 +229,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loaded = eval_target(target, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     summary = evaluate(target=loaded, drafter_dir=args.drafter, baseline=True, **prompts)
     if args.against:
-        if args.sample_shuffle == "server" and args.sample:
-            print("dflash eval: note: --sample-shuffle server repeats the rows of a suite shorter than --sample + 1, "
-                  "and the paired gain counts each repeat as a pair of its own (its lower bound and p-value are then "
-                  "too confident); compare drafters with --sample-shuffle random or datasets", file=sys.stderr)
         other = evaluate(target=loaded, drafter_dir=args.against, **prompts)
-        summary["gain"] = paired_gain(summary.pop("per_response"), other.pop("per_response"))
+        summary["gain"] = paired_gain(summary.pop("per_response"), other.pop("per_response"),
+                                      prompts=summary.pop("per_response_prompts"),
+                                      old_prompts=other.pop("per_response_prompts"))
         figures = ("tau", "tau_pooled", "tau_server", "histogram")
         summary["against"] = {"drafter": args.against, **{k: other[k] for k in figures}}
     _print_summary(summary)

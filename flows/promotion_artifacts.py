@@ -27,8 +27,9 @@ def promotion_markdown(decision: dict[str, Any]) -> str:
     if gain and gain.get("mean") is not None:
         bound = (f", {gain['confidence']:.0%} lower bound {gain['lower']:+.4f}, one-sided p = {gain['p_value']:.3g}"
                  if gain.get("p_value") is not None else f" ({gain.get('note', 'no test')})")
-        lines.append(f"\nPaired over {gain['pairs']} responses (the same prompts and outputs): mean gain "
-                     f"{gain['mean']:+.4f} per response{bound}.")
+        merged = f"; {gain['repeats']} repeated responses averaged in" if gain.get("repeats") else ""
+        lines.append(f"\nPaired over {gain['pairs']} prompts (the same prompts and outputs{merged}): mean gain "
+                     f"{gain['mean']:+.4f} per prompt{bound}.")
     if decision.get("promoted_drafter"):
         lines.append("\n" + storage_link(decision["promoted_drafter"], "promoted drafter", folder=True))
     if decision.get("wandb_artifact"):

@@ -59,6 +59,7 @@ def test_every_stage_through_the_cli(tmp_path, example_assets):
     assert ev["against"]["tau_server"] is not None
     assert ev["against"]["drafter"] == str(run / "drafter") + "-best" and 1.0 <= ev["against"]["tau"] <= 8.0
     assert ev["gain"]["pairs"] == ev["responses"] and "per_response" not in ev  # paired over every response
+    assert "per_response_prompts" not in ev and "repeats" not in ev["gain"]  # 2 rows of 300: none repeats
     assert ev["gain"]["mean"] == pytest.approx(ev["tau"] - ev["against"]["tau"])
 
 

@@ -234,6 +234,24 @@ def test_cli_limit_zero_is_an_error(capsys):
     assert args.bench == ["gsm8k,math500", "mt-bench"]
 
 
+def test_responses_to_a_repeated_prompt_share_its_id():
+    """Server sampling of 5 from a 3-row suite decodes rows 1, 2, 0, 1, 2 (first turns only): rows 1 and 2 twice,
+    so their responses share an id; a prompt listed twice in a file is one prompt too; later turns of the same
+    conversation are prompts of their own."""
+    from dflash_core.model.evaluate import Response, prompt_ids, sample_instances
+
+    items = [Instance(("a", "a2")), Instance(("b",)), Instance(("c",))]
+    sampled = sample_instances(items, 5, shuffle="server")
+    assert [i.turns for i in sampled] == [("b",), ("c",), ("a",), ("b",), ("c",)]
+    responses = [Response("s", k, [1], 1, 0.0) for k in range(5)]
+    assert prompt_ids(responses, {"s": sampled}) == [0, 1, 2, 0, 1]
+    listed = [Instance(("a", "a2")), Instance(("b",)), Instance(("a", "a2"))]
+    turns = [Response("f", 0, [1], 1, 0.0), Response("f", 0, [1], 1, 0.0), Response("f", 1, [1], 1, 0.0),
+             Response("f", 2, [1], 1, 0.0), Response("f", 2, [1], 1, 0.0)]
+    assert prompt_ids(turns, {"f": listed}) == [0, 1, 2, 0, 1]
+    assert prompt_ids([Response("g", 0, [1], 1, 0.0)], {"g": [Instance(("a", "a2"))]}) == [0]
+
+
 def test_sample_takes_the_instances_the_public_benchmark_takes(tmp_path, capsys):
     """The reference (`benchmark.py --backend transformers --max-samples N`) seeds Python's random with 0, shuffles
     the whole dataset in place and keeps the first N; a dataset of at most N is kept whole."""

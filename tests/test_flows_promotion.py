@@ -56,6 +56,13 @@ def test_promotion_markdown_shows_both_drafters_and_the_decision():
         "eval_set": {"data": "d.jsonl", "limit": 8, "max_new_tokens": 48}, "promoted_drafter": None,
         "gain": {"pairs": 9, "mean": -0.1, "lower": -0.25, "p_value": 0.93, "confidence": 0.95},
     })
-    assert "Paired over 9 responses" in text and "mean gain -0.1000" in text and "95% lower bound -0.2500" in text
-    assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 | - |" in text
+    assert "Paired over 9 prompts" in text and "mean gain -0.1000" in text and "95% lower bound -0.2500" in text
+    assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 | - |" in text and "repeated" not in text
     assert "| promoted (incumbent) | runs/a | 1.3000 |" in text and "first 8 of `d.jsonl`" in text
+    repeated = promotion_markdown({"promoted": False, "reason": "r", "tau": 1.2, "incumbent_tau": 1.3,
+                                   "incumbent_run": "runs/a", "run": "runs/b", "verdict": "pass",
+                                   "eval_set": {"data": "d.jsonl", "limit": 8, "max_new_tokens": 48},
+                                   "promoted_drafter": None, "gain": {"pairs": 6, "repeats": 2, "mean": 0.1,
+                                                                      "lower": -0.2, "p_value": 0.3,
+                                                                      "confidence": 0.95}})
+    assert "Paired over 6 prompts (the same prompts and outputs; 2 repeated responses averaged in)" in repeated

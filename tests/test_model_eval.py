@@ -294,6 +294,7 @@ def test_evaluate_end_to_end(tmp_path, target):
     assert summary["instances"] == 3 and summary["responses"] == 5  # 2 + 1 turns from the file, 2 from the list
     assert len(summary["per_response"]) == 5  # each response's mean, in decoding order: tau is their mean
     assert summary["tau"] == pytest.approx(sum(summary["per_response"]) / 5)
+    assert summary["per_response_prompts"] == [0, 1, 2, 3, 4]  # five different prompts: five pairs
     assert 1.0 <= summary["tau"] <= B and 1.0 <= summary["tau_pooled"] <= B
     assert 1.0 <= summary["tau_server"] <= B + 1  # the prefill's token on top of the accepted ones
     assert list(summary["histogram"]) == ["1", "2", "3", "4"]

@@ -120,6 +120,26 @@ def test_the_paired_gain_is_a_one_sided_t_test_over_the_same_responses():
     assert paired_gain([2.0], [1.5, 1.5], 0.0, 0.95)["note"].startswith("the drafters decoded different")
 
 
+def test_responses_to_the_same_prompt_are_one_pair():
+    """Server sampling wraps a short suite round (and a file may list a prompt twice): the repeats are one
+    measurement, so their gains are averaged into one pair and the test runs over distinct prompts."""
+    new = [2.0, 2.5, 3.1, 2.0, 2.5, 2.9]
+    old = [1.8, 2.4, 2.6, 1.8, 2.4, 2.5]
+    prompts = [0, 1, 2, 0, 1, 3]  # prompts 0 and 1 decoded twice (greedy: the same figures again)
+    gain = paired_gain(new, old, 0.0, 0.95, prompts=prompts, old_prompts=prompts)
+    diffs = [0.2, 0.1, 0.5, 0.4]
+    want = stats.ttest_1samp(diffs, 0.0, alternative="greater")
+    assert gain["pairs"] == 4 and gain["repeats"] == 2 and gain["mean"] == pytest.approx(0.3)
+    assert gain["p_value"] == pytest.approx(want.pvalue)
+    counted_twice = paired_gain(new, old, 0.0, 0.95)  # each response a pair of its own: a falsely tighter bound
+    assert counted_twice["pairs"] == 6 and "repeats" not in counted_twice
+    assert counted_twice["p_value"] < gain["p_value"] and counted_twice["lower"] > gain["lower"]
+    sampled = paired_gain([2.0, 3.0, 2.5, 2.0], [1.5, 1.5, 2.0, 1.0], prompts=[0, 0, 1, 2])  # draws differ: averaged
+    assert sampled["pairs"] == 3 and sampled["mean"] == pytest.approx((1.0 + 0.5 + 1.0) / 3)
+    assert paired_gain([2.0, 2.2], [1.0, 1.1], prompts=[0, 1], old_prompts=[1, 0])["note"] == (
+        "the drafters decoded different prompts: nothing pairs")
+
+
 @pytest.mark.parametrize(("p_value", "expected"), [(0.01, True), (0.2, False), (None, False)])
 def test_with_a_confidence_a_gain_within_noise_does_not_promote(p_value, expected):
     gain = {"pairs": 16, "mean": 0.1, "lower": 0.02, "p_value": p_value, "confidence": 0.95}

@@ -113,6 +113,19 @@ def sglang_passes(lengths: Sequence[int], max_new_tokens: int, first_is_stop: bo
     return passes
 
 
+def prompt_ids(responses: Sequence[Response], suites: Mapping[str, Sequence[Instance]]) -> list[int]:
+    """Each response's prompt as a number, the same for responses to the same turn of the same conversation in
+    the same suite (a suite that server sampling wraps round, a prompt listed twice): such responses repeat one
+    measurement, and the paired gain counts them as one."""
+    ids: dict[tuple[str, Instance, int], int] = {}
+    turns: dict[tuple[str, int], int] = {}
+    out = []
+    for r in responses:
+        turn = turns[r.suite, r.instance] = turns.get((r.suite, r.instance), -1) + 1
+        out.append(ids.setdefault((r.suite, suites[r.suite][r.instance], turn), len(ids)))
+    return out
+
+
 def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
     """The figures of a list of responses: tau (mean of means), tau_pooled, histogram, throughput."""
     pooled = [n for r in responses for n in r.lengths]
@@ -265,7 +278,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Speculative decoding of every turn of every instance -> {tau, tau_pooled, instances, responses,
     tokens_generated, histogram, tokens_per_s, ...}; `per_response` adds each response's mean acceptance
-    length in decoding order (None for a response with no step), to pair two drafters on the same prompts.
+    length in decoding order (None for a response with no step) and per_response_prompts (prompt_ids), to pair
+    two drafters on the same prompts.
 
     Paths or loaded objects for target, drafter and tokenizer. Instances come from `data` (a file, glob or
     folder of benchmark or chat records), `instances` (Instance, {"turns": [...]} or chat records) and
@@ -312,6 +326,7 @@ def evaluate(
         summary["layer_attention"] = [str(layer) for layer in layers]
     if per_response:
         summary["per_response"] = [tau(r.lengths) if r.lengths else None for r in responses]
+        summary["per_response_prompts"] = prompt_ids(responses, suites)
     if len(suites) > 1:
         summary["benchmarks"] = {
             name: summarize([r for r in responses if r.suite == name], drafter.block_size) for name in suites

@@ -68,10 +68,11 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
         except ExportError as exc:  # damaged or replaced since the flow's start checked it: nothing to beat
             incumbent_error = str(exc)
             log.error("promotion: the promoted drafter cannot be measured: %s", exc)
-    new_means, gain = new.pop("per_response"), None
+    new_means, new_prompts, gain = new.pop("per_response"), new.pop("per_response_prompts", None), None
     if old is not None:
         gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
-                           cfg.eval.confidence or DEFAULT_CONFIDENCE)
+                           cfg.eval.confidence or DEFAULT_CONFIDENCE, prompts=new_prompts,
+                           old_prompts=old.pop("per_response_prompts", None))
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
             "new": new, "incumbent": old,
             "incumbent_run": incumbent.get("run") if incumbent else PLACED if placed else None,
@@ -101,9 +102,9 @@ def decide(verdict: str, tau: float | None, incumbent_tau: float | None, min_gai
         why = gain.get("note", "no paired responses")
         return False, f"{beats}, but the gain cannot be tested ({why}); eval.confidence needs a paired test"
     if p < 1.0 - confidence:
-        return True, f"{beats}, at {confidence:.0%} confidence (paired p = {p:.3g} over {pairs} responses)"
+        return True, f"{beats}, at {confidence:.0%} confidence (paired p = {p:.3g} over {pairs} prompts)"
     return False, (f"{beats}, but not at {confidence:.0%} confidence (paired p = {p:.3g} over {pairs} "
-                   "responses): within evaluation noise; more eval prompts (eval.limit) narrow it")
+                   "prompts): within evaluation noise; more eval prompts (eval.limit) narrow it")
 
 
 def promote_if_better(
