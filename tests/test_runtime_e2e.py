@@ -524,6 +524,35 @@ def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_fr
     assert fs.cat_file(f"{remote}/train.log").decode().count("is on an object store") == 2  # both launches
 
 
+def test_wandb_has_every_step_once_after_a_run_on_an_object_store_is_killed_and_resumed(inputs, tmp_path):
+    """As on a local disk (test_wandb_has_every_step_once_after_rank_0_is_killed_and_the_run_resumed), with the
+    run folder on an object store: the resume pulls the killed launch's W&B log (no record: killed before W&B's
+    first block), so it logs the kept steps 0-2 again, and the empty folder goes from the store. Before, the pull
+    left wandb/ on the store, the resume took metrics.jsonl's steps for W&B's, and W&B never got steps 0-2; the
+    empty folder stayed there and stopped `wandb sync`."""
+    from dflash_core.monitor.sinks import wandb_file_steps
+
+    one = build_inputs(inputs.root, world_size=1)
+    config = _config(tmp_path, one, "wandb-store", wandb={"mode": "offline", "project": "t"})
+    remote, fs = f"memory://runs-{tmp_path.name}/run", fsspec.filesystem("memory")
+    with pytest.raises(TrainingFailed):
+        launch_train(one.tokenized, one.plan, remote, config, on_line=lambda _: None, timeout_s=600,
+                     env={"DFLASH_FAULT": "kill@5"})
+    assert len(fs.glob(f"{remote}/wandb/offline-run-*/run-*.wandb")) == 1  # the killed launch's, pushed at its end
+    summary = launch_train(one.tokenized, one.plan, remote, config, on_line=lambda _: None, timeout_s=600)
+    assert summary["start_step"] == 3
+    assert "killed before W&B wrote a record" in fs.cat_file(f"{remote}/train.log").decode()
+    logs = fs.glob(f"{remote}/wandb/offline-run-*/run-*.wandb")
+    assert len(logs) == 1  # the resumed launch's: the empty one is gone from the store
+    local = tmp_path / "run.wandb"
+    fs.get_file(logs[0], str(local))
+    steps = [json.loads(x)["step"] for x in fs.cat_file(f"{remote}/metrics.jsonl").decode().splitlines()
+             if json.loads(x).get("kind", "train") == "train"]
+    assert steps == list(range(len(steps))) and len(steps) > 5
+    assert [step for kind, step in wandb_file_steps(local) if kind == "train"] == steps  # each once, 0-2 included
+    fs.rm(remote, recursive=True)
+
+
 def test_a_failed_launch_says_the_failing_ranks_error_first_and_keeps_the_log(inputs, tmp_path):
     one = build_inputs(inputs.root, world_size=1)
     tok = tmp_path / "tokenized"

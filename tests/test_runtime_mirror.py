@@ -404,3 +404,59 @@ def test_the_end_of_a_staged_run_pushes_what_periodic_pushes_hold_back(remote, t
         _append(Path(run_dir) / "wandb" / "offline-run-1" / "run-1.wandb", b"w")
         _append(Path(run_dir) / "metrics.jsonl", b'{"step": 0}\n')
     assert _names(fsspec.filesystem("memory"), remote) == ["metrics.jsonl", "wandb/offline-run-1/run-1.wandb"]
+
+
+def test_a_pull_brings_the_runs_wandb_logs_and_a_push_removes_a_folder_the_resume_dropped(remote, tmp_path):
+    """A resume reads W&B's transaction logs for the steps W&B holds (monitor.sinks.wandb_steps): each launch
+    folder's `run-<id>.wandb` of this run comes back, nothing else of wandb/ (media, debug logs: `wandb sync`'s,
+    left on the store). A folder the resume removes (an empty log stops `wandb sync`) goes from the store too."""
+    fs = fsspec.filesystem("memory")
+    first = tmp_path / "first"
+    wandb = first / "wandb"
+    for folder, run_id, body in (("offline-run-20261206_010000-abc", "abc", b"log"),
+                                 ("offline-run-20261206_020000-abc", "abc", b""),  # killed before its first record
+                                 ("offline-run-20261206_020000-abc-1", "abc", b"log2"),  # a second in that second
+                                 ("offline-run-20261206_010000-xabc", "xabc", b"x")):  # another run's
+        (wandb / folder / "logs").mkdir(parents=True)
+        (wandb / folder / "logs" / "debug.log").write_text("debug")
+        (wandb / folder / f"run-{run_id}.wandb").write_bytes(body)
+    (first / "wandb_run_id").write_text("abc\n")
+    RunMirror(remote, str(first)).push(final=True)
+    second = tmp_path / "second"
+    second.mkdir()
+    mirror = RunMirror(remote, str(second))
+    assert mirror.pull() is None
+    assert sorted(p.relative_to(second).as_posix() for p in (second / "wandb").rglob("*") if p.is_file()) == [
+        "wandb/offline-run-20261206_010000-abc/run-abc.wandb", "wandb/offline-run-20261206_020000-abc-1/run-abc.wandb",
+        "wandb/offline-run-20261206_020000-abc/run-abc.wandb"]  # not another run's (xabc), nor the debug logs
+    assert (second / "wandb" / "offline-run-20261206_020000-abc-1" / "run-abc.wandb").read_bytes() == b"log2"
+    assert mirror.push() == 0  # pulled, not sent back
+    # the resume drops the empty one (monitor.sinks._drop_empty_offline_runs)
+    (second / "wandb" / "offline-run-20261206_020000-abc" / "run-abc.wandb").unlink()
+    (second / "wandb" / "offline-run-20261206_020000-abc").rmdir()
+    mirror.push()
+    left = _names(fs, remote)
+    assert not any("offline-run-20261206_020000-abc/" in name for name in left)
+    assert "wandb/offline-run-20261206_010000-abc/logs/debug.log" in left
+    assert "wandb/offline-run-20261206_020000-abc-1/run-abc.wandb" in left
+
+
+def test_a_pull_without_a_wandb_run_id_or_folder_brings_no_wandb_file(remote, tmp_path):
+    first = tmp_path / "first"
+    (first / "wandb" / "offline-run-1-abc").mkdir(parents=True)
+    (first / "wandb" / "offline-run-1-abc" / "run-abc.wandb").write_bytes(b"log")
+    RunMirror(remote, str(first)).push(final=True)
+    second = tmp_path / "second"
+    second.mkdir()
+    RunMirror(remote, str(second)).pull()
+    assert not (second / "wandb").exists()  # no wandb_run_id: no run to read W&B's steps of
+    third = tmp_path / "third"
+    (third / "x").mkdir(parents=True)
+    (third / "wandb_run_id").write_text("abc")
+    other = f"{remote}-2"
+    RunMirror(other, str(third)).push(final=True)
+    fourth = tmp_path / "fourth"
+    fourth.mkdir()
+    RunMirror(other, str(fourth)).pull()
+    assert (fourth / "wandb_run_id").exists() and not (fourth / "wandb").exists()  # no wandb/ on the store
+    fsspec.filesystem("memory").rm(other, recursive=True)

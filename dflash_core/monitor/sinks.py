@@ -392,11 +392,21 @@ def wandb_steps(out_dir: str) -> dict[str, int] | None:
 
 
 def _run_files(folder: Path, run_id: str) -> list[Path]:
-    """The run file of each launch of run `run_id` under a W&B folder: `offline-run-<time>-<id>` or
-    `run-<time>-<id>`, `-<n>` added to a second launch in the same second; not the `latest-run` link to one."""
-    named = re.compile(rf".*-{re.escape(run_id)}(-\d+)?")
-    return sorted(path for path in folder.glob(f"*-{glob.escape(run_id)}*/run-{glob.escape(run_id)}.wandb")
-                  if named.fullmatch(path.parent.name) and not path.parent.is_symlink())
+    """The run file of each launch of run `run_id` under a W&B folder (is_launch_folder); not the `latest-run`
+    link to one."""
+    return sorted(path for path in folder.glob(f"*-{glob.escape(run_id)}*/{wandb_run_file(run_id)}")
+                  if is_launch_folder(path.parent.name, run_id) and not path.parent.is_symlink())
+
+
+def is_launch_folder(name: str, run_id: str) -> bool:
+    """Whether `name` is the folder W&B gives one launch of run `run_id` (`offline-run-<time>-<id>` or
+    `run-<time>-<id>`, `-<n>` added to a second launch in the same second)."""
+    return re.fullmatch(rf".*-{re.escape(run_id)}(-\d+)?", name) is not None
+
+
+def wandb_run_file(run_id: str) -> str:
+    """The name of a launch's transaction log in its folder: what W&B recorded, and what wandb_steps reads."""
+    return f"run-{run_id}.wandb"
 
 
 def wandb_file_steps(path: Path) -> Iterator[tuple[str, int]]:

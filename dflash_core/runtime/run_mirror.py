@@ -6,8 +6,11 @@ So a launch whose `--out` is an s3:// / gs:// / ... URI trains into a local stag
 mirror keeps the store up to date:
 
 - before the launch it pulls what a resume reads: metrics.jsonl, this node's log (train.log on the first or only
-  node), wandb_run_id, the launch ledger (launches.jsonl) and the newest complete
-  checkpoint (of the older ones only their meta.json: the run prunes them as its own, and the store with it);
+  node), wandb_run_id, the launch ledger (launches.jsonl), the newest complete checkpoint (of the older ones
+  only their meta.json: the run prunes them as its own, and the store with it) and the transaction log of each
+  earlier launch's W&B folder (`wandb/*-<id>/run-<id>.wandb`, ~5 KB a step: the steps W&B holds, which the
+  resume logs what it lacks after); a W&B folder the resume removes (an empty log, which stops `wandb sync`)
+  is removed from the store by the next push;
 - while training runs, every `every_s` seconds, and once more when the launch ends (failed or not), it pushes
   what changed: files as they are; a checkpoint folder only once complete (`meta.json` present), `meta.json`
   last, so a reader never takes a half-uploaded one for complete; checkpoints pruned locally are deleted from
@@ -48,6 +51,7 @@ import fsspec
 from dflash_core.atomic_dir import JOURNAL, OLD, STAGED, replace_dir
 from dflash_core.errors import DflashError
 from dflash_core.io import is_local, join_uri
+from dflash_core.monitor.sinks import is_launch_folder, wandb_run_file
 from dflash_core.runtime.scratch import OWNER_FILE, disown_scratch, remove_scratch, scratch_dir
 
 __all__ = ["RunMirror", "staged_run"]
@@ -83,6 +87,7 @@ class RunMirror:
         self.every_s, self._clock = every_s, clock
         self._seen: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last pushed or pulled
         self._sent_at: dict[str, float] = {}  # relative path -> clock() at the push that last uploaded it
+        self._pulled_wandb: set[str] = set()  # W&B launch folders pulled (relative): removed locally, from the store
         self._lock = threading.Lock()
 
     # ---- pull ----------------------------------------------------------------------------------------------
@@ -96,6 +101,7 @@ class RunMirror:
             src = join_uri(self.root, name)
             if self.fs.isfile(src):
                 self._get(src, name)
+        self._pull_wandb_logs()
         for step in steps[:-1]:
             self._get(join_uri(self.root, "checkpoints", f"step-{step}", "meta.json"),
                       f"checkpoints/step-{step}/meta.json")
@@ -105,6 +111,26 @@ class RunMirror:
         for src in self.fs.find(join_uri(self.root, name)):
             self._get(src, f"{name}/{src[len(join_uri(self.root, name)) + 1:]}")
         return name
+
+    def _pull_wandb_logs(self) -> None:
+        """The transaction log of each W&B launch folder of the run named by the pulled wandb_run_id: what the
+        resume reads for the steps W&B holds (monitor.sinks.wandb_steps); the rest of those folders stays on
+        the store, for `wandb sync`."""
+        try:
+            run_id = (self.local / "wandb_run_id").read_text().strip()
+        except FileNotFoundError:
+            return
+        if not run_id:
+            return
+        try:
+            folders = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(join_uri(self.root, _WANDB), detail=False)]
+        except FileNotFoundError:
+            return
+        for name in sorted(folders):
+            src = join_uri(self.root, _WANDB, name, wandb_run_file(run_id))
+            if is_launch_folder(name, run_id) and self.fs.isfile(src):
+                self._get(src, f"{_WANDB}/{name}/{wandb_run_file(run_id)}")
+                self._pulled_wandb.add(f"{_WANDB}/{name}")
 
     def _get(self, src: str, rel: str) -> None:
         dst = self.local / rel
@@ -141,7 +167,17 @@ class RunMirror:
         pushed = sum(self._push_whole(folder) for folder in _WHOLE)
         pushed += self._push_files(everything)
         pushed += self._push_checkpoints(steps)
+        self._remove_dropped_wandb()
         return pushed
+
+    def _remove_dropped_wandb(self) -> None:
+        """The pulled W&B launch folders the resume removed locally (monitor.sinks: an empty transaction log,
+        which stops `wandb sync`) removed from the store as well."""
+        for rel in sorted(self._pulled_wandb):
+            if not (self.local / rel).exists():
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(join_uri(self.root, rel), recursive=True)
+                self._pulled_wandb.discard(rel)
 
     def _push_files(self, everything: bool) -> int:
         """The changed files pushed one by one: those due, or all (`everything`)."""
