@@ -5,6 +5,7 @@ import json
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -236,8 +237,8 @@ def test_cli_limit_zero_is_an_error(capsys):
 
 def test_responses_to_a_repeated_prompt_share_its_id():
     """Server sampling of 5 from a 3-row suite decodes rows 1, 2, 0, 1, 2 (first turns only): rows 1 and 2 twice,
-    so their responses share an id; a prompt listed twice in a file is one prompt too; later turns of the same
-    conversation are prompts of their own."""
+    so their responses share an id; a conversation listed twice in a file is the same prompts too; its later
+    turns are prompts of their own."""
     from dflash_core.model.evaluate import Response, prompt_ids, sample_instances
 
     items = [Instance(("a", "a2")), Instance(("b",)), Instance(("c",))]
@@ -250,6 +251,29 @@ def test_responses_to_a_repeated_prompt_share_its_id():
              Response("f", 2, [1], 1, 0.0), Response("f", 2, [1], 1, 0.0)]
     assert prompt_ids(turns, {"f": listed}) == [0, 1, 2, 0, 1]
     assert prompt_ids([Response("g", 0, [1], 1, 0.0)], {"g": [Instance(("a", "a2"))]}) == [0]
+
+
+def test_prompt_ids_tell_suites_turns_and_system_prompts_apart():
+    from dflash_core.model.evaluate import Response, prompt_ids
+
+    same = Instance(("q",))
+    assert prompt_ids([Response("s1", 0, [1], 1, 0.0), Response("s2", 0, [1], 1, 0.0)],
+                      {"s1": [same], "s2": [same]}) == [0, 0]  # one prompt in two suites: decoded alike
+    items = [Instance(("a", "b")), Instance(("a", "c")), Instance(("q",), system="s"), Instance(("q",))]
+    responses = [Response("f", k, [1], 1, 0.0) for k in (0, 0, 1, 1, 2, 3)]
+    # two conversations opening with the same turn: that turn is one prompt, their second turns two
+    assert prompt_ids(responses, {"f": items}) == [0, 1, 0, 2, 3, 4]
+
+
+def test_sample_datasets_takes_its_seed_and_a_sample_below_1_is_refused():
+    from dflash_core.model.evaluate import sample_instances
+
+    items = [Instance((f"q{i}",)) for i in range(50)]
+    assert sample_instances(items, 8, seed=1, shuffle="datasets") == [
+        items[int(i)] for i in np.random.default_rng(1).permutation(50)[:8]]
+    for bad in (0, -3):
+        with pytest.raises(EvalDataError):
+            sample_instances(items, bad)
 
 
 def test_sample_takes_the_instances_the_public_benchmark_takes(tmp_path, capsys):

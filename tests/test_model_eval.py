@@ -144,6 +144,8 @@ def test_tau_server_is_sglangs_per_request_figure_averaged_over_requests():
     assert out["tau_server"] == pytest.approx((11 / 3 + 3 / 2 + 2 / 1 + 0) / 4)  # the 0 averaged in, as z-lab's
     assert out["tau"] == pytest.approx((10 / 3 + 1 + 3 + 2) / 4)
     assert summarize([], 4)["tau_server"] is None
+    # a response decoded without SGLang's count of its passes: every decoding step is one
+    assert summarize([Response("s", 0, [4, 4, 2], 11, seconds=1.0)], 4)["tau_server"] == pytest.approx(11 / 3)
     # SGLang's passes: none after a stop token from the prefill; none once max_new_tokens are committed (the
     # reference loop steps once more with exactly max_new_tokens committed, and counts that step in tau)
     assert sglang_passes([4, 4, 2], 2048, first_is_stop=False) == 3

@@ -140,6 +140,15 @@ def test_responses_to_the_same_prompt_are_one_pair():
         "the drafters decoded different prompts: nothing pairs")
 
 
+def test_the_paired_gain_of_too_few_pairs_says_so_and_an_exact_gain_is_its_own_bound():
+    assert paired_gain([2.0, 2.5, 3.0], [1.5, None, 2.0])["pairs"] == 2  # no step under the old drafter: left out
+    one = paired_gain([2.0, 2.5], [1.0, None])
+    assert one["pairs"] == 1 and one["p_value"] is None and one["note"].startswith("fewer than 2")
+    none = paired_gain([None, None], [1.0, 1.0])
+    assert none["pairs"] == 0 and none["mean"] is None and none["p_value"] is None
+    assert paired_gain([2.0, 3.0], [1.5, 2.5])["lower"] == pytest.approx(0.5)  # no spread
+
+
 @pytest.mark.parametrize(("p_value", "expected"), [(0.01, True), (0.2, False), (None, False)])
 def test_with_a_confidence_a_gain_within_noise_does_not_promote(p_value, expected):
     gain = {"pairs": 16, "mean": 0.1, "lower": 0.02, "p_value": p_value, "confidence": 0.95}

@@ -460,3 +460,24 @@ def test_a_pull_without_a_wandb_run_id_or_folder_brings_no_wandb_file(remote, tm
     RunMirror(other, str(fourth)).pull()
     assert (fourth / "wandb_run_id").exists() and not (fourth / "wandb").exists()  # no wandb/ on the store
     fsspec.filesystem("memory").rm(other, recursive=True)
+
+
+def test_a_pull_takes_the_newest_checkpoint_by_step_the_ledger_and_skips_a_wandb_folder_without_its_log(
+        remote, tmp_path):
+    """step-10 is newer than step-9 (not in name order); every older one comes as its meta.json (the next push
+    would delete one that did not); the launch ledger comes back; a W&B folder whose push was cut off before its
+    run file does not stop the pull."""
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{remote}/wandb_run_id", b"abc")
+    fs.pipe(f"{remote}/launches.jsonl", b'{"launch": 1}\n')
+    fs.pipe(f"{remote}/wandb/offline-run-1-abc/logs/debug.log", b"d")
+    fs.pipe(f"{remote}/wandb/offline-run-2-abc/run-abc.wandb", b"log")
+    for step in (2, 9, 10):
+        fs.pipe(f"{remote}/checkpoints/step-{step}/meta.json", b"{}")
+    mirror = RunMirror(remote, str(tmp_path))
+    assert mirror.pull() == "checkpoints/step-10"
+    assert (tmp_path / "launches.jsonl").read_bytes() == b'{"launch": 1}\n'
+    assert all((tmp_path / "checkpoints" / f"step-{step}" / "meta.json").exists() for step in (2, 9))
+    assert (tmp_path / "wandb" / "offline-run-2-abc" / "run-abc.wandb").read_bytes() == b"log"
+    assert not (tmp_path / "wandb" / "offline-run-1-abc").exists()
+    assert mirror.push(final=True) == 0  # nothing pulled is sent back, W&B's logs included

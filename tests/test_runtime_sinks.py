@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import struct
 import time
 import uuid
 
@@ -479,3 +480,157 @@ def test_wandb_files_of_a_launch_killed_before_its_header_hold_no_step(tmp_path)
     again.parent.mkdir()
     again.write_bytes(b"not a W&B file")
     assert wandb_steps(str(tmp_path)) is None  # read, and found in no format this reads
+
+
+# --- W&B's transaction log, written here as W&B writes it -------------------------------------------------------
+
+def _history_record(step: int, val: bool = False, pad: int = 0) -> bytes:
+    """One W&B history record (a Record protobuf): `step`, a val_loss when `val`, `pad` bytes of padding."""
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    items = [("step", str(step)), *([("val_loss", "1.0")] if val else []), *([("pad", f'"{"x" * pad}"')] if pad else [])]
+    for key, value in items:
+        item = record.history.item.add()
+        item.key, item.value_json = key, value
+    return record.SerializeToString()
+
+
+def _wandb_log(path, records: list[bytes], cut: int | None = None) -> None:
+    """A W&B transaction log (LevelDB's log format): the 7-byte header, then each record in fragments (1 whole,
+    2 first, 3 middle, 4 last) behind 7-byte headers, in 32 KiB blocks; fewer than 7 bytes left in a block are
+    zeros, exactly 7 take an empty first fragment. `cut`: the file's first bytes only (a torn tail)."""
+    from dflash_core.monitor.sinks import WANDB_LOG_BLOCK, WANDB_LOG_HEADER
+
+    out = bytearray(b":W&B\x00\x01\x00")
+    for data in records:
+        first = True
+        while True:
+            left = WANDB_LOG_BLOCK - len(out) % WANDB_LOG_BLOCK
+            if left < WANDB_LOG_HEADER:
+                out += b"\0" * left
+                left = WANDB_LOG_BLOCK
+            n = min(len(data), left - WANDB_LOG_HEADER)
+            last = n == len(data)
+            kind = (1 if last else 2) if first else (4 if last else 3)
+            out += struct.pack("<IHB", 0, n, kind) + data[:n]
+            data, first = data[n:], False
+            if last:
+                break
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(out[:cut]))
+
+
+def test_wandb_steps_are_the_newest_of_every_launch_not_of_the_last_file_read(tmp_path):
+    """Files are read in name order (offline-run-* before run-*): an online launch that logged less than the
+    offline one before it must not lower what W&B holds (those steps would be logged twice)."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    (tmp_path / "wandb_run_id").write_text("abc")
+    _wandb_log(tmp_path / "wandb" / "offline-run-20260102_000000-abc" / "run-abc.wandb",
+               [_history_record(s) for s in range(10)])
+    _wandb_log(tmp_path / "wandb" / "run-20260101_000000-abc" / "run-abc.wandb", [_history_record(s) for s in range(5)])
+    assert wandb_steps(str(tmp_path)) == {"train": 9}
+
+
+def test_a_torn_tail_keeps_the_whole_records_before_it(tmp_path):
+    """A launch killed mid-write loses its last record, not the file: the steps before it still count as W&B's."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    (tmp_path / "wandb_run_id").write_text("abc")
+    path = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+    _wandb_log(path, [_history_record(s) for s in range(5)])
+    _wandb_log(path, [_history_record(s) for s in range(5)], cut=path.stat().st_size - 3)
+    assert wandb_steps(str(tmp_path)) == {"train": 3}
+
+
+def test_a_record_that_starts_with_an_empty_fragment_at_a_block_end_is_read_whole(tmp_path):
+    """W&B (as LevelDB) starts a record with an empty first fragment when exactly 7 bytes are left in a block:
+    it is not glued to the record before it."""
+    from dflash_core.monitor.sinks import WANDB_LOG_BLOCK, wandb_file_steps
+
+    first = _history_record(0)
+    size = WANDB_LOG_BLOCK - 7 - (7 + len(first)) - 7 - 7  # a val record that leaves exactly 7 bytes in block 0
+    filler = next(r for n in range(size, 0, -1) if len(r := _history_record(1, val=True, pad=n)) == size)
+    path = tmp_path / "run-abc.wandb"
+    _wandb_log(path, [first, filler, _history_record(2, pad=100), _history_record(3)])
+    assert path.read_bytes()[WANDB_LOG_BLOCK - 7: WANDB_LOG_BLOCK] == struct.pack("<IHB", 0, 0, 2)
+    assert list(wandb_file_steps(path)) == [("train", 0), ("val", 1), ("train", 2), ("train", 3)]
+
+
+def test_a_record_spanning_blocks_after_a_val_record_keeps_its_own_kind(tmp_path):
+    from dflash_core.monitor.sinks import WANDB_LOG_BLOCK, wandb_file_steps
+
+    path = tmp_path / "run-abc.wandb"
+    _wandb_log(path, [_history_record(0, val=True), _history_record(1, pad=WANDB_LOG_BLOCK)])
+    assert list(wandb_file_steps(path)) == [("val", 0), ("train", 1)]
+
+
+def test_no_run_id_or_no_run_file_is_unknown_not_empty(tmp_path):
+    """None (unknown: metrics.jsonl's steps are taken for W&B's), not {} (W&B holds nothing: every kept step
+    would be logged again)."""
+    from dflash_core.monitor.sinks import wandb_steps
+
+    assert wandb_steps(str(tmp_path)) is None
+    (tmp_path / "wandb_run_id").write_text("abc")
+    assert wandb_steps(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("files", ["unreadable", "absent"])
+def test_without_readable_wandb_files_the_resume_takes_metrics_steps_for_wandbs(tmp_path, monkeypatch, files):
+    """A run file in another W&B version's format, or none: W&B is taken to hold what metrics.jsonl held, so the
+    kept steps are not logged a second time."""
+    from dflash_core.monitor.sinks import open_wandb
+
+    (tmp_path / "wandb_run_id").write_text("abc")
+    if files == "unreadable":
+        path = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"another format")
+    history = JsonlSink(str(tmp_path / "metrics.jsonl"))
+    for step in range(10):
+        history.log(_rec(step))
+    history.close()
+    run = _FakeRun()
+    _fake_init(monkeypatch, (), run)
+    open_wandb(WandbConfig(mode="offline", project="t"), {}, str(tmp_path),
+               JsonlSink(str(tmp_path / "metrics.jsonl"), resumed_at=5))
+    assert run.logged == []
+
+
+def test_only_offline_folders_with_no_record_are_removed(tmp_path, monkeypatch):
+    """An offline folder holding a record is kept (however small: it is unsynced data); an online folder is
+    never removed (its records are on the server)."""
+    (tmp_path / "wandb_run_id").write_text("abc")
+    small = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
+    _wandb_log(small, [_history_record(0)])
+    online = tmp_path / "wandb" / "run-2-abc" / "run-abc.wandb"
+    _wandb_log(online, [])
+    _fake_init(monkeypatch, ())
+    WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path))
+    assert small.exists() and online.exists()
+
+
+def test_backfill_logs_the_validation_records_wandb_lacks_and_says_so(tmp_path, monkeypatch, caplog):
+    history = JsonlSink(str(tmp_path / "metrics.jsonl"))
+    for step in range(20):
+        history.log(_rec(step))
+        if step % 5 == 4:
+            history.log({"kind": "val", "step": step, "val_loss": 2.0})
+    history.close()
+    run = _FakeRun()
+    _fake_init(monkeypatch, (), run)
+    sink = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path), {"train": 19, "val": 9})
+    with caplog.at_level("INFO", logger="dflash_core.monitor.sinks"):
+        sink.backfill(JsonlSink(str(tmp_path / "metrics.jsonl"), resumed_at=20))
+    assert [r["step"] for r in run.logged] == [14, 19]
+    assert "logged now: val 10-19" in caplog.text
+
+
+def test_a_launch_folder_is_named_by_the_run_id_and_nothing_else():
+    from dflash_core.monitor.sinks import is_launch_folder
+
+    assert is_launch_folder("offline-run-20260101_000000-abc", "abc")
+    assert is_launch_folder("run-20260101_000000-abc-12", "abc")  # a second launch in the same second
+    for name in ("offline-run-1-abcd", "offline-run-1-xabc", "offline-run-1-abc-old", "abc", "latest-run"):
+        assert not is_launch_folder(name, "abc"), name

@@ -114,15 +114,17 @@ def sglang_passes(lengths: Sequence[int], max_new_tokens: int, first_is_stop: bo
 
 
 def prompt_ids(responses: Sequence[Response], suites: Mapping[str, Sequence[Instance]]) -> list[int]:
-    """Each response's prompt as a number, the same for responses to the same turn of the same conversation in
-    the same suite (a suite that server sampling wraps round, a prompt listed twice): such responses repeat one
-    measurement, and the paired gain counts them as one."""
-    ids: dict[tuple[str, Instance, int], int] = {}
+    """Each response's prompt as a number: the same for responses to the same system prompt and user turns so
+    far (a row server sampling wraps round to, a prompt listed twice or in two suites, the first turn of two
+    conversations that open alike). Greedy decoding answers such prompts alike, so they repeat one measurement,
+    and the paired gain counts them as one."""
+    ids: dict[tuple[str | None, tuple[str, ...]], int] = {}
     turns: dict[tuple[str, int], int] = {}
     out = []
     for r in responses:
         turn = turns[r.suite, r.instance] = turns.get((r.suite, r.instance), -1) + 1
-        out.append(ids.setdefault((r.suite, suites[r.suite][r.instance], turn), len(ids)))
+        instance = suites[r.suite][r.instance]
+        out.append(ids.setdefault((instance.system, instance.turns[: turn + 1]), len(ids)))
     return out
 
 
