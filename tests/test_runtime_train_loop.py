@@ -115,7 +115,8 @@ def _rank_of_two(rank: int, root: str, steps: int) -> None:
     records = []
     for step in range(steps):
         before = len(calls)
-        records.append({**loop.train_step(step), "collectives": calls[before:]})
+        record = loop.train_step(step, stop=rank == 1 and step == 1)  # rank 1 gets a SIGTERM before step 1
+        records.append({**record, "collectives": calls[before:], "stop_requested": loop.stop_requested})
     Path(root, f"rank{rank}.json").write_text(json.dumps(records))
     dist.barrier()
     # no teardown: freeing DDP's reducer with the last reference to the gloo group can deadlock on the GIL
@@ -219,13 +220,14 @@ def test_a_drafter_starved_of_batches_stops_the_run_naming_the_queues(parts, cap
 
 @pytest.mark.slow
 def test_a_step_of_two_ranks_makes_one_collective_and_the_metrics_of_one_rank(parts):
-    """Each collective is a sync point of every rank on the hot path: the step's sums, maxima and FLOPs travel in
-    one all-reduce, and the FLOPs are still the whole step's (2 ranks x 1 micro-batch = 1 rank x 2), mfu against
-    both ranks' peak."""
+    """Each collective is a sync point of every rank on the hot path: the step's sums, maxima, FLOPs and stop
+    requests travel in one all-reduce (the stop check had one of its own), and the FLOPs are still the whole
+    step's (2 ranks x 1 micro-batch = 1 rank x 2), mfu against both ranks' peak."""
     _, _, _, root = parts
     torch.multiprocessing.spawn(_rank_of_two, args=(str(root), 2), nprocs=2, join=True)
     two = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     assert [[r["collectives"] for r in records] for records in two] == [[["all_reduce"]] * 2] * 2
+    assert [[r["stop_requested"] for r in records] for records in two] == [[False, True]] * 2  # both ranks stop
     target, reader, drafter = _all_anchor_parts(root)
     batches = [_batch(target, reader, drafter, ids, step, micro, micro)
                for step in range(2) for micro, ids in enumerate(RANK_IDS)]

@@ -91,15 +91,6 @@ def broadcast_int(value: int, env: DistEnv, device: torch.device) -> int:
     return int(t.item())
 
 
-def any_rank(flag: bool, env: DistEnv, device: torch.device) -> bool:
-    """Whether `flag` is set on any rank (every rank gets the same answer)."""
-    if env.world_size == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def gather_objects(obj: Any, env: DistEnv) -> list[Any]:
     """Every rank's object, in rank order (small objects only: RNG states)."""
     if env.world_size == 1:

@@ -49,8 +49,8 @@ class StopRequest:
         # write fails with EPIPE), and a print here could also meet a print of the main thread's in sys.stderr's
         # buffer (a reentrant call); either would raise into the training loop and lose the stop checkpoint.
         with contextlib.suppress(OSError):
-            os.write(2, f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step, "
-                        "then stopping\n".encode())
+            os.write(2, f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step "
+                        "(or the next, when this one's ranks already compared notes), then stopping\n".encode())
 
     @property
     def requested(self) -> bool:

@@ -6,7 +6,8 @@ more than one micro-batch's graph:
    DDP skips the all-reduce on all but the last micro-batch (`no_sync`) and then AVERAGES gradients over the
    W ranks, so every rank holds (1/W) * sum over ranks and micro-batches of d(weighted_loss_sum);
 2. one all-reduce of a small float64 vector then gives the step's total weight sum S (and the metrics, the
-   maxima and the FLOP counts with it: train_step's one collective besides DDP's gradient all-reduce);
+   maxima, the FLOP counts and the ranks' stop requests with it: train_step's one collective besides DDP's
+   gradient all-reduce);
 3. the gradients are multiplied by W / S, which makes them exactly d(sum of weighted losses / S): the
    gradient of the spec's loss, because S is a constant with respect to the parameters.
 Clipping, the non-finite check and the optimizer step then see the correctly normalised gradients. The
@@ -200,6 +201,7 @@ class DrafterTrainLoop:
         self.nonfinite_total = 0
         self.grad_norm_ema = 0.0
         self.finite_steps = 0
+        self.stop_requested = False  # whether any rank asked to stop in the last step (train_step's `stop`)
         self._last_end = time.perf_counter()
 
     def state_dict(self) -> dict:
@@ -257,8 +259,10 @@ class DrafterTrainLoop:
         stats.add(batch, out, loss_sum)
         self.meter.add(batch, out)
 
-    def train_step(self, step: int) -> dict:
-        """Run one optimizer step over this rank's micro-batches of plan step `step`; returns its record."""
+    def train_step(self, step: int, stop: bool = False) -> dict:
+        """Run one optimizer step over this rank's micro-batches of plan step `step`; returns its record. `stop`:
+        this rank asks to stop (it got a SIGTERM); the request travels in the step's one collective, and
+        `stop_requested` then says whether any rank made one (every rank gets the same answer)."""
         stats = StepStats(self.s.block_size - 1, self.s.buckets, self.s.device)
         waited = 0.0
         for micro in range(self.s.grad_accum):
@@ -270,7 +274,9 @@ class DrafterTrainLoop:
                 exc.add_note(located(batch, "drafter step"))
                 raise
         stats.wait_s = waited
-        flops = stats.all_reduce(self.s.world_size, self.meter.take())
+        counts = self.meter.take()
+        summed = stats.all_reduce(self.s.world_size, torch.cat([counts, counts.new_tensor([float(stop)])]))
+        flops, self.stop_requested = summed[:-1], summed[-1] > 0
         m = stats.metrics()
         lr = self.optimizer.param_groups[0]["lr"]
         norm, skipped, nonfinite = self._apply(m["weight_sum"], m["loss"])

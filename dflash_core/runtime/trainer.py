@@ -39,7 +39,6 @@ from dflash_core.runtime.checkpoint import (
 from dflash_core.runtime.config import RunConfig
 from dflash_core.runtime.distributed import (
     DistEnv,
-    any_rank,
     broadcast_int,
     gather_objects,
     init_process_group,
@@ -307,14 +306,15 @@ class Trainer:
             for step in range(self.start_step, self.plan.num_steps):
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
-                last = {**loop.train_step(step), "epoch": self.plan.epoch(step)}
+                # the SIGTERM flag goes with the step's one collective: no sync point of its own
+                last = {**loop.train_step(step, self.stop.requested), "epoch": self.plan.epoch(step)}
                 tokens += last["n_tokens"]
                 steady.add(last)
                 sink.log(last)
                 self._check_nonfinite(loop, step)
                 validating = self.validator is not None and self._eval_due(step)
                 due = (step + 1) % self.cfg.train.checkpoint_every == 0 or step + 1 == self.plan.num_steps
-                stopping = step + 1 < self.plan.num_steps and any_rank(self.stop.requested, self.env, self.device)
+                stopping = step + 1 < self.plan.num_steps and loop.stop_requested
                 if due or stopping:  # before validating: a validation that fails (OOM) loses no training step
                     saving = time.perf_counter()
                     self._save(step + 1, loop, val_pending=step if validating else None)
