@@ -115,7 +115,7 @@ def _rank_of_two(rank: int, root: str, steps: int) -> None:
     records = []
     for step in range(steps):
         before = len(calls)
-        record = loop.train_step(step, stop=rank == 1 and step == 1)  # rank 1 gets a SIGTERM before step 1
+        record = loop.train_step(step, stop=lambda s=step: rank == 1 and s == 1)  # rank 1 gets a SIGTERM in step 1
         records.append({**record, "collectives": calls[before:], "stop_requested": loop.stop_requested})
     Path(root, f"rank{rank}.json").write_text(json.dumps(records))
     dist.barrier()

@@ -259,10 +259,11 @@ class DrafterTrainLoop:
         stats.add(batch, out, loss_sum)
         self.meter.add(batch, out)
 
-    def train_step(self, step: int, stop: bool = False) -> dict:
+    def train_step(self, step: int, stop: Callable[[], bool] | None = None) -> dict:
         """Run one optimizer step over this rank's micro-batches of plan step `step`; returns its record. `stop`:
-        this rank asks to stop (it got a SIGTERM); the request travels in the step's one collective, and
-        `stop_requested` then says whether any rank made one (every rank gets the same answer)."""
+        whether this rank asks to stop (it got a SIGTERM), asked after its micro-batches; the request travels in
+        the step's one collective, and `stop_requested` then says whether any rank made one (every rank gets the
+        same answer)."""
         stats = StepStats(self.s.block_size - 1, self.s.buckets, self.s.device)
         waited = 0.0
         for micro in range(self.s.grad_accum):
@@ -275,7 +276,8 @@ class DrafterTrainLoop:
                 raise
         stats.wait_s = waited
         counts = self.meter.take()
-        summed = stats.all_reduce(self.s.world_size, torch.cat([counts, counts.new_tensor([float(stop)])]))
+        asked = float(stop is not None and stop())
+        summed = stats.all_reduce(self.s.world_size, torch.cat([counts, counts.new_tensor([asked])]))
         flops, self.stop_requested = summed[:-1], summed[-1] > 0
         m = stats.metrics()
         lr = self.optimizer.param_groups[0]["lr"]

@@ -307,7 +307,7 @@ class Trainer:
                 self.faults.maybe_kill("kill", step)
                 self.faults.before_step(step)
                 # the SIGTERM flag goes with the step's one collective: no sync point of its own
-                last = {**loop.train_step(step, self.stop.requested), "epoch": self.plan.epoch(step)}
+                last = {**loop.train_step(step, lambda: self.stop.requested), "epoch": self.plan.epoch(step)}
                 tokens += last["n_tokens"]
                 steady.add(last)
                 sink.log(last)
