@@ -1,6 +1,7 @@
 """The promotion gate: first drafter promoted, a worse one not, atomic swap under injected failures, W&B model."""
 
 import json
+import math
 import os
 import socket
 import threading
@@ -18,7 +19,7 @@ from dflash_core.model.export import ExportError, save_dflash
 from dflash_core.model.paired import paired_gain
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
-from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
+from dflash_core.promotion.store import promoted_drafter, read_promoted
 
 
 def _drafter(folder, marker: str) -> str:
@@ -57,7 +58,7 @@ def _scores(tau, incumbent_tau=None, root=None) -> dict:
     """Scores as gate.measure returns them: measured against what `root` holds promoted now (None: nothing)."""
     incumbent = read_promoted(root) if root else None
     return {"tau": tau, "incumbent_tau": incumbent_tau, "incumbent_run": incumbent and incumbent["run"],
-            "incumbent_id": record_id(incumbent), "eval_set": {"data": "prompts.jsonl", "limit": 4,
+            "incumbent_id": store.incumbent_id(root, incumbent) if root else None, "eval_set": {"data": "prompts.jsonl", "limit": 4,
                                                              "max_new_tokens": 16}}
 
 
@@ -261,7 +262,7 @@ def test_a_crash_at_any_file_operation_of_an_object_store_swap_keeps_a_whole_pro
     assert (True, "runs/a") in outcomes and (False, "runs/b") in outcomes  # kills before and after it was whole
 
 
-def _measured_as(monkeypatch, root: str, incumbent_tau: float) -> list[str]:
+def _measured_as(monkeypatch, root: str, incumbent_tau: float | None) -> list[str]:
     """The gate's decoding faked: the promoted drafter scores `incumbent_tau`, any other 1.3; returns the list of
     drafter folders measured, in order."""
     measured: list[str] = []
@@ -567,3 +568,181 @@ def test_identical_drafters_show_no_significant_gain():
     assert gain["mean"] == 0.0 and gain["p_value"] == 1.0
     assert paired_gain([2.5, 4.0], [2.0, 3.5], min_gain=0.5)["p_value"] == 1.0  # exactly min_gain: not above it
     assert paired_gain([2.5, 4.0], [2.0, 3.5], min_gain=0.25)["p_value"] == 0.0
+
+
+# --- what a mutation audit of the gate and the store found unpinned ----------------------------------------------
+
+@pytest.mark.parametrize("incumbent", [None, 1.0])
+@pytest.mark.parametrize("tau", [math.nan, math.inf])
+def test_a_non_finite_tau_never_promotes(tau, incumbent):
+    """A NaN tau (no decoding step) compares False with everything: without the isfinite check it was promoted
+    as 'nothing was promoted yet', or over an incumbent (nan <= x is False)."""
+    ok, reason = decide("pass", tau, incumbent, 0.0)
+    assert ok is False and "has no tau" in reason
+
+
+def test_with_a_confidence_a_gain_that_was_never_computed_does_not_promote(root):
+    """eval.confidence set, an incumbent, but no paired gain in the scores: the gain cannot be tested, so the
+    drafter is not promoted (a default of 'p = 0' would promote it on tau alone)."""
+    assert decide("pass", 1.6, 1.5, 0.0, None, confidence=0.95)[0] is False
+    cfg = _cfg(root, **{"eval.confidence": 0.95})
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass",
+                                 _scores(1.9, 1.4, root))  # no "gain" key
+    assert not decision["promoted"] and "cannot be tested" in decision["reason"]
+    assert read_promoted(root)["run"] == "runs/a"
+
+
+def test_another_runs_byte_identical_drafter_is_compared_not_reported_as_already_promoted(root):
+    """Only a retry of the promoting run is 'already the promoted one'; another run whose drafter happens to be
+    byte-identical is compared as usual (it must not report promoted=True for a promotion it never made)."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    twin = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "A"), "pass", _scores(1.4, 1.4, root))
+    assert not twin["promoted"] and "does not beat" in twin["reason"] and twin["promoted_drafter"] is None
+    assert read_promoted(root)["run"] == "runs/a"
+
+
+def test_a_retry_whose_drafter_changed_with_the_same_size_is_compared_not_taken_for_the_promoted_one(root):
+    """A retried run (same run folder) whose drafter was rewritten since its first attempt promoted: a drafter of
+    the same architecture has files of exactly the same sizes, so only the content tells them apart. It is
+    compared as usual (worse here: not promoted), not reported as 'already the promoted one'."""
+    cfg = _cfg(root)
+    drafter = _drafter(f"{root}/runs/a/drafter", "A")
+    promote_if_better(cfg, "runs/a", drafter, "pass", _scores(1.4))
+    _drafter(drafter, "Z")  # same sizes, other bytes
+    assert not store.holds(root, drafter)
+    retried = promote_if_better(cfg, "runs/a", drafter, "pass", _scores(1.3, 1.4, root))
+    assert not retried["promoted"] and "does not beat" in retried["reason"]
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+
+
+@pytest.mark.parametrize("incumbent_block", [None, 16])
+def test_a_better_drafter_of_the_same_block_size_or_the_first_one_is_promoted(root, incumbent_block):
+    """The block-size guard only refuses a *different* block size: the first drafter (no incumbent block size)
+    and a better one with the incumbent's block size are promoted."""
+    cfg = _cfg(root)
+    if incumbent_block:
+        promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass",
+                          {**_scores(1.4), "block_size": 16})
+    scores = {**_scores(1.6, 1.4 if incumbent_block else None, root), "block_size": 16,
+              "incumbent_block_size": incumbent_block}
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", scores)
+    assert decision["promoted"] and "block size" not in decision["reason"]
+    assert read_promoted(root)["run"] == "runs/b" and read_promoted(root)["block_size"] == 16
+
+
+def test_measure_pairs_the_gain_as_new_minus_old_over_distinct_prompts(root, monkeypatch):
+    """measure() passes the new drafter's per-response tau first and both drafters' prompt ids to the paired
+    test: a swapped order reports a better drafter's gain as negative (and blocks it under eval.confidence);
+    dropping the prompt ids counts repeated prompts as independent pairs (a falsely tight p-value that can
+    promote a gain within noise)."""
+    cfg = _cfg(root, **{"eval.confidence": 0.9})
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    prompts = [0, 1, 2, 0, 1, 3]
+    new = [2.0, 2.5, 3.1, 2.0, 2.5, 2.9]
+    old = [1.8, 2.4, 2.6, 1.8, 2.4, 2.5]
+
+    def tau_of(cfg, target, drafter_dir):
+        mine = old if drafter_dir == promoted_drafter(root) else new
+        return {"tau": sum(mine) / len(mine), "per_response": list(mine), "per_response_prompts": list(prompts)}
+
+    monkeypatch.setattr(gate, "_tau", tau_of)
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    new_dir = _drafter(f"{root}/runs/b/drafter", "B")
+    scores = gate.measure(cfg, new_dir)
+    want = paired_gain(new, old, 0.0, 0.9, prompts=prompts, old_prompts=prompts)
+    assert scores["gain"]["pairs"] == 4 and scores["gain"]["repeats"] == 2
+    assert scores["gain"]["mean"] == pytest.approx(0.3) and scores["gain"]["p_value"] == pytest.approx(want["p_value"])
+    decision = promote_if_better(cfg, "runs/b", new_dir, "pass", scores)
+    assert decision["promoted"] and read_promoted(root)["gain"]["mean"] == pytest.approx(0.3)
+
+
+def test_a_promoted_json_deleted_while_the_run_was_evaluated_is_a_conflict(root):
+    """The run was measured against runs/a; meanwhile promoted.json was deleted, leaving runs/a's drafter as one
+    placed by hand (as the store's own error message suggests): it was never compared with the new one, so it is
+    not replaced (fail closed), not taken for 'nothing promoted'."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    scores = _scores(1.9, 1.4, root)
+    fs, path = fsspec.core.url_to_fs(f"{root}/promoted/promoted.json")
+    fs.rm(path)
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", scores)
+    assert not decision["promoted"] and "changed while this run was evaluated" in decision["reason"]
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
+
+
+def test_a_re_promotion_of_the_same_run_name_is_a_conflict(root):
+    """record_id tells promotions apart by run AND time: the run measured against runs/a's promotion at one time
+    must not replace runs/a's later promotion (other weights, same tau) that it was never compared with."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    scores = _scores(1.9, 1.4, root)
+    record = read_promoted(root)
+    fs, path = fsspec.core.url_to_fs(f"{root}/promoted/promoted.json")
+    fs.pipe(path, json.dumps({**record, "time": "2999-01-01T00:00:00+00:00"}).encode())  # promoted again
+    decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", scores)
+    assert not decision["promoted"] and "changed while this run was evaluated" in decision["reason"]
+    assert read_promoted(root)["time"].startswith("2999")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+def test_any_file_of_a_drafter_placed_by_hand_makes_it_an_incumbent(root, monkeypatch, name):
+    """A drafter folder holding any one of config.json, model.safetensors or the shard index (a copy by hand
+    that did not finish) is an incumbent: measured (or refused), never replaced as 'nothing was promoted yet'."""
+    fs, path = fsspec.core.url_to_fs(promoted_drafter(root))
+    fs.makedirs(path, exist_ok=True)
+    fs.pipe(f"{path}/{name}", b"{}")
+    assert store.drafter_present(root)
+    monkeypatch.setattr(gate, "_tau", lambda cfg, target, drafter_dir: {
+        "tau": 1.5 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]})
+    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    cfg = _cfg(root)
+    new_dir = _drafter(f"{root}/runs/b/drafter", "B")
+    scores = gate.measure(cfg, new_dir)
+    assert scores["incumbent_run"] == gate.PLACED and scores["incumbent_tau"] == 1.5
+    decision = promote_if_better(cfg, "runs/b", new_dir, "pass", scores)
+    assert not decision["promoted"] and "nothing was promoted yet" not in decision["reason"]
+    assert fs.cat(f"{path}/{name}") == b"{}"
+
+
+def test_an_online_wandb_run_logs_the_promoted_model(tmp_path, monkeypatch):
+    """With wandb.mode online (and a key) the promoted drafter is logged as the `production` model too, not only
+    offline: skipping it would leave `production` on the previous drafter while the decision says nothing."""
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    logged = []
+    monkeypatch.setattr(gate, "log_model_artifact", lambda *args: logged.append(args) or "dflash-drafter:production")
+    root, run = str(tmp_path / "store"), str(tmp_path / "run")
+    cfg = _cfg(root, **{"wandb.mode": "online"})
+    decision = promote_if_better(cfg, run, _drafter(f"{run}/drafter", "A"), "pass", _scores(1.4))
+    assert decision["promoted"] and decision["wandb_artifact"] == "dflash-drafter:production" and len(logged) == 1
+
+
+def test_an_incumbent_that_decodes_no_step_is_not_replaced_unmeasured(root, monkeypatch):
+    """The promoted drafter loads but its tau is None (no decoding step on the prompts): that is no figure to
+    beat, not "nothing was promoted yet" (it was replaced with no comparison)."""
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    _measured_as(monkeypatch, root, incumbent_tau=None)
+    new = _drafter(f"{root}/runs/b/drafter", "B")
+    scores = gate.measure(cfg, new)
+    assert "decoded no step" in scores["incumbent_error"]
+    decision = promote_if_better(cfg, "runs/b", new, "pass", scores)
+    assert not decision["promoted"] and "could not be measured" in decision["reason"]
+    assert read_promoted(root)["run"] == "runs/a"
+
+
+def test_a_drafter_placed_by_hand_while_a_run_measured_nothing_is_a_conflict(root, monkeypatch):
+    """Nothing was promoted when the run was measured; a drafter copied in by hand since (today's production
+    drafter) was never compared with the new one: not replaced."""
+    cfg = _cfg(root)
+    _measured_as(monkeypatch, root, incumbent_tau=9.0)
+    new = _drafter(f"{root}/runs/b/drafter", "B")
+    scores = gate.measure(cfg, new)
+    assert scores["incumbent_id"] is None and scores["incumbent_tau"] is None
+    _drafter(promoted_drafter(root), "HAND")
+    decision = promote_if_better(cfg, "runs/b", new, "pass", scores)
+    assert not decision["promoted"] and "now: a drafter placed by hand" in decision["reason"]
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "HAND"}
+    again = promote_if_better(cfg, "runs/b", new, "pass", gate.measure(cfg, new))  # measured against it: refused
+    assert not again["promoted"] and "does not beat" in again["reason"]

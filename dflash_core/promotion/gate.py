@@ -16,13 +16,13 @@ from dflash_core.model.paired import DEFAULT_CONFIDENCE, paired_gain
 from dflash_core.monitor.config import WandbConfig
 from dflash_core.monitor.sinks import wandb_mode
 from dflash_core.promotion.store import (
+    PLACED_ID,
     PromotionConflict,
-    drafter_present,
     holds,
+    incumbent_id,
     promote,
     promoted_drafter,
     read_promoted,
-    record_id,
 )
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,19 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     incumbent = read_promoted(cfg.storage.root)
     # a drafter placed there by hand (no promoted.json: today's production drafter, seeded) is an incumbent too:
     # it is measured and must be beaten, as warm starts already start from it
-    placed = incumbent is None and drafter_present(cfg.storage.root)
+    measured_id = incumbent_id(cfg.storage.root, incumbent)
+    placed = measured_id == PLACED_ID
     old, incumbent_error = None, None
-    if incumbent is not None or placed:
+    if measured_id is not None:
         try:
             old = _tau(cfg, target, promoted_drafter(cfg.storage.root))
         except ExportError as exc:  # damaged or replaced since the flow's start checked it: nothing to beat
             incumbent_error = str(exc)
             log.error("promotion: the promoted drafter cannot be measured: %s", exc)
+    if old is not None and (old["tau"] is None or not math.isfinite(old["tau"])):
+        # there, but with no figure to beat: never taken for "nothing promoted" and replaced unmeasured
+        incumbent_error = f"its tau is {old['tau']}: it decoded no step on the evaluation prompts"
+        log.error("promotion: the promoted drafter cannot be measured: %s", incumbent_error)
     new_means, new_prompts, gain = new.pop("per_response"), new.pop("per_response_prompts", None), None
     if old is not None:
         gain = paired_gain(new_means, old.pop("per_response"), cfg.eval.min_gain,
@@ -76,7 +81,7 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
     return {"tau": new["tau"], "incumbent_tau": old["tau"] if old else None, "eval_set": eval_set(cfg),
             "new": new, "incumbent": old,
             "incumbent_run": incumbent.get("run") if incumbent else PLACED if placed else None,
-            "incumbent_id": record_id(incumbent), "gain": gain, "incumbent_error": incumbent_error,
+            "incumbent_id": measured_id, "gain": gain, "incumbent_error": incumbent_error,
             "block_size": new.get("block_size"), "incumbent_block_size": old.get("block_size") if old else None}
 
 

@@ -151,10 +151,22 @@ def record_id(record: dict[str, Any] | None) -> list[Any] | None:
     return None if record is None else [record.get("run"), record.get("time")]
 
 
+PLACED_ID = ["placed by hand", None]  # incumbent_id of a drafter there without promoted.json
+
+
+def incumbent_id(root: str, record: dict[str, Any] | None) -> list[Any] | None:
+    """What the promoted folder holds, as promote() compares it: the record's id (record_id), PLACED_ID for a
+    drafter placed by hand (no promoted.json), None for nothing."""
+    if record is not None:
+        return record_id(record)
+    return PLACED_ID if drafter_present(root) else None
+
+
 def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[Any] | None) -> str:
     """Copy a drafter folder (every file of it: export.drafter_files) to `<root>/promoted/drafter` with `record`
-    as promoted.json, if the promoted drafter is still `measured` (record_id of the one the new drafter was
-    compared with); returns the drafter path. PromotionConflict when it is not, or when another promotion holds
+    as promoted.json, if the promoted drafter is still `measured` (incumbent_id of the one the new drafter was
+    compared with: a drafter placed by hand since a run measured nothing is not replaced either); returns the
+    drafter path. PromotionConflict when it is not, or when another promotion holds
     the lock."""
     src_fs, src = fsspec.core.url_to_fs(drafter_dir)
     fs, path = fsspec.core.url_to_fs(_join(root, PROMOTED_DIR))
@@ -172,8 +184,10 @@ def promote(drafter_dir: str, root: str, record: dict[str, Any], measured: list[
         with _promotion_lock(root, LOCK_WAIT_S):
             recover(fs, path)
             current = _record(fs, path)
-            if record_id(current) != measured:
-                now = f"run {current.get('run')}, tau {current.get('tau')}" if current else "nothing"
+            held = incumbent_id(root, current)
+            if held != measured:
+                now = (f"run {current.get('run')}, tau {current.get('tau')}" if current
+                       else "a drafter placed by hand" if held == PLACED_ID else "nothing")
                 raise PromotionConflict(
                     f"the promoted drafter changed while this run was evaluated (now: {now}; measured against: "
                     f"{measured[0] if measured else 'nothing'}); it was not compared with the new one, so it is "
