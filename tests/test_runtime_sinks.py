@@ -30,6 +30,16 @@ def _rec(step: int, **extra) -> dict:
             "nonfinite": False, **extra}
 
 
+def _write_metrics(folder, steps: int, val_every: int | None = None) -> None:
+    """<folder>/metrics.jsonl of `steps` steps, a validation record after every `val_every`-th."""
+    jsonl = JsonlSink(str(folder / "metrics.jsonl"))
+    for step in range(steps):
+        jsonl.log(_rec(step))
+        if val_every and step % val_every == val_every - 1:
+            jsonl.log({"kind": "val", "step": step, "val_loss": 2.0})
+    jsonl.close()
+
+
 def _steps(path) -> list[int]:
     return [json.loads(line)["step"] for line in open(path)]
 
@@ -432,12 +442,7 @@ def test_an_online_resume_backfills_only_what_the_server_lacks_and_never_fails_t
     killed launch can end before what the server has (summary step 395 here, the file 340 and val 299). The
     backfill logs what neither has, not the validation record of step 349 the server already holds. A
     metrics.jsonl that cannot be read for it costs a warning, not the run."""
-    jsonl = JsonlSink(str(tmp_path / "metrics.jsonl"))
-    for s in range(400):
-        jsonl.log(_rec(s))
-        if s % 50 == 49:
-            jsonl.log({"kind": "val", "step": s, "val_loss": 2.0})
-    jsonl.close()
+    _write_metrics(tmp_path, 400, val_every=50)
     jsonl = JsonlSink(str(tmp_path / "metrics.jsonl"), resumed_at=390)
     run = _FakeRun()
     run.resumed, run.summary = True, {"step": 395}
@@ -587,10 +592,7 @@ def test_without_readable_wandb_files_the_resume_takes_metrics_steps_for_wandbs(
         path = tmp_path / "wandb" / "offline-run-1-abc" / "run-abc.wandb"
         path.parent.mkdir(parents=True)
         path.write_bytes(b"another format")
-    history = JsonlSink(str(tmp_path / "metrics.jsonl"))
-    for step in range(10):
-        history.log(_rec(step))
-    history.close()
+    _write_metrics(tmp_path, 10)
     run = _FakeRun()
     _fake_init(monkeypatch, (), run)
     open_wandb(WandbConfig(mode="offline", project="t"), {}, str(tmp_path),
@@ -612,12 +614,7 @@ def test_only_offline_folders_with_no_record_are_removed(tmp_path, monkeypatch):
 
 
 def test_backfill_logs_the_validation_records_wandb_lacks_and_says_so(tmp_path, monkeypatch, caplog):
-    history = JsonlSink(str(tmp_path / "metrics.jsonl"))
-    for step in range(20):
-        history.log(_rec(step))
-        if step % 5 == 4:
-            history.log({"kind": "val", "step": step, "val_loss": 2.0})
-    history.close()
+    _write_metrics(tmp_path, 20, val_every=5)
     run = _FakeRun()
     _fake_init(monkeypatch, (), run)
     sink = WandbSink(WandbConfig(mode="offline", project="t"), {}, str(tmp_path), {"train": 19, "val": 9})
