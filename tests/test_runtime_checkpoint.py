@@ -1,5 +1,7 @@
 """Checkpoints (atomic, pruned, loadable with weights_only), RNG state round trip, the LR schedule."""
 
+import json
+import os
 import random
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_core.runtime import checkpoint
 from dflash_core.runtime.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -196,3 +199,163 @@ def test_a_refused_resume_says_what_differs_and_how_to_resume_another_split(tmp_
     manager = CheckpointManager(tmp_path / "ckpt", keep=2)
     manager.save(3, *_state(3), identity="id", made_for=before)
     assert manager.load(tmp_path / "ckpt" / "step-3").made_for == before  # what the refusal compares
+
+
+# --- what a mutation audit of the checkpoint manager found unpinned -----------------------------------------
+
+def test_a_step_folder_without_meta_json_is_not_resumed_and_never_makes_pruning_delete_a_complete_one(tmp_path):
+    """A half-copied step-N (no meta.json yet) is not a checkpoint: counting it would prune the newest complete one."""
+    mgr = CheckpointManager(tmp_path, keep=1)
+    mgr.save(2, *_state(2))
+    (tmp_path / "step-9").mkdir()
+    (tmp_path / "step-9" / "model.safetensors").write_bytes(b"half")
+    mgr.save(4, *_state(4))
+    assert [s for s, _ in mgr.complete()] == [4] and mgr.latest().name == "step-4"
+    assert mgr.newest_loadable().step == 4
+
+
+def test_a_single_damaged_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    """With no checkpoint that loads, training from scratch (None) would also leave the damaged, newer step-N to be
+    kept by pruning over every new checkpoint: an error, nothing moved."""
+    mgr = CheckpointManager(tmp_path, keep=3)
+    (mgr.save(5, *_state(5)) / "train_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"step-5 cannot be loaded .*\(1 tried\)"):
+        mgr.newest_loadable()
+    assert [s for s, _ in mgr.complete()] == [5] and not list(tmp_path.glob("damaged-*"))
+
+
+def test_saving_a_step_again_replaces_it_and_leaves_no_debris(tmp_path):
+    """A step saved twice (a resumed launch stopped by SIGTERM before its first step) must not crash on the existing
+    folder, and the new weights win."""
+    mgr = CheckpointManager(tmp_path, keep=2)
+    mgr.save(4, *_state(4))
+    model, state = _state(4)
+    model["fc.weight"] = torch.full((3, 4), 7.0)
+    mgr.save(4, model, state)
+    assert [s for s, _ in mgr.complete()] == [4] and not list(tmp_path.glob(".tmp-*"))
+    assert torch.equal(mgr.load(tmp_path / "step-4").model["fc.weight"], model["fc.weight"])
+
+
+def test_a_save_fsyncs_every_file_and_the_folder_before_its_rename_and_the_parent_after(tmp_path, monkeypatch):
+    """The crash safety of a save is its order: files written and fsynced, meta.json last, the folder fsynced, one
+    rename, the parent fsynced; a same step saved again is moved aside (never deleted) before the rename."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", f"{os.path.relpath(src, tmp_path)} -> {os.path.relpath(dst, tmp_path)}"))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for _ in range(2):
+        mgr.save(3, *_state(3))
+    tmp, old = f".tmp-step-3-{os.getpid()}", f".tmp-old-step-3-{os.getpid()}"
+    once = [("fsync", f"{tmp}/model.safetensors"), ("fsync", f"{tmp}/train_state.pt"), ("fsync", f"{tmp}/meta.json"),
+            ("fsync", tmp)]
+    assert events == [*once, ("rename", f"{tmp} -> step-3"), ("fsync", "."),
+                      *once, ("rename", f"step-3 -> {old}"), ("rename", f"{tmp} -> step-3"), ("fsync", ".")]
+
+
+def test_meta_json_is_written_after_the_weights_and_the_train_state(tmp_path, monkeypatch):
+    """A save cut short before train_state.pt leaves a folder without meta.json (a copy-by-file rename, gcsfuse,
+    then never makes it look complete)."""
+    mgr = CheckpointManager(tmp_path, keep=2)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(OSError):
+        mgr.save(3, *_state(3))
+    [tmp] = tmp_path.glob(".tmp-step-3-*")
+    assert (tmp / "model.safetensors").exists() and not (tmp / "meta.json").exists()
+
+
+def test_running_out_of_memory_while_loading_is_not_damage(tmp_path, monkeypatch):
+    """A MemoryError is the machine's, not the checkpoint's: moving a good checkpoint aside would lose its steps."""
+    mgr = CheckpointManager(tmp_path, keep=3)
+    for step in (2, 4):
+        mgr.save(step, *_state(step))
+    real = checkpoint.load_file
+
+    def oom(path):
+        if "step-4" in path:
+            raise MemoryError
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "load_file", oom)
+    with pytest.raises(MemoryError):
+        mgr.newest_loadable()
+    assert [s for s, _ in mgr.complete()] == [2, 4] and not list(tmp_path.glob("damaged-*"))
+
+
+def test_a_checkpoint_written_before_meta_json_counted_tensors_or_named_its_run_loads(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=3)
+    path = mgr.save(4, *_state(4), identity="abc", made_for={"plan": {}, "model": {}})
+    assert mgr.load(path).identity == "abc"  # what the trainer's refusal of another run's checkpoint compares
+    (path / "meta.json").write_text(json.dumps({"step": 4, "complete": True}))
+    ckpt = mgr.newest_loadable()
+    assert ckpt.step == 4 and ckpt.identity is None and ckpt.made_for is None
+
+
+def test_retries_wait_two_then_four_seconds(tmp_path, monkeypatch):
+    import errno
+
+    waits: list[float] = []
+    monkeypatch.setattr(checkpoint.time, "sleep", waits.append)
+    mgr = CheckpointManager(tmp_path, keep=3)
+    mgr.save(2, *_state(2))
+
+    def eio(path):
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(checkpoint, "load_file", eio)
+    with pytest.raises(CheckpointError):
+        mgr.newest_loadable(lambda _: None)
+    assert waits == [2.0, 4.0]
+
+
+def test_a_step_moved_aside_again_within_the_same_second_gets_a_name_of_its_own(tmp_path, monkeypatch):
+    """The same step damaged twice in one second (a crash loop): a rename onto the first folder would crash."""
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda _fmt: "20260101T000000")
+    mgr = CheckpointManager(tmp_path, keep=5)
+    mgr.save(2, *_state(2))
+    for _ in range(3):
+        (mgr.save(4, *_state(4)) / "train_state.pt").write_bytes(b"")
+        assert mgr.newest_loadable(lambda _: None).step == 2
+    assert sorted(p.name for p in tmp_path.glob("damaged-*")) == [
+        "damaged-step-4-20260101T000000", "damaged-step-4-20260101T000000.2", "damaged-step-4-20260101T000000.3"]
+
+
+def test_a_checkpoint_a_same_step_save_moved_aside_is_put_back_when_that_save_died(tmp_path, monkeypatch):
+    """Saving step-N again moves the old step-N aside, then renames the new one in; a launch killed between the
+    two renames left step-N only under its `.tmp-old-` name, which the next launch's debris sweep deleted (with
+    keep_checkpoints 1, the run's only checkpoint)."""
+    mgr = CheckpointManager(tmp_path, keep=1)
+    mgr.save(4, *_state(4))
+    real, renames = os.rename, []
+
+    def rename(src, dst):  # the second rename of the same-step save fails: a kill at that instant
+        renames.append(dst)
+        if len(renames) == 2:
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError):
+        mgr.save(4, *_state(4))
+    monkeypatch.setattr(os, "rename", real)
+    assert not (tmp_path / "step-4").exists()
+    mgr.clean_debris()  # the next launch's first act
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"] and mgr.newest_loadable().step == 4
+    mgr.save(5, *_state(5))
+    (tmp_path / ".tmp-old-step-5-1").mkdir()  # a moved-aside copy whose step is there: debris
+    (tmp_path / ".tmp-old-step-5-1" / "meta.json").write_text("{}")
+    mgr.clean_debris()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]

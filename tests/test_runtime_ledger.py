@@ -4,11 +4,16 @@ over its launches. The launches themselves (a killed one, its resume) are in tes
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 
 import pytest
 
+from dflash_core.runtime import ledger
 from dflash_core.runtime.ledger import (
     LEDGER,
+    LaunchEntry,
     append_launch,
     earlier_launches_line,
     job_gpus,
@@ -16,6 +21,7 @@ from dflash_core.runtime.ledger import (
     launch_record,
     node_gpus,
     read_launches,
+    rewrite_launch,
     run_cost,
 )
 
@@ -140,3 +146,76 @@ def test_a_record_rewritten_after_its_ledger_was_cut_short_is_appended(tmp_path)
     (tmp_path / LEDGER).write_text("")  # someone emptied it while the launch ran
     rewrite_launch(str(tmp_path), at, {"started": "t1", "outcome": "completed"})
     assert read_launches(str(tmp_path)) == [{"started": "t1", "outcome": "completed"}]
+
+
+# --- what a mutation audit of the launch ledger found unpinned ---------------------------------------------
+
+def _rec(**kw) -> dict:
+    return launch_record(**{"started": "t", "wall_s": 60.0, "nodes": 1, "nproc_per_node": 8, "gpus": 8,
+                            "summary": {"start_step": 0, "steps": 5, "steps_redone": 0}, "error": None, **kw})
+
+
+def test_a_launch_that_ended_without_a_summary_or_an_error_counts_as_failed():
+    """A launch stopped by Ctrl-C or a cancel (no summary, no error line) trained nothing to completion."""
+    stopped = _rec(summary=None)
+    assert stopped["outcome"] == "failed"
+    assert run_cost([stopped, _rec()])["failed_launches"] == 1
+
+
+def test_a_cpu_launch_costs_zero_gpu_hours_not_an_unknown_figure():
+    cpu = _rec(gpus=0)
+    assert cpu["gpu_hours"] == 0.0
+    cost = run_cost([cpu, _rec(gpus=0, summary=None, error="boom")])
+    assert cost["gpu_hours"] == 0.0 and cost["failed_gpu_hours"] == 0.0
+    assert run_cost([cpu, _rec()])["gpu_hours"] == round(8 * 60 / 3600, 4)
+
+
+def test_a_shorter_final_record_keeps_the_ledger_one_line_a_launch(tmp_path, monkeypatch):
+    fsyncs: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(ledger.os, "fsync", lambda fd: (fsyncs.append(fd), real(fd)))
+    at = append_launch(str(tmp_path), {**_rec(error="x" * 200), "outcome": "running"})
+    rewrite_launch(str(tmp_path), at, _rec())
+    assert len(fsyncs) == 2  # the appended line and its rewrite are on disk before the launch goes on
+    assert (tmp_path / LEDGER).read_text().count("\n") == 1 and read_launches(str(tmp_path)) == [_rec()]
+
+
+def test_a_heartbeat_that_fails_once_goes_on_beating(tmp_path, monkeypatch):
+    """A full disk for a moment must not end the rewrites: a launcher killed later would record a stale wall time."""
+    monkeypatch.setattr(ledger, "BEAT_S", 0.02)
+    real, calls = ledger.rewrite_launch, []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        real(*args)
+
+    monkeypatch.setattr(ledger, "rewrite_launch", flaky)
+    entry = LaunchEntry(str(tmp_path), lambda: {**_rec(), "outcome": "running"})
+    entry.start()
+    deadline = time.monotonic() + 5
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    entry.ended.set()
+    entry.join()
+    assert len(calls) >= 3
+
+
+def test_the_final_record_is_never_overwritten_by_a_heartbeat_in_flight(tmp_path, monkeypatch):
+    """finish() waits for a rewrite under way: otherwise a completed launch reads back as interrupted."""
+    monkeypatch.setattr(ledger, "BEAT_S", 0.01)
+    in_beat = threading.Event()
+
+    def running() -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            in_beat.set()
+            time.sleep(0.3)  # a slow disk: the beat's rewrite is still to come
+        return {**_rec(), "outcome": "running"}
+
+    entry = LaunchEntry(str(tmp_path), running)
+    entry.start()
+    assert in_beat.wait(5)
+    entry.finish(_rec())
+    time.sleep(0.4)
+    assert read_launches(str(tmp_path)) == [_rec()]

@@ -180,3 +180,45 @@ def test_a_checkpoint_of_another_drafter_layout_is_refused_naming_the_settings(i
                        r"layout changed since the checkpoint \(now model.draft_heads None, .* draft_intermediate_size "
                        r"96; null: the target's\); set them back, or train into a new run folder"):
         _trainer(inputs, out, draft_intermediate_size=96)
+
+
+# --- what a mutation audit of Trainer._resume found unpinned ----------------------------------------------
+
+def _edit_state(out, **changes) -> dict:
+    path = out / "checkpoints" / f"step-{EVERY}" / "train_state.pt"
+    state = torch.load(path, weights_only=True)
+    state.update(changes)
+    torch.save(state, path)
+    return state
+
+
+def test_a_resume_restores_the_loop_counters_best_step_pending_validation_and_rng(inputs, whole, tmp_path):
+    out = _resumable(whole, tmp_path)
+    rng = torch.load(out / "checkpoints" / f"step-{EVERY}" / "train_state.pt", weights_only=True)["rng"]
+    rng[0]["torch"] = torch.Generator().manual_seed(12345).get_state()  # not what the trainer's own seeding gives
+    state = _edit_state(out, rng=rng, loop={"nonfinite_total": 2, "grad_norm_ema": 0.5, "finite_steps": 1},
+                        best={"step": 2, "val_accept_len": 1.5}, val_pending=2)
+    trainer = _trainer(inputs, out)
+    assert trainer.loop_state == state["loop"] and trainer.val_pending == 2
+    assert trainer.best.state_dict() == {"step": 2, "val_accept_len": 1.5}
+    assert torch.equal(torch.get_rng_state(), state["rng"][0]["torch"])
+
+
+def test_a_checkpoint_from_before_run_identities_resumes_and_debris_is_cleaned(inputs, whole, tmp_path):
+    out = _resumable(whole, tmp_path)
+    meta = out / "checkpoints" / f"step-{EVERY}" / "meta.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items()
+                                if k not in ("identity", "made_for")}))
+    (out / "checkpoints" / ".tmp-step-9-123").mkdir()
+    assert _trainer(inputs, out).start_step == EVERY
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_the_steps_an_interrupted_launch_trained_after_its_checkpoint_count_as_redone(inputs, whole, tmp_path):
+    out = _resumable(whole, tmp_path)
+    lines = (whole / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= 4]  # killed after plan step 4
+    (out / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    summary = _trainer(inputs, out).train()
+    assert summary["start_step"] == EVERY and summary["steps_redone"] == 4 + 1 - EVERY
+    shutil.rmtree(out)

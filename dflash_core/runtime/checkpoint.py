@@ -36,6 +36,7 @@ from dflash_core.errors import InputError
 from dflash_core.runtime.faults import NO_FAULTS, FaultPlan
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+MOVED_ASIDE = re.compile(r"^\.tmp-old-(step-\d+)-\d+$")  # a checkpoint a same-step save moved aside (_replace)
 
 
 class CheckpointError(InputError):
@@ -162,10 +163,17 @@ class CheckpointManager:
         self.faults = faults
 
     def clean_debris(self) -> None:
-        """Remove temporary folders left by a crash during a save (rank 0, before training)."""
-        if self.root.exists():
-            for tmp in self.root.glob(".tmp-*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+        """Remove temporary folders left by a crash during a save (rank 0, before training). A checkpoint that a
+        save of the same step moved aside (`.tmp-old-step-N-<pid>`, see _replace) is put back as step-N when the
+        save died before its own folder took that name: it is a whole checkpoint, the newest, perhaps the only."""
+        if not self.root.exists():
+            return
+        for old in sorted(self.root.glob(".tmp-old-step-*")):
+            match = MOVED_ASIDE.match(old.name)
+            if match and (old / "meta.json").exists() and not (self.root / match[1]).exists():
+                os.rename(old, self.root / match[1])
+        for tmp in self.root.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def complete(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as (step, path), oldest first."""
