@@ -694,9 +694,7 @@ def test_any_file_of_a_drafter_placed_by_hand_makes_it_an_incumbent(root, monkey
     fs.makedirs(path, exist_ok=True)
     fs.pipe(f"{path}/{name}", b"{}")
     assert store.drafter_present(root)
-    monkeypatch.setattr(gate, "_tau", lambda cfg, target, drafter_dir: {
-        "tau": 1.5 if drafter_dir == promoted_drafter(root) else 1.3, "per_response": [1.0, 2.0]})
-    monkeypatch.setattr("dflash_core.model.evaluate.eval_target", lambda *a, **k: None)
+    _measured_as(monkeypatch, root, incumbent_tau=1.5)
     cfg = _cfg(root)
     new_dir = _drafter(f"{root}/runs/b/drafter", "B")
     scores = gate.measure(cfg, new_dir)

@@ -29,16 +29,13 @@ def paired_gain(new: Sequence[float | None], old: Sequence[float | None], min_ga
     the responses to one prompt count as one pair, their mean gain, so a repeated prompt neither weighs more nor
     narrows the bound. "pairs" is the number of pairs tested, "repeats" the responses merged into them."""
     if len(new) != len(old):
-        return {"pairs": 0, "mean": None, "lower": None, "p_value": None, "confidence": confidence,
-                "note": f"the drafters decoded different numbers of responses ({len(new)} vs {len(old)})"}
+        return _untested(confidence, f"the drafters decoded different numbers of responses ({len(new)} vs "
+                                     f"{len(old)})")
     if old_prompts is not None and prompts is not None and list(prompts) != list(old_prompts):
-        return {"pairs": 0, "mean": None, "lower": None, "p_value": None, "confidence": confidence,
-                "note": "the drafters decoded different prompts: nothing pairs"}
-    keys = list(prompts) if prompts is not None else list(range(len(new)))
-    if len(keys) != len(new):
-        raise ValueError(f"{len(keys)} prompt keys for {len(new)} responses")
+        return _untested(confidence, "the drafters decoded different prompts: nothing pairs")
+    keys = prompts if prompts is not None else range(len(new))
     by_prompt: dict[Hashable, list[float]] = {}
-    for key, a, b in zip(keys, new, old, strict=True):
+    for key, a, b in zip(keys, new, old, strict=True):  # strict: a key for every response
         if a is not None and b is not None:
             by_prompt.setdefault(key, []).append(a - b)
     diffs = np.array([float(np.mean(gains)) for gains in by_prompt.values()])
@@ -56,3 +53,8 @@ def paired_gain(new: Sequence[float | None], old: Sequence[float | None], min_ga
     out["p_value"] = float(stats.t.sf(t, df=len(diffs) - 1))
     out["lower"] = out["mean"] - float(stats.t.ppf(confidence, df=len(diffs) - 1)) * sem
     return out
+
+
+def _untested(confidence: float, note: str) -> dict[str, Any]:
+    """The gain of two evaluations that do not pair: nothing to test, and why."""
+    return {"pairs": 0, "mean": None, "lower": None, "p_value": None, "confidence": confidence, "note": note}

@@ -68,10 +68,10 @@ def measure(cfg: PipelineConfig, drafter_dir: str) -> dict[str, Any]:
             old = _tau(cfg, target, promoted_drafter(cfg.storage.root))
         except ExportError as exc:  # damaged or replaced since the flow's start checked it: nothing to beat
             incumbent_error = str(exc)
-            log.error("promotion: the promoted drafter cannot be measured: %s", exc)
     if old is not None and (old["tau"] is None or not math.isfinite(old["tau"])):
         # there, but with no figure to beat: never taken for "nothing promoted" and replaced unmeasured
         incumbent_error = f"its tau is {old['tau']}: it decoded no step on the evaluation prompts"
+    if incumbent_error:
         log.error("promotion: the promoted drafter cannot be measured: %s", incumbent_error)
     new_means, new_prompts, gain = new.pop("per_response"), new.pop("per_response_prompts", None), None
     if old is not None:

@@ -50,7 +50,7 @@ class StopRequest:
         # buffer (a reentrant call); either would raise into the training loop and lose the stop checkpoint.
         with contextlib.suppress(OSError):
             os.write(2, f"[rank {self.rank}] {signal.Signals(signum).name}: checkpointing at the end of this step "
-                        "(or the next, when this one's ranks already compared notes), then stopping\n".encode())
+                        "(or of the next, when this step's all-reduce has already run), then stopping\n".encode())
 
     @property
     def requested(self) -> bool:
