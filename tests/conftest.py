@@ -1,11 +1,23 @@
 """Shared test set-up: offline W&B, no Prefect analytics, one Prefect test server, the tiny example assets."""
 
+import getpass
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
+# Every temporary folder of the session (the tests', the code's under test, the servers' they start) goes under
+# one folder that the session's end removes: a run of the suite leaves nothing behind in /tmp. pytest's own
+# tmp_path folders (the last three runs', for a failure's post-mortem) and torch's compile cache stay where
+# they were, decided before the switch.
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),
+                                                              f"torchinductor_{getpass.getuser()}"))
+_SCRATCH = tempfile.mkdtemp(prefix="dflash-tests-")
+tempfile.tempdir = _SCRATCH
+os.environ["TMPDIR"] = _SCRATCH
 # Before anything imports prefect or wandb: a throwaway PREFECT_HOME, no analytics, W&B offline.
-_PREFECT_HOME = tempfile.mkdtemp(prefix="dflash-prefect-home-")
+_PREFECT_HOME = tempfile.mkdtemp(prefix="prefect-home-")
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -55,3 +67,8 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def pytest_unconfigure(config):
+    """The session's temporary folders go with it."""
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
