@@ -1,5 +1,6 @@
 """Shared test set-up: offline W&B, no Prefect analytics, one Prefect test server, the tiny example assets."""
 
+import atexit
 import getpass
 import os
 import shutil
@@ -14,6 +15,9 @@ os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),
                                                               f"torchinductor_{getpass.getuser()}"))
 _SCRATCH = tempfile.mkdtemp(prefix="dflash-tests-")
+# At exit, after the clean-ups registered later (atexit runs them last first: Prefect's test harness removes its
+# database folder in one), the session's folders go with it.
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 tempfile.tempdir = _SCRATCH
 os.environ["TMPDIR"] = _SCRATCH
 # Before anything imports prefect or wandb: a throwaway PREFECT_HOME, no analytics, W&B offline.
@@ -67,8 +71,3 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
-
-
-def pytest_unconfigure(config):
-    """The session's temporary folders go with it."""
-    shutil.rmtree(_SCRATCH, ignore_errors=True)

@@ -543,7 +543,8 @@ def test_wandb_has_every_step_once_after_a_run_on_an_object_store_is_killed_and_
     assert summary["start_step"] == 3
     assert "killed before W&B wrote a record" in fs.cat_file(f"{remote}/train.log").decode()
     logs = fs.glob(f"{remote}/wandb/offline-run-*/run-*.wandb")
-    assert len(logs) == 1  # the resumed launch's: the empty one is gone from the store
+    w_and_b = [line for line in fs.cat_file(f"{remote}/train.log").decode().splitlines() if "W&B" in line]
+    assert len(logs) == 1, (fs.find(f"{remote}/wandb"), w_and_b)  # the resumed launch's: the empty one is gone
     local = tmp_path / "run.wandb"
     fs.get_file(logs[0], str(local))
     steps = [json.loads(x)["step"] for x in fs.cat_file(f"{remote}/metrics.jsonl").decode().splitlines()
