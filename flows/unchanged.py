@@ -24,7 +24,7 @@ from dflash_core.config import PipelineConfig
 from dflash_core.data.sources import stored_checksum
 from dflash_core.model.export import drafter_location
 from dflash_core.model.instances import Instance
-from dflash_core.promotion.store import promoted_drafter, read_promoted, record_id
+from dflash_core.promotion.store import incumbent_id, promoted_drafter, read_promoted, record_id
 from flows import storage
 
 TRAINED_DIR = "trained"
@@ -84,12 +84,14 @@ def record_trained(config: PipelineConfig, plan_fp: str, outcome: dict[str, Any]
                    prompts: str | None = None) -> bool:
     """Record a completed run under the key of the state it leaves (read after its promotion decision), when
     that state is one of the module doc's: its own drafter promoted, or the incumbent it was `measured` against
-    (record_id) still in service. Not after another run promoted meanwhile (a PromotionConflict): that drafter
-    was never compared on this run's data. `prompts`: those the run started with (training_key). Returns whether it
-    recorded."""
-    if not outcome["promoted"] and record_id(read_promoted(config.storage.root)) != measured:
+    still in service (incumbent_id, as promote() compares them: a drafter placed by hand is one, and one placed
+    since a run that measured nothing is not what it measured). Not after another run promoted meanwhile (a
+    PromotionConflict): that drafter was never compared on this run's data. `prompts`: those the run started
+    with (training_key). Returns whether it recorded."""
+    root = config.storage.root
+    if not outcome["promoted"] and incumbent_id(root, read_promoted(root)) != measured:
         return False
-    path = _path(config.storage.root, training_key(config, plan_fp, prompts))
+    path = _path(root, training_key(config, plan_fp, prompts))
     fs, local = fsspec.core.url_to_fs(path)
     fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(local, "w") as fh:
