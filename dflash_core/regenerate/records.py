@@ -122,7 +122,8 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     prompt text (a greeting answers nothing); so are turns that call tools when the record has their results
     after them: those answer the calls, which cannot be re-run, and the replies after the results are
     regenerated (a call the record ends on, or one no result follows, is regenerated like any reply). Assistant
-    turns in a row (a reply the record split in two) are answered by one reply. A reply that calls
+    turns in a row (a reply the record split in two) are answered by one reply, but for a call with results
+    among them, kept as said (before, it went with the reply and left its results without it). A reply that calls
     tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
     and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
     A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
@@ -140,10 +141,11 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     turns = messages if messages[-1]["role"] == "assistant" else [*messages, {"role": "assistant"}]
     for k, turn in enumerate(turns):
         seen_user = seen_user or turn["role"] == "user"
-        if turn["role"] == "assistant" and last_reply == len(out) - 1:
+        # a call whose results the record has: kept as it is, before them, even right after a regenerated reply
+        answered_call = bool(turn.get("tool_calls")) and k + 1 < len(turns) and turns[k + 1]["role"] == "tool"
+        if turn["role"] == "assistant" and last_reply == len(out) - 1 and not answered_call:
             continue  # the rest of a reply the record split in two: the target's reply answers the turn whole
-        answered = k + 1 < len(turns) and turns[k + 1]["role"] == "tool"  # a call whose results the record has
-        if turn["role"] != "assistant" or not seen_user or (turn.get("tool_calls") and answered):
+        if turn["role"] != "assistant" or not seen_user or answered_call:
             out.append(turn)
             history.append(turn)
             continue

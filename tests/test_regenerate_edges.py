@@ -1,0 +1,434 @@
+"""The regenerate stage's edges a mutation audit found untested: API keys, retry waits, odd completions, refusal
+hints, the cache key, journals and counts, endpoint take-out, the local server's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from common.regenerate import data_config, output_records, write_jsonl
+
+from dflash_core.regenerate import client
+from dflash_core.regenerate.client import Endpoint, Rejected, Reply, api_key, auth_headers
+from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.errors import EndpointError, RegenerateError
+from dflash_core.regenerate.output import OutputDir, counting, tally
+from dflash_core.regenerate.records import empty_reply, regenerate, rejection, reply_text
+
+
+def _scripted(replies: list[Reply]):
+    async def send(messages):
+        return replies.pop(0)
+    return send
+
+
+def _endpoint(answer, **cfg) -> Endpoint:
+    """An Endpoint whose server is the function `answer` (request -> response)."""
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(**{"retries": 3, "backoff_s": 1.0, **cfg}))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    return endpoint
+
+
+_OK = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+
+
+# --- config and API key ---------------------------------------------------------------------------------------------
+
+def test_https_endpoints_top_p_one_and_no_restart_wait_are_valid_settings():
+    """An https gateway, top_p 1.0 (sampling off, the documented upper bound) and restart_wait_s 0 (fail at once)
+    are all legitimate values the section must take."""
+    cfg = RegenerateConfig(endpoints=["https://gw.example/v1"], top_p=1.0, restart_wait_s=0)
+    assert cfg.endpoints == ["https://gw.example/v1"] and cfg.top_p == 1.0 and cfg.restart_wait_s == 0
+
+
+def test_the_api_key_edge_cases(monkeypatch):
+    """An empty variable is no key (said, not sent as `Bearer `); a remote endpoint never gets the local vLLM's key
+    from this environment; a trailing `--api-key` without a value is none; a key with `=` in it (base64) is whole."""
+    monkeypatch.setenv("EMPTY_KEY", "")
+    with pytest.raises(RegenerateError, match="api_key_env names EMPTY_KEY, which is not set \\(or empty\\)"):
+        api_key(RegenerateConfig(api_key_env="EMPTY_KEY", endpoints=["http://h:8000/v1"]))
+    monkeypatch.setenv("VLLM_API_KEY", "local-only")
+    assert api_key(RegenerateConfig(serve="vllm", endpoints=["http://h:8000/v1"])) is None
+    assert api_key(RegenerateConfig(serve="vllm", endpoints=["http://h:8000/v1"], serve_args=["--api-key", "k"])) \
+        is None
+    assert api_key(RegenerateConfig(serve="sglang", serve_args=["--api-key"])) is None
+    assert api_key(RegenerateConfig(serve="sglang", serve_args=["--api-key=YWJj=="])) == "YWJj=="
+    assert auth_headers(None) == auth_headers("") == {}  # `--api-key=` sets no key: no `Bearer ` header
+
+
+def test_a_server_that_lists_no_model_is_named():
+    endpoint = _endpoint(lambda request: httpx.Response(200, json={"object": "list", "data": []}))
+    with pytest.raises(EndpointError, match="GET /models lists no model; pass --model"):
+        asyncio.run(endpoint.models())
+
+
+# --- retries ----------------------------------------------------------------------------------------------------------
+
+def _waits(monkeypatch, statuses: list[int], headers: dict[str, str] | None = None, **cfg) -> list[float]:
+    """The sleeps between the tries of one request whose server answers `statuses` in turn, then 200."""
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    sent: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
+        if len(sent) <= len(statuses):
+            return httpx.Response(statuses[len(sent) - 1], headers=headers or {}, text="busy")
+        return httpx.Response(200, json=_OK)
+
+    monkeypatch.setattr(client.asyncio, "sleep", sleep)
+    assert asyncio.run(_endpoint(answer, **cfg).chat({})).content == "hi"
+    return waits
+
+
+def test_the_backoff_doubles_and_retry_after_is_honoured_within_bounds(monkeypatch):
+    """backoff_s doubles every retry; a Retry-After longer than it wins, a shorter one does not cut it, one beyond a
+    minute is capped at a minute, and an HTTP-date one (not a number) leaves the backoff."""
+    assert _waits(monkeypatch, [503, 503, 503]) == [1.0, 2.0, 4.0]
+    assert _waits(monkeypatch, [429], {"Retry-After": "5"}) == [5.0]
+    assert _waits(monkeypatch, [429], {"Retry-After": "0"}) == [1.0]
+    assert _waits(monkeypatch, [429], {"Retry-After": "3600"}) == [60.0]
+    assert _waits(monkeypatch, [503], {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) == [1.0]
+
+
+def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():
+    """A prompt that fills the context exactly (room 0) cannot get a reply: a refusal, sent once."""
+    sent: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["max_tokens"])
+        return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 4096 tokens "
+                                                              "and your request has 4096 input tokens"}})
+
+    with pytest.raises(Rejected, match="4096 input tokens"):
+        asyncio.run(_endpoint(answer).chat({"max_tokens": 512}))
+    assert sent == [512]
+
+
+# --- odd completions --------------------------------------------------------------------------------------------------
+
+def test_a_200_without_choices_is_malformed_and_one_without_finish_reason_is_kept():
+    """A 200 with an error object and no `choices` key is not a dropped request to send again (only `choices: []`
+    is): the record's drop, sent once. A completion without finish_reason ended where the model stopped (`unknown`).
+    Text parts mixed with an image are no reply text."""
+    sent: list[int] = []
+
+    def error(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
+        return httpx.Response(200, json={"object": "error", "message": "bad things"})
+
+    with pytest.raises(Rejected, match="malformed completion.*bad things"):
+        asyncio.run(_endpoint(error).chat({}))
+    assert sent == [1]
+    bare = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": "4"}}]}))
+    assert asyncio.run(bare.chat({})) == Reply("4", "unknown", 0, counted_by="unknown")
+    # vLLM's newer field name for the reasoning (`reasoning_content` before)
+    newer = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {
+        "content": "4", "reasoning": "2+2"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}))
+    assert asyncio.run(newer.chat({})) == Reply("4", "stop", 2, reasoning="2+2")
+    mixed = [{"type": "text", "text": "See: "}, {"type": "image_url", "image_url": {"url": "x"}}]
+    odd = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": mixed},
+                                                                           "finish_reason": "stop"}]}))
+    with pytest.raises(Rejected, match="neither text nor text parts"):
+        asyncio.run(odd.chat({}))
+
+
+# --- records ----------------------------------------------------------------------------------------------------------
+
+def test_refusal_hints_are_given_only_where_the_setting_would_fix_it():
+    """The same_role_turns hint is for a template's 'alternate' refusal of two user or assistant turns in a row: not
+    for parallel tool results in a row (merge leaves those as they are), not for a context-length refusal."""
+    alternate = Rejected(400, "Conversation roles must alternate user/assistant/user/assistant/...")
+    tools = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{}, {}]},
+             {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert rejection(alternate, tools) == str(alternate)
+    too_long = Rejected(400, "This model's maximum context length is 4096 tokens")
+    twice = [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]
+    assert rejection(too_long, twice) == str(too_long)
+
+
+def test_empty_replies_and_the_reasoning_parser_hint():
+    """A reply of whitespace is empty (no training text); the reasoning-parser hint is for thinking off only (with
+    thinking kept, `set data.thinking: keep` fixes nothing); a count nobody made is not said as `(0 tokens)`."""
+    convo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "old"}]
+    result = asyncio.run(regenerate(convo, _scripted([Reply(" \n ", "stop", 2)]), keep_truncated=False,
+                                    keep_thinking=False))
+    assert result.drop is not None and result.drop.reason == "empty_reply"
+    reasoning_only = Reply("", "stop", 5, reasoning="4")
+    assert "data.thinking: keep" in empty_reply(reasoning_only, 1, keep_thinking=False)
+    assert empty_reply(reasoning_only, 1, keep_thinking=True) == "the server's reply to turn 1 is empty (finish_reason stop)"
+    cut = asyncio.run(regenerate(convo, _scripted([Reply("4 4", "length", 0, counted_by="unknown")]),
+                                 keep_truncated=False, keep_thinking=False))
+    assert cut.drop.detail == "reply to turn 1 reached max_tokens"
+
+
+def test_a_later_refusal_marks_the_cut_as_refused_and_kept_reasoning_is_trimmed():
+    """A conversation cut by a refusal is flagged `refused` (the stage holds it back as it does refusals, so a server
+    restarted with other settings is caught); reasoning and reply are trimmed around the think block."""
+    convo = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    replies: list = [Reply("ok", "stop", 1)]
+
+    async def send(messages):
+        if replies:
+            return replies.pop(0)
+        raise Rejected(404, "The model `m` does not exist.")
+
+    result = asyncio.run(regenerate(convo, send, keep_truncated=False, keep_thinking=False))
+    assert result.refused and result.drop is None and len(result.messages) == 2
+    assert reply_text(Reply("\n4", "stop", 1, reasoning="\nadd\n"), True) == "<think>\nadd\n</think>\n\n4"
+
+
+
+def test_a_call_no_result_follows_is_regenerated_though_the_record_goes_on():
+    """A call followed by a user turn (its results lost) answers nothing the record holds: the target writes that
+    turn; only a call with tool results right after it is kept as written."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    convo = [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "old"}]
+    replies = [Reply("Done.", "stop", 1), Reply("You are welcome.", "stop", 1)]
+    result = asyncio.run(regenerate(convo, _scripted(replies), keep_truncated=False, keep_thinking=False))
+    assert result.messages == [convo[0], {"role": "assistant", "content": "Done."}, convo[2],
+                               {"role": "assistant", "content": "You are welcome."}]
+
+# --- output: journals, shard files, counts ---------------------------------------------------------------------------
+
+def _outcome(i: int, **extra) -> dict:
+    return {"i": i, "source": {"file": "a.jsonl", "record": i}, "finish": ["stop"], "tokens": 1,
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": f"a{i}"}], **extra}
+
+
+def test_a_journal_torn_by_a_kill_takes_new_outcomes_after_it(tmp_path):
+    """Reopening a journal whose last line a kill -9 tore cuts that line off: the outcomes appended afterwards are
+    read back (appended to the torn line, they would be lost with it)."""
+    out = OutputDir(str(tmp_path / "out"))
+    journal = out.journal(0)
+    journal.add(_outcome(0))
+    journal.fh.write(b'{"i": 1, "sou')
+    journal.close()
+    journal = out.journal(0)
+    journal.add(_outcome(1))
+    journal.close()
+    assert sorted(out.outcomes(0)) == [0, 1]
+
+
+def test_a_shard_file_is_in_input_order_whatever_the_completion_order(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    journal = out.journal(0)
+    for i in (2, 0, 1):
+        journal.add(_outcome(i))
+    journal.finish()
+    lines = (tmp_path / "out" / "shard-00000.jsonl").read_text().splitlines()
+    assert [json.loads(line)["source"]["record"] for line in lines] == [0, 1, 2]
+
+
+def test_how_token_counts_were_made_is_told_from_their_parts(tmp_path):
+    """`unknown` wins over `mixed` (a sum that leaves replies out is no sum of the server's and the tokenizer's),
+    a run of no reply is the server's; a record dropped before any request (no finish reasons) says nothing about
+    the counting. The manifest's per-shard counts are of records read and kept."""
+    assert counting(["server", "unknown"]) == "unknown" and counting(["server", "tokenizer"]) == "mixed"
+    assert counting([]) == "server" and counting(["tokenizer", "tokenizer"]) == "tokenizer"
+    out = OutputDir(str(tmp_path / "out"))
+    journal = out.journal(0)
+    journal.add(_outcome(0, tokens_counted_by="tokenizer"))
+    journal.add({"i": 1, "source": {"file": "a.jsonl", "record": 1}, "finish": [], "tokens": 0,
+                 "drop": "bad_json", "detail": "not JSON"})
+    journal.close()
+    counts = tally(out, [0], 3)
+    assert counts["tokens_counted_by"] == "tokenizer"
+    assert counts["shards"] == [{"file": "shard-00000.jsonl", "records": 2, "kept": 1}]
+
+
+# --- stage ------------------------------------------------------------------------------------------------------------
+
+def test_the_cache_key_changes_with_every_setting_that_changes_the_output():
+    """keep_truncated and limit change what is written: a run with other values must not resume this output.
+    send_tools appears only when on, so caches made before the setting existed stay valid."""
+    from dflash_core.regenerate.stage import settings
+
+    base = data_config("d")
+    key = settings(base, "t")
+    assert "send_tools" not in key
+    for change in ({"keep_truncated": False}, {"limit": 5}, {"send_tools": True}):
+        other = base.model_copy(update={"regenerate": base.regenerate.model_copy(update=change)})
+        assert settings(other, "t") != key, change
+
+
+def test_limit_reads_and_counts_only_the_first_records(tmp_path):
+    from dflash_core.data.sources import list_files
+    from dflash_core.regenerate.stage import count_records, read_items
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                    for i in range(5)])
+    data = data_config(source, limit=2)
+    assert count_records(list_files(source), data) == 2
+    assert [item.source["record"] for item in read_items(list_files(source), data)] == [0, 1]
+
+
+def test_shards_beyond_the_input_leave_nothing_to_do(tmp_path):
+    """A task run told a shard the input does not reach has nothing to do: it contacts no endpoint (here none
+    answers) and counts nothing."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "q"}]}] * 4)
+    data = data_config(source, endpoints=["http://127.0.0.1:9/v1"], records_per_shard=2, retries=0)
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data, shards=[2, 7])
+    assert summary["shards"] == 2 and summary["read"] == 0 and not summary["complete"]
+
+
+class _Server(http.server.BaseHTTPRequestHandler):
+    """Lists model "m"; POST: HTTP 500 when the last user turn says "flaky" (or always, while `failing`), HTTP 400
+    when it says "long" or the request carries tools, else "ok"."""
+
+    failing = False
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = request["messages"][-1]["content"]
+        if type(self).failing or "flaky" in last:
+            self._send(500, {"error": {"message": "internal error", "code": 500}})
+        elif "long" in last or request.get("tools"):
+            self._send(400, {"error": {"message": "refused", "code": 400}})
+        else:
+            self._send(200, {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                             "usage": {"completion_tokens": 1}})
+
+
+@contextlib.contextmanager
+def _serving(handler: type = _Server) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("between", ["q", "long"])
+def test_failures_with_answers_between_them_do_not_take_the_endpoint_out(tmp_path, between):
+    """Only failures in a row take an endpoint out: a reply or a refusal between two failed records shows the server
+    works. Ten scattered failures leave ten server_error drops (sent again by a rerun), not a failed run."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    texts = [t for i in range(10) for t in (f"flaky {i}", f"{between} {i}")]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": t}]} for t in texts])
+    with _serving() as url:
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(
+            source, endpoints=[url], concurrency=1, retries=0))
+    assert summary["complete"] and summary["dropped"]["server_error"] == 10
+
+
+def test_an_endpoint_is_taken_out_after_twice_its_concurrency_in_failures(tmp_path):
+    """With many requests in flight a burst of failures is normal under load: the limit is 2 x concurrency."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Failing(_Server):
+        failing = True
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                    for i in range(40)])
+    with _serving(Failing) as url, pytest.raises(EndpointError, match="failed 16 requests in a row"):
+        regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url], concurrency=8,
+                                                                      retries=0))
+
+
+def test_tools_are_not_sent_unless_send_tools_and_a_model_the_server_lacks_is_named(tmp_path):
+    """send_tools: false keeps the definitions out of the requests (a server without a tool parser refuses them);
+    a data.regenerate.model the endpoint does not serve stops the run before any request."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}],
+                                                     "tools": tools} for i in range(3)])
+    with _serving() as url:
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url]))
+        assert summary["kept"] == 3 and summary["tools_unsent"] == 3
+        assert all(r["tools"] == tools for r in output_records(tmp_path / "out"))
+        with pytest.raises(EndpointError, match=r"serves \['m'\], not 'other'"):
+            regenerate_dataset(source, str(tmp_path / "other"), data_config(source, endpoints=[url], model="other"))
+
+
+# --- the local server -------------------------------------------------------------------------------------------------
+
+def test_serve_args_come_after_the_defaults_and_the_environment_wins_over_the_kinds(tmp_path, monkeypatch):
+    """A repeated flag's last value wins, so serve_args (after the defaults) override them; the caller's
+    OMP_NUM_THREADS overrides the kind's default of 1."""
+    from dflash_core.regenerate.server import LocalServer, server_command
+
+    cmd = server_command("transformers", "m", 8000, ["--cb-max-memory-percent", "0.5"])
+    assert cmd[-2:] == ["--cb-max-memory-percent", "0.5"] and "0.1" in cmd
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    server = LocalServer([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], 9,
+                         tmp_path / "server.log", {"OMP_NUM_THREADS": "1"})
+    server.proc.wait(30)
+    server.stop()
+    assert server.log_path.read_text().strip() == "4"
+
+
+def test_the_served_model_folder_takes_the_targets_own_files_over_the_tokenizers(tmp_path):
+    from dflash_core.regenerate.server import servable_model
+
+    target, tokenizer = tmp_path / "target", tmp_path / "tokenizer"
+    for folder in (target, tokenizer):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"from": folder.name}))
+    (tokenizer / "tokenizer.json").write_text("{}")
+    served = Path(servable_model(str(target), str(tokenizer), tmp_path / "work"))
+    assert json.loads((served / "config.json").read_text()) == {"from": "target"}
+    assert (served / "tokenizer.json").exists()
+
+
+def test_a_call_with_results_after_a_text_reply_keeps_its_results_tied_to_it():
+    """user, "Let me check.", a call with its results, the answer: the call answers nothing the target wrote, its
+    results need it before them. Before, the split-reply rule (assistant turns in a row are one reply) dropped the
+    call: the next request and the written record held a tool result whose call was gone."""
+    from dflash_core.data.formats import Schema, role_table
+    from dflash_core.regenerate.records import record_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Paris"}}}
+    record = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                           {"role": "assistant", "content": "Let me check."},
+                           {"role": "assistant", "content": "", "tool_calls": [call]},
+                           {"role": "tool", "content": "21", "tool_call_id": "c1"},
+                           {"role": "assistant", "content": "It is 21."}]}
+    messages = record_messages(record, Schema(), role_table({})).messages
+    result = asyncio.run(regenerate(messages, _scripted([Reply("Checking.", "stop", 1), Reply("21 C.", "stop", 1)]),
+                                    keep_truncated=False, keep_thinking=False))
+    roles = [m["role"] for m in result.messages]
+    assert roles == ["user", "assistant", "assistant", "tool", "assistant"], roles
+    assert result.messages[1]["content"] == "Checking." and result.messages[4]["content"] == "21 C."
+    assert result.messages[2]["tool_calls"][0]["id"] == "c1"  # kept verbatim, before its results
+
+
+def test_a_folder_holding_another_runs_output_is_refused_and_the_same_run_resumes(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    out.claim({"fingerprint": "a"})
+    out.claim({"fingerprint": "a"})
+    with pytest.raises(RegenerateError, match="holds the output of another regenerate run.*new --out folder"):
+        OutputDir(str(tmp_path / "out")).claim({"fingerprint": "b"})
