@@ -17,7 +17,7 @@ import pytest
 from common.regenerate import data_config, output_records, write_jsonl
 
 from dflash_core.regenerate import client
-from dflash_core.regenerate.client import Endpoint, Rejected, Reply, api_key, auth_headers
+from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, auth_headers
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import OutputDir, counting, tally
@@ -100,6 +100,28 @@ def test_the_backoff_doubles_and_retry_after_is_honoured_within_bounds(monkeypat
     assert _waits(monkeypatch, [429], {"Retry-After": "0"}) == [1.0]
     assert _waits(monkeypatch, [429], {"Retry-After": "3600"}) == [60.0]
     assert _waits(monkeypatch, [503], {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) == [1.0]
+
+
+def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkeypatch):
+    """A proxy's corrupt gzip body (httpx.DecodingError, a RequestError but no TransportError) is a failed try,
+    retried, and after the last one the endpoint is unavailable; before, it escaped the retries and the worker's
+    catch-all stopped the whole run."""
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(client.asyncio, "sleep", no_wait)
+    sent: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
+        if len(sent) == 1:
+            return httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip")
+        return httpx.Response(200, json=_OK)
+
+    assert asyncio.run(_endpoint(answer).chat({})).content == "hi" and len(sent) == 2
+    broken = _endpoint(lambda request: httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip"))
+    with pytest.raises(Unavailable, match="4 tries failed, last: .*(gzip|decod|Decod)"):
+        asyncio.run(broken.chat({}))
 
 
 def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():

@@ -176,7 +176,7 @@ class Endpoint:
             try:
                 async with self.slots:
                     resp = await self.http.post("/chat/completions", json=body)
-            except httpx.TransportError as exc:  # connect/read errors and timeouts
+            except httpx.RequestError as exc:  # connect/read errors, timeouts, a body that does not decode
                 last = _describe(exc)
                 continue
             if resp.status_code >= 500 or resp.status_code in TRANSIENT_4XX:

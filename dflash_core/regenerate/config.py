@@ -50,7 +50,8 @@ class RegenerateConfig(StrictModel):
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
     timeout_s: PositiveFloat = Field(600.0, description="per request")
     retries: NonNegativeInt = Field(
-        3, description="retries of a request on 5xx, 408/429 and connection errors, with backoff")
+        3, description="retries of a request on 5xx, 408/429, connection errors and bodies "
+                       "that do not decode (a proxy's corrupt gzip), with backoff")
     backoff_s: PositiveFloat = Field(1.0, description="first retry delay; doubles every retry")
     startup_timeout_s: PositiveFloat = Field(900.0, description="how long a local server may take to be healthy")
     restart_wait_s: NonNegativeFloat = Field(
