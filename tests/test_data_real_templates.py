@@ -483,3 +483,35 @@ def test_what_gemma4_and_minimax_prompts_pre_fill_or_switch_on_is_never_supervis
         assert reason == ["A1 three[e~[", "R2 think two\n</think>\n\nA2 six[e~["], reason
     else:
         assert reason == ["A1 three[e~[", "A2 six[e~["], reason
+
+
+def test_glm45_a_last_turn_of_calls_ends_with_observation_and_a_last_user_turn_gets_nothing() -> None:
+    """GLM-4.5's template writes no end-of-turn: the model ends a turn of calls by writing <|observation|> (not
+    <|user|>), and that is appended and supervised after a record's last turn of calls (xlam's pairs end so); a
+    record that ends with a user turn gets no stop appended (the model writes none after a prompt)."""
+    records = {"calls-last": RECORDS["tools"][:3],
+               "user-last": [*RECORDS["single"], {"role": "user", "content": "Q2 total"}]}
+    out = _preview("glm45", "strip", records)
+    calls = out["calls-last"]
+    assert calls["kept"], calls
+    assert _supervised(calls)[-1].endswith("</tool_call><|observation|>"), _supervised(calls)
+    user = out["user-last"]
+    assert user["kept"], user
+    assert "".join(t for t, _ in user["segments"]).endswith("Q2 total/nothink"), user["segments"][-3:]
+
+
+def test_kimi_call_ids_count_the_calls_of_the_whole_conversation() -> None:
+    """Kimi K2's model numbers its calls across the conversation (functions.<name>:<n>): the call of a second
+    turn of calls is :1, not :0 again (two calls named :0 would link the second result to the first call)."""
+    turns = [{"role": "user", "content": "Weather, then time in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 1)]},
+             {"role": "tool", "tool_call_id": "call00001", "content": "{\"temp\": 18}"},
+             {"role": "assistant", "content": None, "tool_calls": [_call("get_time", 2)]},
+             {"role": "tool", "tool_call_id": "call00002", "content": "{\"time\": \"9:00\"}"},
+             {"role": "assistant", "content": "It is 18 degrees at 9:00."}]
+    record = _preview("kimi", "strip", {"two-turns": turns})["two-turns"]
+    assert record["kept"], record
+    text = "".join(t for t, _ in record["segments"])
+    assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in text, text
+    assert "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>" in text, text
+    assert "## Return of functions.get_time:1\n{\"time\": \"9:00\"}" in text

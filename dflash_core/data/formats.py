@@ -824,9 +824,9 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]] | Drop:
             return Drop("bad_tool_call", f"turn {i}: the tool call is not JSON: {value[:60]!r}")
     calls = []
     for call in value if isinstance(value, list) else [value]:
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        name, args = (fn.get("name"), fn.get("arguments", fn.get("parameters", {}))) if isinstance(fn, dict) \
-            else (None, None)
+        fn = _function(call) if isinstance(call, dict) else None
+        name, args = (fn.get("name"), _first_set(fn, "arguments", "parameters", default={})) \
+            if isinstance(fn, dict) else (None, None)
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -851,8 +851,22 @@ def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
         return Drop("bad_tools", f"'tools' must be a list of tool definitions (or its JSON); got {str(value)[:60]}")
     out = []
     for tool in tools:
-        fn = tool.get("function", tool)
+        fn = _function(tool)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             return Drop("bad_tools", f"a tool definition has no name: {str(tool)[:80]}")
-        out.append({"type": "function", "function": fn})
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out or None
+
+
+def _function(call: dict[str, Any]) -> Any:
+    """The function of an OpenAI tool call or definition ({type, function: {...}}), or the call itself when it is
+    flat ({name, arguments} or {name, parameters}: LLaMA-Factory, xlam). A null `function` is an absent one: a
+    parquet column holding both shapes gives the flat rows `function: None` (and the nested rows null `name`)."""
+    fn = call.get("function")
+    return call if fn is None else fn
+
+
+def _first_set(fields: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The value of the first of `keys` that `fields` holds a non-null value under (null = absent, as parquet rows
+    have it), else `default`."""
+    return next((fields[k] for k in keys if fields.get(k) is not None), default)

@@ -1,0 +1,225 @@
+"""Chat records as public datasets write them, read by to_conversation: the corners a mutation audit found
+untested (Alpaca's empty input, parquet's null columns, LLaMA-Factory's call turns, inline reasoning at the
+edges of a reply, tool call arguments and definitions as they are written)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from dflash_core.data.formats import (
+    Conversation,
+    Drop,
+    detect_schema,
+    record_id,
+    role_table,
+    same_role_groups,
+    system_folded,
+    to_conversation,
+)
+
+
+def _read(record: dict[str, Any], **kwargs: Any) -> Conversation:
+    conv = to_conversation(record, **kwargs)
+    assert isinstance(conv, Conversation), conv
+    return conv
+
+
+def _chat(*turns: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Q"}, *turns]}
+
+
+@pytest.mark.parametrize("empty", ["", "  \n", []])
+def test_an_alpaca_record_with_an_empty_input_is_its_instruction_alone(empty: Any) -> None:
+    """Most Alpaca rows have `input: ""`: the prompt is the instruction, with no trailing blank line of an empty
+    input (the template would render it and the drafter would learn from a prompt no one sends)."""
+    conv = _read({"instruction": "Name a colour.", "input": empty, "output": "Blue."})
+    assert conv.messages == [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    assert conv.sources == ["instruction", "output"]
+    dolly = _read({"instruction": "Summarise.", "context": "A long text.", "response": "Short."})
+    assert dolly.messages[0] == {"role": "user", "content": "Summarise.\n\nA long text."}
+
+
+def test_a_null_reply_column_is_absent_and_the_reply_is_read_from_the_next_one() -> None:
+    """A parquet file mixing Alpaca and Dolly rows gives every row both `output` and `response`, one of them
+    null: the filled one is the reply (a null one was read as a reply of the wrong type)."""
+    conv = _read({"instruction": "Q", "output": None, "response": "R"})
+    assert conv.messages[1] == {"role": "assistant", "content": "R"} and conv.sources == ["instruction", "response"]
+
+
+def test_an_empty_system_column_gives_way_to_system_prompt() -> None:
+    """`system: ""` beside a filled `system_prompt` (two datasets concatenated): the filled one is the system turn."""
+    conv = _read({"system": "", "system_prompt": "Be nice.",
+                  "conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]})
+    assert conv.messages[0] == {"role": "system", "content": "Be nice."} and conv.sources[0] == "system_prompt"
+
+
+def test_turns_that_do_not_parse_are_dropped_naming_the_turn_not_raised() -> None:
+    """An exchange without its output (Capybara-like) and a `prompt` list of role-less turns are wrong_schema
+    drops that name the turn; neither raises nor falls back to the generic 'no messages key' message."""
+    exchange = to_conversation({"conversation": [{"input": "hi"}]})
+    assert isinstance(exchange, Drop) and exchange.reason == "wrong_schema" and "turn 0" in exchange.detail
+    prompt = to_conversation({"prompt": [{"content": "hi"}], "completion": "x"})
+    assert isinstance(prompt, Drop) and prompt.reason == "wrong_schema", prompt
+    assert "turn 0" in prompt.detail and "'role'" in prompt.detail
+
+
+def test_a_chosen_list_without_rejected_is_not_read_as_a_preference_pair() -> None:
+    """Only a record with `rejected` beside `chosen` is a preference pair read by its chosen side; a record with
+    `messages` and some other `chosen` column is read by its messages."""
+    turns = lambda tag: [{"role": "user", "content": f"u{tag}"}, {"role": "assistant", "content": f"a{tag}"}]  # noqa: E731
+    assert _read({"messages": turns(1), "chosen": turns(2)}).messages == turns(1)
+    assert _read({"messages": turns(1), "chosen": turns(2), "rejected": turns(3)}).messages == turns(2)
+
+
+def test_role_map_names_match_the_data_whatever_their_case() -> None:
+    """data.role_map written as `Narrator: user` maps the data's 'Narrator' (role names compare lower-cased)."""
+    record = {"conversations": [{"from": "Narrator", "value": "n"}, {"from": "gpt", "value": "a"}]}
+    assert to_conversation(record).reason == "unknown_role"
+    conv = _read(record, roles=role_table({"Narrator": "user"}))
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"] and conv.sources == ["Narrator", "gpt"]
+
+
+def test_llama_factory_call_turns_in_a_row_keep_every_call() -> None:
+    """gpt text, its function_call, then another function_call: the first call joins the text's message, the
+    second is a message of its own (it replaced the first, losing a call), and the observation names it."""
+    conv = _read({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "Let me check."},
+        {"from": "function_call", "value": json.dumps({"name": "a", "arguments": {}})},
+        {"from": "function_call", "value": json.dumps({"name": "b", "arguments": {}})},
+        {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]})
+    names = [[c["function"]["name"] for c in m.get("tool_calls", [])] for m in conv.messages]
+    assert names == [[], ["a"], ["b"], [], []]
+    assert conv.messages[1]["content"] == "Let me check." and conv.messages[3]["name"] == "b"
+
+
+def test_a_tool_result_is_named_after_its_call_only_when_that_is_unambiguous() -> None:
+    """An observation after one call takes its name (LLaMA-Factory writes none); after parallel calls it stays
+    unnamed (which call it answers is unknown), and a result's own name is never overwritten."""
+    parallel = _read({"conversations": [
+        {"from": "human", "value": "q"},
+        {"from": "function_call", "value": json.dumps([{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}])},
+        {"from": "observation", "value": "r1"}, {"from": "observation", "value": "r2"}, {"from": "gpt", "value": "x"}]})
+    assert [m.get("name") for m in parallel.messages[2:4]] == [None, None]
+    own = _read(_chat({"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": "{}"}}]},
+        {"role": "tool", "name": "other", "content": "r"}, {"role": "assistant", "content": "x"}))
+    assert own.messages[2] == {"role": "tool", "content": "r", "name": "other"}
+
+
+def test_training_switches_apply_to_assistant_turns_only_and_nan_is_refused() -> None:
+    """`weight: 0` on a user turn changes no supervision (unsupervised lists assistant messages); a NaN weight
+    (a float column's missing value) is neither 0 nor a number to train on: refused, saying what to write."""
+    user = _read({"conversations": [{"from": "human", "value": "q", "weight": 0}, {"from": "gpt", "value": "a"}]})
+    assert user.unsupervised == set()
+    nan = to_conversation({"conversations": [{"from": "human", "value": "q"},
+                                             {"from": "gpt", "value": "a", "weight": math.nan}]})
+    assert isinstance(nan, Drop) and nan.reason == "wrong_schema", nan
+    assert "turn 1" in nan.detail and "or null" in nan.detail
+
+
+def test_inline_reasoning_is_read_at_the_edges_of_a_reply_and_never_from_a_prompt() -> None:
+    """A <think> block after a leading newline is still reasoning; the answer after it keeps its own trailing
+    newline (what the model wrote); a user turn that opens with <think> is prompt text, kept whole."""
+    conv = _read(_chat({"role": "assistant", "content": "\n<think>r</think>\n\nanswer\n"}))
+    assert conv.messages[1] == {"role": "assistant", "content": "answer\n", "reasoning_content": "r"}
+    user = _read({"messages": [{"role": "user", "content": "<think>hm</think> why?"},
+                               {"role": "assistant", "content": "a"}]})
+    assert user.messages[0] == {"role": "user", "content": "<think>hm</think> why?"}
+
+
+def test_an_openthoughts_reply_ending_in_a_newline_loses_both_solution_tags() -> None:
+    """Bespoke-Stratos / OpenThoughts replies end '<|end_of_solution|>' and sometimes a newline after it: the
+    answer is the solution without either tag."""
+    conv = _read(_chat({"role": "assistant", "content": "<|begin_of_thought|>\n\nr\n\n<|end_of_thought|>\n\n"
+                                                       "<|begin_of_solution|>\n\nans\n\n<|end_of_solution|>\n"}))
+    assert conv.messages[1] == {"role": "assistant", "content": "ans", "reasoning_content": "r"}
+
+
+def test_typed_parts_join_as_written_and_a_reasoning_field_comes_first() -> None:
+    """OpenAI text parts are one text, concatenated as they are (no separator added); reasoning given both as a
+    field and as reasoning parts keeps the field first."""
+    conv = _read({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world."}]},
+        {"role": "assistant", "reasoning_content": "field",
+         "content": [{"type": "reasoning", "text": "part"}, {"type": "text", "text": "a"}]}]})
+    assert conv.messages[0]["content"] == "Hello, world."
+    assert conv.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "field\n\npart"}
+
+
+@pytest.mark.parametrize(("call", "arguments"), [
+    ({"type": "function", "function": {"name": "now", "arguments": ""}}, {}),  # a call without arguments
+    ({"name": "now", "parameters": {"tz": "UTC"}}, {"tz": "UTC"}),  # Llama 3.1's {name, parameters}
+])
+def test_tool_call_arguments_as_published(call: dict[str, Any], arguments: dict[str, Any]) -> None:
+    conv = _read(_chat({"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "content": "r"}, {"role": "assistant", "content": "x"}))
+    assert conv.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "now", "arguments": arguments}}]
+
+
+def test_an_empty_tools_cell_means_no_tools() -> None:
+    """LLaMA-Factory and CSV exports write `tools: ""` for a record without tools: no tools, not bad_tools."""
+    conv = _read({"tools": "", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
+    assert conv.tools is None and not conv.uses_tools
+
+
+def test_a_conversation_built_in_code_names_its_roles_and_its_tools() -> None:
+    """A Conversation made without sources (regenerate and tests build them) reports each role as its source;
+    one with tool definitions and no calls yet still needs a template that renders tools."""
+    conv = Conversation([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    assert [conv.source(j) for j in range(2)] == ["user", "assistant"]
+    assert Conversation(conv.messages, tools=[{"type": "function", "function": {"name": "f"}}]).uses_tools
+
+
+def test_only_user_or_assistant_runs_merge_and_a_blank_system_is_not_folded() -> None:
+    """Consecutive system turns or tool results are never merged into one (only user and assistant runs are);
+    folding a blank system turn leaves the first user turn as it was."""
+    messages = [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
+                {"role": "user", "content": "u"}, {"role": "tool", "content": "t1"}, {"role": "tool", "content": "t2"}]
+    assert same_role_groups(messages) == [[0], [1], [2], [3], [4]]
+    assert system_folded([{"role": "system", "content": "  "}, {"role": "user", "content": "u"}]) == [
+        {"role": "user", "content": "u"}]
+
+
+def test_the_schema_is_what_most_sampled_records_use_and_ids_are_strings_or_numbers() -> None:
+    """detect_schema votes over the file's first records (not the first alone); a boolean is not a record id."""
+    records = [{"conversations": [{"from": "human", "value": "x"}]},
+               *[{"messages": [{"role": "user", "content": "x"}]}] * 2]
+    schema = detect_schema(records, "auto", None)
+    assert (schema.format, schema.key, schema.forced) == ("openai", "messages", False)
+    assert record_id({"id": True, "uuid": "u1"}) == "u1" and record_id({"id": 0}) == "0"
+
+
+def _called(call: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "x"}]}
+
+
+def test_null_fields_of_a_tool_call_or_definition_are_absent_ones():
+    """A parquet column that holds both OpenAI-nested and flat ({name, arguments}) calls, or tools, gives every
+    row every key: the flat rows come back with `function: None`, a call without arguments with `arguments:
+    None`. Read as absent, as the rest of the module reads nulls; before, such records were dropped as
+    bad_tool_call / bad_tools."""
+    import pyarrow as pa
+
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+             {"name": "b", "description": "flat", "parameters": {"type": "object"}}]
+    rows = pa.Table.from_pylist([{**_called({"type": "function", "function": {"name": "a", "arguments": "{}"}}),
+                                  "tools": tools},
+                                 _called({"name": "b", "arguments": '{"x": 1}'})]).to_pylist()
+    assert rows[1]["messages"][1]["tool_calls"][0]["function"] is None  # what pyarrow gives back
+    assert rows[0]["tools"][1]["function"] is None
+    nested, flat = (_read(row) for row in rows)
+    assert nested.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "a", "arguments": {}}}]
+    assert flat.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "b", "arguments": {"x": 1}}}]
+    assert nested.tools == [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+                            {"type": "function", "function": {"name": "b", "description": "flat",
+                                                              "parameters": {"type": "object"}}}]
+    for call in ({"type": "function", "function": {"name": "now", "arguments": None}},
+                 {"name": "now", "arguments": None, "parameters": None}):
+        assert _read(_called(call)).messages[1]["tool_calls"][0]["function"] == {"name": "now", "arguments": {}}
+    assert _read(_called({"name": "f", "arguments": None, "parameters": {"y": 2}})).messages[1]["tool_calls"][0][
+        "function"]["arguments"] == {"y": 2}

@@ -1,0 +1,93 @@
+"""The chat template -> ids and loss mask (dflash_core/data/template.py): corners a mutation audit found
+untested, on the small tokenizers of tests/common/chat.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from common.chat import CHATML, tokenizer_dir
+
+from dflash_core.data.formats import Conversation, to_conversation
+from dflash_core.data.template import ChatEncoder, Encoded, for_template, load_tokenizer, reasoning_field
+
+PLAIN = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}assistant: {% endif %}")  # no end-of-turn, no special token between turns
+
+
+def _supervised(tok: Any, conv: Conversation, name: str = "test") -> tuple[str, str]:
+    """(supervised text, whole text) of one conversation."""
+    encoder = ChatEncoder(tok, name)
+    enc = encoder.encode([encoder.shape(conv)])[0]
+    assert isinstance(enc, Encoded), enc
+    return tok.decode(enc.ids[enc.mask == 1]), tok.decode(enc.ids)
+
+
+def test_for_template_folds_and_merges_for_a_template_that_refuses_them() -> None:
+    """Prompts sent to a Gemma-2-like template (no system turn, roles must alternate) are shaped as tokenize
+    shapes training records: same-role runs merged, then the system turn folded into the first user turn."""
+    tok = load_tokenizer(tokenizer_dir("gemma2"))
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                {"role": "user", "content": "U2"}, {"role": "assistant", "content": "A"}]
+    shaped = for_template(tok, messages)
+    assert shaped == [{"role": "user", "content": "S\n\nU1\n\nU2"}, {"role": "assistant", "content": "A"}]
+    tok.apply_chat_template(shaped, tokenize=False)  # the template takes them
+    chatml = load_tokenizer(tokenizer_dir("chatml"))
+    assert for_template(chatml, messages) == messages  # a template that renders them gets them as they are
+
+
+def test_the_thinking_field_is_found_only_as_a_whole_name() -> None:
+    """gpt-oss reads `message.thinking`; a template that only mentions `m.thinking_budget` reads no reasoning
+    field, so reasoning goes inline as a <think> block."""
+    assert reasoning_field("{{ message.thinking }}") == "thinking"
+    assert reasoning_field("{% if m.thinking_budget %}x{% endif %}{{ m.content }}") is None
+    assert reasoning_field(None) == "reasoning_content"
+
+
+def test_a_truncation_saved_with_the_tokenizer_does_not_cut_records() -> None:
+    """A tokenizer.json saved with truncation (max_length 8) would cut every record silently: the encoder turns
+    it off, so ids cover the whole render and the reply is supervised."""
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.backend_tokenizer.enable_truncation(max_length=8)
+    conv = Conversation([{"role": "user", "content": "the model data train loss"},
+                         {"role": "assistant", "content": "the batch is fast and the loss is zero"}])
+    supervised, whole = _supervised(tok, conv)
+    assert whole == tok.apply_chat_template(conv.messages, tokenize=False)
+    assert supervised == "the batch is fast and the loss is zero<|im_end|>"
+
+
+def test_a_template_that_needs_a_system_turn_learns_its_end_of_turn_from_one() -> None:
+    """The end-of-turn is probed on user/assistant, then on system/user/assistant for a template that refuses a
+    conversation without a system turn: such a template is usable, not a TemplateError."""
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+                         + CHATML)
+    encoder = ChatEncoder(tok, "system-first")
+    assert encoder.eot == "<|im_end|>"
+    conv = Conversation([{"role": "system", "content": "S"}, {"role": "user", "content": "one two"},
+                         {"role": "assistant", "content": "three four"}])
+    assert _supervised(tok, conv)[0] == "three four<|im_end|>"
+
+
+def test_a_blank_assistant_turn_is_not_supervised() -> None:
+    """An assistant turn of only spaces is kept (and noted) but has nothing to learn: neither its spaces nor its
+    end-of-turn are supervised, only the real reply."""
+    conv = to_conversation({"messages": [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "   "},
+        {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "the answer"}]})
+    assert isinstance(conv, Conversation) and [n.reason for n in conv.notes] == ["empty_assistant_turn"]
+    assert _supervised(load_tokenizer(tokenizer_dir("chatml")), conv)[0] == "the answer<|im_end|>"
+
+
+def test_a_reply_ending_in_a_character_split_over_tokens_is_supervised_whole() -> None:
+    """Byte-level BPE splits a character it never saw (🦜) into several tokens; where a reply ends on it (a
+    template with no end-of-turn), every one of its tokens is supervised, not only the first."""
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.chat_template = PLAIN
+    conv = Conversation([{"role": "user", "content": "pick one"}, {"role": "assistant", "content": "the first 🦜"}])
+    encoder = ChatEncoder(tok, "plain")
+    enc = encoder.encode([conv])[0]
+    assert isinstance(enc, Encoded), enc
+    assert len(tok.encode("🦜", add_special_tokens=False)) > 1  # the case under test
+    assert tok.decode(enc.ids[enc.mask == 1]).lstrip() == "the first 🦜"  # (the token " the" holds the prompt's space)
+    assert int(np.flatnonzero(enc.mask)[-1]) == len(enc.ids) - 2  # through the emoji, not its "\n"
