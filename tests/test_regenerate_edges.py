@@ -4,17 +4,13 @@ hints, the cache key, journals and counts, endpoint take-out, the local server's
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.server
 import json
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from common.regenerate import data_config, output_records, write_jsonl
+from common.regenerate import data_config, write_jsonl
 
 from dflash_core.regenerate import client
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, auth_headers
@@ -307,93 +303,6 @@ def test_shards_beyond_the_input_leave_nothing_to_do(tmp_path):
     data = data_config(source, endpoints=["http://127.0.0.1:9/v1"], records_per_shard=2, retries=0)
     summary = regenerate_dataset(source, str(tmp_path / "out"), data, shards=[2, 7])
     assert summary["shards"] == 2 and summary["read"] == 0 and not summary["complete"]
-
-
-class _Server(http.server.BaseHTTPRequestHandler):
-    """Lists model "m"; POST: HTTP 500 when the last user turn says "flaky" (or always, while `failing`), HTTP 400
-    when it says "long" or the request carries tools, else "ok"."""
-
-    failing = False
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
-
-    def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        last = request["messages"][-1]["content"]
-        if type(self).failing or "flaky" in last:
-            self._send(500, {"error": {"message": "internal error", "code": 500}})
-        elif "long" in last or request.get("tools"):
-            self._send(400, {"error": {"message": "refused", "code": 400}})
-        else:
-            self._send(200, {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                             "usage": {"completion_tokens": 1}})
-
-
-@contextlib.contextmanager
-def _serving(handler: type = _Server) -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.mark.parametrize("between", ["q", "long"])
-def test_failures_with_answers_between_them_do_not_take_the_endpoint_out(tmp_path, between):
-    """Only failures in a row take an endpoint out: a reply or a refusal between two failed records shows the server
-    works. Ten scattered failures leave ten server_error drops (sent again by a rerun), not a failed run."""
-    from dflash_core.regenerate.stage import regenerate_dataset
-
-    texts = [t for i in range(10) for t in (f"flaky {i}", f"{between} {i}")]
-    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": t}]} for t in texts])
-    with _serving() as url:
-        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(
-            source, endpoints=[url], concurrency=1, retries=0))
-    assert summary["complete"] and summary["dropped"]["server_error"] == 10
-
-
-def test_an_endpoint_is_taken_out_after_twice_its_concurrency_in_failures(tmp_path):
-    """With many requests in flight a burst of failures is normal under load: the limit is 2 x concurrency."""
-    from dflash_core.regenerate.stage import regenerate_dataset
-
-    class Failing(_Server):
-        failing = True
-
-    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
-                                                    for i in range(40)])
-    with _serving(Failing) as url, pytest.raises(EndpointError, match="failed 16 requests in a row"):
-        regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url], concurrency=8,
-                                                                      retries=0))
-
-
-def test_tools_are_not_sent_unless_send_tools_and_a_model_the_server_lacks_is_named(tmp_path):
-    """send_tools: false keeps the definitions out of the requests (a server without a tool parser refuses them);
-    a data.regenerate.model the endpoint does not serve stops the run before any request."""
-    from dflash_core.regenerate.stage import regenerate_dataset
-
-    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
-    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}],
-                                                     "tools": tools} for i in range(3)])
-    with _serving() as url:
-        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url]))
-        assert summary["kept"] == 3 and summary["tools_unsent"] == 3
-        assert all(r["tools"] == tools for r in output_records(tmp_path / "out"))
-        with pytest.raises(EndpointError, match=r"serves \['m'\], not 'other'"):
-            regenerate_dataset(source, str(tmp_path / "other"), data_config(source, endpoints=[url], model="other"))
 
 
 # --- the local server -------------------------------------------------------------------------------------------------

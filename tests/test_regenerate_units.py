@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from common.regenerate import data_config, output_records, write_jsonl
 from pydantic import ValidationError
 
 from dflash_app.config import load_config
@@ -541,7 +542,6 @@ def test_prompts_too_long_for_the_context_at_the_head_of_the_input_are_drops_not
     first records are all such (or a fast refusal beats every slow reply), the run asks the server a one-line
     question with the same settings: answered, the refusals are the records' own and journaled as drops; the
     run goes on (a rerun would otherwise fail the same way forever). Also when the input holds nothing else."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -561,7 +561,6 @@ def test_a_reasoning_parser_that_takes_every_answer_for_reasoning_stops_the_run(
     """With thinking off, vLLM's deepseek_r1 parser on Qwen3 puts the whole answer under `reasoning` and leaves
     content null: every reply is empty. That is a setting, not ten thousand bad records: the run stops, naming
     the parser, with nothing journaled (instead of a 'complete' output of empty_reply drops)."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -578,7 +577,6 @@ def test_an_endpoint_that_fails_every_request_while_listing_its_models_is_taken_
     """A gateway whose backend is gone answers GET /models but 500 to every request: after 8 such failures in a
     row it is taken out and the others take its records; when it is the only one, the run stops (no 'complete'
     output of server_error drops) and a rerun resumes."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -608,7 +606,6 @@ def test_the_last_endpoint_restarting_is_waited_for_and_its_records_are_not_drop
     """A vLLM server restarting takes minutes: the last endpoint that stops answering is polled (GET /models)
     for up to restart_wait_s; when it is back its records are sent again, none dropped; when it stays down the
     stage fails naming it (a rerun resumes)."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate import stage
 
@@ -657,7 +654,6 @@ def test_a_later_turn_the_server_refuses_ends_the_conversation_after_its_last_re
     """A multi-turn chat whose third question outgrows the server's context: the replies already regenerated are
     kept (the conversation ends after the last one, `cut` in the summary and the journal says why), their tokens
     and finish reasons counted, instead of the whole record dropped."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -679,7 +675,6 @@ def test_a_server_that_refuses_every_request_stops_the_run_and_journals_nothing(
     """A setting that makes the server refuse every request (here max_tokens beyond its context) is not ten
     thousand bad records: the run stops after 8 refusals and no reply, naming the server's answer, and the fixed
     rerun sends every record again. Refusals of single records after a reply are drops, as before."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -710,7 +705,6 @@ def test_a_server_that_starts_refusing_everything_mid_run_stops_it_instead_of_dr
     serves) refuses every request after replies were kept: after 8 refusals in a row the one-line question is
     refused too and the run stops, the refused records not journaled; the rerun against the fixed server
     regenerates them all, and the output is that of a run that never failed."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -754,7 +748,6 @@ def test_refusals_of_requests_with_tools_are_not_cleared_by_replies_to_requests_
     between them do not make those refusals the records' own. The run stops naming the server's answer, with
     nothing refused journaled, also when a second endpoint answers everything; a rerun against a server that
     takes tools keeps every record."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -788,7 +781,6 @@ def test_a_few_refusals_at_the_end_of_the_input_are_asked_of_the_endpoint_that_r
     """Fewer refusals than it takes to ask mid-run (the end of the input asks): the question goes to the endpoint
     that refused, not to the first live one. A good endpoint listed first used to answer it, and the refused tool
     records were journaled as drops of a run that exited 0 (seen when load slowed the good endpoint's share)."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -815,7 +807,6 @@ def test_refusals_held_by_an_endpoint_taken_out_since_are_sent_again_to_the_live
     """An endpoint that refused a few tool records and then failed everything is taken out: what it refused
     says nothing about the records (nor does another endpoint's reply), so they go to the live endpoint, which
     keeps them. Before, the live endpoint's answer to the question vouched for them: journaled as drops."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -853,7 +844,6 @@ def test_lone_surrogates_in_tools_ids_calls_or_replies_drop_the_record_not_the_r
     """A lone surrogate (a dump cut mid-emoji) in a tool definition, a tool call or a server's reply drops that
     record as bad_utf8 / a malformed completion; in a record id it is written as its escape. Before, each one
     stopped the run at the journal or the request, and every rerun again."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -888,7 +878,6 @@ def _serving(handler: type) -> Iterator[str]:
 def test_tool_definitions_that_were_not_sent_are_counted_and_said(scripted_server, tmp_path, caplog):
     """send_tools: false writes a record's tools for tokenize although its replies were written without them: the
     summary counts such records and the log says what to set."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate.stage import regenerate_dataset
 
@@ -910,7 +899,6 @@ def test_a_rerun_sends_the_server_error_drops_again_and_rewrites_their_shards(sc
     """Records the server failed on while it answered others are dropped as server_error; running the same command
     again sends those again (and only those), in finished shards and unfinished ones, and ends with the records
     and counts of a run that never failed; a third run has nothing to do."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.regenerate.output import OutputDir
     from dflash_core.regenerate.stage import regenerate_dataset
@@ -956,7 +944,6 @@ def test_a_shards_task_run_reads_only_its_records_and_leaves_the_manifest_to_the
     once, parsing nothing): each parses only its shard's records (plus the head that tells the file's schema),
     reads no further and counts only them; the run of every shard that follows writes manifest.json with the
     totals and parses no record."""
-    from common.regenerate import data_config, output_records, write_jsonl
 
     from dflash_core.data.sources import list_files
     from dflash_core.regenerate import stage
@@ -1051,7 +1038,6 @@ def test_an_out_inside_the_data_folder_resumes_and_finished_shards_leave_memory(
     """`--data dd --out dd/regen`: the run's own shard files are not read as input on the rerun (it failed as
     'the output of another regenerate run'), and a shard's journal leaves memory once its file is written (the
     whole output was held until the end)."""
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.regenerate import stage
 
@@ -1134,7 +1120,6 @@ def test_tokens_are_counted_with_the_targets_tokenizer_when_the_server_sends_no_
     tokenizer`; `mixed` where some shards had the server's counts); with no tokenizer to count with the count
     stays 0, said `unknown`, and no tokens/s is made up."""
     from common.chat import tokenizer_dir
-    from common.regenerate import data_config, write_jsonl
 
     from dflash_core.data.template import load_tokenizer
     from dflash_core.regenerate.stage import regenerate_dataset
@@ -1164,3 +1149,47 @@ def test_tokens_are_counted_with_the_targets_tokenizer_when_the_server_sends_no_
         unknown = regenerate_dataset(source, str(tmp_path / "unknown"), no_tokenizer)
         assert unknown["kept"] == 6 and unknown["tokens_generated"] == 0
         assert unknown["tokens_counted_by"] == "unknown" and unknown["tokens_per_s"] is None
+
+
+@pytest.mark.parametrize("between", ["q", "long"])
+def test_failures_with_answers_between_them_do_not_take_the_endpoint_out(tmp_path, between):
+    """Only failures in a row take an endpoint out: a reply or a refusal between two failed records shows the server
+    works. Ten scattered failures leave ten server_error drops (sent again by a rerun), not a failed run."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    texts = [t for i in range(10) for t in (f"flaky {i}", f"{between} {i}")]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": t}]} for t in texts])
+    with _serving(type("Flaky", (_Scripted,), {"flaky": True})) as url:
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(
+            source, endpoints=[url], concurrency=1, retries=0))
+    assert summary["complete"] and summary["dropped"]["server_error"] == 10
+
+
+def test_an_endpoint_is_taken_out_after_twice_its_concurrency_in_failures(tmp_path):
+    """With many requests in flight a burst of failures is normal under load: the limit is 2 x concurrency."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    class Failing(_Scripted):
+        failing = True
+
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]}
+                                                    for i in range(40)])
+    with _serving(Failing) as url, pytest.raises(EndpointError, match="failed 16 requests in a row"):
+        regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url], concurrency=8,
+                                                                      retries=0))
+
+
+def test_tools_are_not_sent_unless_send_tools_and_a_model_the_server_lacks_is_named(tmp_path):
+    """send_tools: false keeps the definitions out of the requests (a server without a tool parser refuses them);
+    a data.regenerate.model the endpoint does not serve stops the run before any request."""
+    from dflash_core.regenerate.stage import regenerate_dataset
+
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}],
+                                                     "tools": tools} for i in range(3)])
+    with _serving(type("NoToolParser", (_Scripted,), {"no_tool_parser": True})) as url:
+        summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[url]))
+        assert summary["kept"] == 3 and summary["tools_unsent"] == 3
+        assert all(r["tools"] == tools for r in output_records(tmp_path / "out"))
+        with pytest.raises(EndpointError, match=r"serves \['m'\], not 'other'"):
+            regenerate_dataset(source, str(tmp_path / "other"), data_config(source, endpoints=[url], model="other"))
