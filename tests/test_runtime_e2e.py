@@ -524,12 +524,32 @@ def test_a_run_folder_on_an_object_store_is_mirrored_and_a_killed_run_resumes_fr
     assert fs.cat_file(f"{remote}/train.log").decode().count("is on an object store") == 2  # both launches
 
 
-def test_wandb_has_every_step_once_after_a_run_on_an_object_store_is_killed_and_resumed(inputs, tmp_path):
+@pytest.fixture
+def wandb_service_here(tmp_path):
+    """A W&B service of this process, as a flow's process has after a promotion logged its artifact: WANDB_SERVICE
+    set. Started and stopped here unless a test before started one."""
+    import wandb
+
+    started = not os.environ.get("WANDB_SERVICE")
+    if started:
+        wandb.init(mode="offline", dir=str(tmp_path / "here"), project="t").finish()
+    assert os.environ.get("WANDB_SERVICE")
+    yield
+    if started:
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)  # teardown stops the service but leaves the variable naming it
+
+
+def test_wandb_has_every_step_once_after_a_run_on_an_object_store_is_killed_and_resumed(inputs, tmp_path,
+                                                                                           wandb_service_here):
     """As on a local disk (test_wandb_has_every_step_once_after_rank_0_is_killed_and_the_run_resumed), with the
     run folder on an object store: the resume pulls the killed launch's W&B log (no record: killed before W&B's
     first block), so it logs the kept steps 0-2 again, and the empty folder goes from the store. Before, the pull
     left wandb/ on the store, the resume took metrics.jsonl's steps for W&B's, and W&B never got steps 0-2; the
-    empty folder stayed there and stopped `wandb sync`."""
+    empty folder stayed there and stopped `wandb sync`. The launching process has a W&B service of its own
+    (wandb_service_here): the killed rank's run must not stay open in it, or the resume gets "run ID ... is in
+    use" and no W&B run (launch.worker_env; a test file run before this one in the same pytest worker made CI
+    fail so)."""
     from dflash_core.monitor.sinks import wandb_file_steps
 
     one = build_inputs(inputs.root, world_size=1)

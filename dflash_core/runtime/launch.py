@@ -100,8 +100,12 @@ HOLD_ENV = "DFLASH_RUN_LOCK_HOLD"
 def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment torchrun and its ranks run in: OMP_NUM_THREADS=1 unless set (torchrun sets it anyway for
     more than one rank, with a warning per run; each rank then sets its own count), what the user asked for
-    kept in ASKED_THREADS_ENV, and unbuffered output so lines reach the caller as they are printed."""
+    kept in ASKED_THREADS_ENV, and unbuffered output so lines reach the caller as they are printed. Without
+    WANDB_SERVICE: a caller that used W&B itself (the promotion gate logs its artifact from the flow's process)
+    has it set, and rank 0 would log through the caller's W&B service instead of its own, which keeps a killed
+    rank's run open: the resume, with the same run id, got "run ID ... is in use" and no W&B run."""
     out = dict(environ)
+    out.pop("WANDB_SERVICE", None)
     out.setdefault(ASKED_THREADS_ENV, out.get("OMP_NUM_THREADS", ""))
     out.setdefault("OMP_NUM_THREADS", "1")
     out.setdefault("PYTHONUNBUFFERED", "1")
