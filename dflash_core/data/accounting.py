@@ -45,7 +45,7 @@ class DropLog:
 
     def check(self, read: int, max_fraction: float) -> None:
         """Raise BadInputError, showing examples, when bad records exceed max_fraction of those read."""
-        if read == 0 or self.bad <= max_fraction * read:
+        if read == 0 or self.bad / read <= max_fraction:  # not bad <= fraction * read: 0.29 * 100 < 29 in floats
             return
         lines = [f"{self.bad} of {read} records ({self.bad / read:.1%}) are bad input, above "
                  f"data.max_bad_fraction={max_fraction}:"]

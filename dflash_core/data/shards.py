@@ -45,7 +45,7 @@ def read_manifest(tokenized: str) -> dict[str, Any]:
     path = join_uri(tokenized, "manifest.json")
     try:
         with fsspec.open(path, "r", encoding="utf-8") as fh:
-            return json.load(fh)
+            manifest = json.load(fh)
     except FileNotFoundError:
         fs, root = fsspec.core.url_to_fs(tokenized)
         if not fs.exists(root):
@@ -53,6 +53,9 @@ def read_manifest(tokenized: str) -> dict[str, Any]:
         raise ShardError(f"{path}: missing; the tokenize run did not finish, re-run `dflash tokenize`") from None
     except ValueError as exc:
         raise ShardError(f"{path}: not valid JSON ({exc}); re-run `dflash tokenize`") from exc
+    if not isinstance(manifest, dict):
+        raise ShardError(f"{path}: not a JSON object; re-run `dflash tokenize`")
+    return manifest
 
 
 def check_shards(tokenized: str) -> None:

@@ -94,12 +94,12 @@ def finished_summary(out: str, fingerprint: str) -> dict[str, Any] | None:
     fs, path = fsspec.core.url_to_fs(join_uri(out, "manifest.json"))
     if not fs.exists(path):  # manifest.json is written last: not finished
         return None
-    manifest = read_manifest(out)
-    if manifest.get("fingerprint") != fingerprint:
-        return None
     try:
+        manifest = read_manifest(out)
+        if manifest.get("fingerprint") != fingerprint:
+            return None
         check_shards(out)
-    except ShardError as exc:  # damaged since (a part cut short or deleted): tokenized again
+    except ShardError as exc:  # damaged since (its manifest or a part cut short or deleted): tokenized again
         log.warning("tokenize: %s is finished but does not read back (%s): tokenizing again", out, exc)
         return None
     return {**{k: manifest.get(k) for k in SUMMARY_COUNTS}, "out": out, "fingerprint": fingerprint, "reused": True}
