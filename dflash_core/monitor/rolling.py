@@ -19,8 +19,9 @@ Stat = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # rows of windows 
 
 
 def scaled_window(configured: int, n: int, minimum: int) -> int:
-    """The configured window, shrunk to a fifth of a short run but never below `minimum`."""
-    return max(minimum, min(configured, n // 5))
+    """The configured window, shrunk to a fifth of a short run but never below `minimum`, nor below 2 values
+    (one value has no spread)."""
+    return max(minimum, 2, min(configured, n // 5))
 
 
 def min_history(window: int) -> int:

@@ -52,7 +52,7 @@ def loss_events(s: Series, cfg: CheckConfig) -> dict[str, Any]:
     # jump the log ends on is not "transient", and the final weights are the ones evaluated and promoted.
     ahead, count = _forward_median(log_loss, m)
     level_threshold = np.maximum(cfg.loss_k * sigma * 1.2533 / np.sqrt(count), floor)
-    cliff = (excess >= level_threshold) & (count >= 2) & (ahead - med >= level_threshold)
+    cliff = (excess >= level_threshold) & (count >= min(2, m)) & (ahead - med >= level_threshold)
     steps = s.steps[pos]
     cliffs = [_describe_event(a, b, log_loss, ahead, med, steps) for a, b in group_runs(cliff, MERGE_GAP)]
     covered = np.zeros(len(pos), bool)
