@@ -48,7 +48,7 @@ def loss_events(s: Series, cfg: CheckConfig) -> dict[str, Any]:
     spike = excess >= np.maximum(cfg.loss_k * sigma, floor)
     # A cliff: this step AND the median of it and the next m-1 steps are up. The median of m values is
     # ~1.25/sqrt(m) times as noisy as one value, so a sustained jump is found at a lower level than a spike.
-    # In the last m-1 steps the median is of the steps left (at least 2), its threshold raised to match: a
+    # In the last m-1 steps the median is of the steps left (at least 2; m itself if 1), its threshold raised: a
     # jump the log ends on is not "transient", and the final weights are the ones evaluated and promoted.
     ahead, count = _forward_median(log_loss, m)
     level_threshold = np.maximum(cfg.loss_k * sigma * 1.2533 / np.sqrt(count), floor)
