@@ -196,6 +196,19 @@ def test_the_clipping_advice_names_the_p90_of_the_norms_against_the_median_clip(
     assert "against train.clip_grad 0.2:" in advice
 
 
+def test_a_non_finite_grad_norm_is_no_clipped_step_when_clipped_is_not_logged():
+    """Without a `clipped` field the clip rate is derived from the pre-clip norm and the threshold; a step whose
+    norm is NaN is unknown there, not clipped (polars takes NaN > clip for true: the rate counted it), and the
+    step fails as non-finite on its own."""
+    records = make_log(400, 0, clip=100.0)  # nothing clipped
+    for r in records:
+        del r["clipped"]
+    records[200]["grad_norm"] = float("nan")
+    figures = _analyze(records).figures
+    assert figures["clip_rate"]["value"] == 0.0 and "0 of 399 steps clipped" in figures["clip_rate"]["summary"]
+    assert figures["nonfinite_steps"]["status"] == "fail"
+
+
 def test_a_grad_norm_growth_over_the_threshold_that_noise_explains_does_not_warn():
     """max_grad_norm_growth warns only when significant: a fitted growth of x2.4 whose 95% CI reaches below x1
     (log-normal noise of sd 2.5 around a x4 drift, 300 steps) passes."""

@@ -21,8 +21,10 @@ def clip_figures(clean: pl.DataFrame, s: Series, cfg: CheckConfig) -> dict[str, 
     rescales, loss cliffs, non-finite steps) fails through its own figures.
     """
     clipped = clean["clipped"]
-    if clipped.is_null().all():  # not logged: derive it from the pre-clip norm and the threshold
-        clipped = (clean["grad_norm"] > clean["clip"]).alias("clipped")
+    if clipped.is_null().all():  # not logged: derive it from the pre-clip norm and the threshold, unknown where
+        # the norm is not finite (polars takes NaN > clip for true; such a step fails as non-finite anyway)
+        clipped = clean.select(pl.when(pl.col("grad_norm").is_finite())
+                               .then(pl.col("grad_norm") > pl.col("clip")).alias("clipped")).to_series()
     known = clipped.is_not_null().to_numpy()
     if not known.any():
         return {"clip_rate": figure(None, cfg.max_clip_rate, "warn", "clip rate: n/a (clipped not logged)"),
