@@ -382,9 +382,11 @@ def _killed_launch(out, steps: int) -> None:
     import subprocess
     import sys
 
-    # a launch of its own W&B service, as a relaunch's rank 0 has (not this process's, which wandb names in
-    # WANDB_SERVICE once a test here has started one: the killed run would stay open in it)
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    from dflash_core.runtime.launch import worker_env
+
+    # the environment the launcher gives its ranks: a W&B service of its own, not this process's (which wandb
+    # names in WANDB_SERVICE once a test here has started one: the killed run would stay open in it)
+    env = worker_env(os.environ)
     done = subprocess.run([sys.executable, "-c", _KILLED_LAUNCH, str(out), str(steps)], capture_output=True,
                           text=True, timeout=300, env={**env, "PYTHONPATH": os.getcwd()})
     assert done.returncode == -9, done.stderr[-2000:]
