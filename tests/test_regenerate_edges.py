@@ -10,28 +10,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from common.regenerate import data_config, write_jsonl
+from common.regenerate import data_config, mock_endpoint, scripted, write_jsonl
 
 from dflash_core.regenerate import client
-from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, auth_headers
+from dflash_core.regenerate.client import Rejected, Reply, Unavailable, api_key, auth_headers
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.output import OutputDir, counting, tally
 from dflash_core.regenerate.records import empty_reply, regenerate, rejection, reply_text
-
-
-def _scripted(replies: list[Reply]):
-    async def send(messages):
-        return replies.pop(0)
-    return send
-
-
-def _endpoint(answer, **cfg) -> Endpoint:
-    """An Endpoint whose server is the function `answer` (request -> response)."""
-    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(**{"retries": 3, "backoff_s": 1.0, **cfg}))
-    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
-    return endpoint
-
 
 _OK = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
 
@@ -61,7 +47,7 @@ def test_the_api_key_edge_cases(monkeypatch):
 
 
 def test_a_server_that_lists_no_model_is_named():
-    endpoint = _endpoint(lambda request: httpx.Response(200, json={"object": "list", "data": []}))
+    endpoint = mock_endpoint(lambda request: httpx.Response(200, json={"object": "list", "data": []}))
     with pytest.raises(EndpointError, match="GET /models lists no model; pass --model"):
         asyncio.run(endpoint.models())
 
@@ -84,7 +70,7 @@ def _waits(monkeypatch, statuses: list[int], headers: dict[str, str] | None = No
         return httpx.Response(200, json=_OK)
 
     monkeypatch.setattr(client.asyncio, "sleep", sleep)
-    assert asyncio.run(_endpoint(answer, **cfg).chat({})).content == "hi"
+    assert asyncio.run(mock_endpoint(answer, **cfg).chat({})).content == "hi"
     return waits
 
 
@@ -114,8 +100,8 @@ def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkey
             return httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip")
         return httpx.Response(200, json=_OK)
 
-    assert asyncio.run(_endpoint(answer).chat({})).content == "hi" and len(sent) == 2
-    broken = _endpoint(lambda request: httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip"))
+    assert asyncio.run(mock_endpoint(answer).chat({})).content == "hi" and len(sent) == 2
+    broken = mock_endpoint(lambda request: httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip"))
     with pytest.raises(Unavailable, match="4 tries failed, last: .*(gzip|decod|Decod)"):
         asyncio.run(broken.chat({}))
 
@@ -130,7 +116,7 @@ def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():
                                                               "and your request has 4096 input tokens"}})
 
     with pytest.raises(Rejected, match="4096 input tokens"):
-        asyncio.run(_endpoint(answer).chat({"max_tokens": 512}))
+        asyncio.run(mock_endpoint(answer).chat({"max_tokens": 512}))
     assert sent == [512]
 
 
@@ -147,16 +133,16 @@ def test_a_200_without_choices_is_malformed_and_one_without_finish_reason_is_kep
         return httpx.Response(200, json={"object": "error", "message": "bad things"})
 
     with pytest.raises(Rejected, match="malformed completion.*bad things"):
-        asyncio.run(_endpoint(error).chat({}))
+        asyncio.run(mock_endpoint(error).chat({}))
     assert sent == [1]
-    bare = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": "4"}}]}))
+    bare = mock_endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": "4"}}]}))
     assert asyncio.run(bare.chat({})) == Reply("4", "unknown", 0, counted_by="unknown")
     # vLLM's newer field name for the reasoning (`reasoning_content` before)
-    newer = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {
+    newer = mock_endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {
         "content": "4", "reasoning": "2+2"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}))
     assert asyncio.run(newer.chat({})) == Reply("4", "stop", 2, reasoning="2+2")
     mixed = [{"type": "text", "text": "See: "}, {"type": "image_url", "image_url": {"url": "x"}}]
-    odd = _endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": mixed},
+    odd = mock_endpoint(lambda request: httpx.Response(200, json={"choices": [{"message": {"content": mixed},
                                                                            "finish_reason": "stop"}]}))
     with pytest.raises(Rejected, match="neither text nor text parts"):
         asyncio.run(odd.chat({}))
@@ -180,13 +166,13 @@ def test_empty_replies_and_the_reasoning_parser_hint():
     """A reply of whitespace is empty (no training text); the reasoning-parser hint is for thinking off only (with
     thinking kept, `set data.thinking: keep` fixes nothing); a count nobody made is not said as `(0 tokens)`."""
     convo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "old"}]
-    result = asyncio.run(regenerate(convo, _scripted([Reply(" \n ", "stop", 2)]), keep_truncated=False,
+    result = asyncio.run(regenerate(convo, scripted([Reply(" \n ", "stop", 2)]), keep_truncated=False,
                                     keep_thinking=False))
     assert result.drop is not None and result.drop.reason == "empty_reply"
     reasoning_only = Reply("", "stop", 5, reasoning="4")
     assert "data.thinking: keep" in empty_reply(reasoning_only, 1, keep_thinking=False)
     assert empty_reply(reasoning_only, 1, keep_thinking=True) == "the server's reply to turn 1 is empty (finish_reason stop)"
-    cut = asyncio.run(regenerate(convo, _scripted([Reply("4 4", "length", 0, counted_by="unknown")]),
+    cut = asyncio.run(regenerate(convo, scripted([Reply("4 4", "length", 0, counted_by="unknown")]),
                                  keep_truncated=False, keep_thinking=False))
     assert cut.drop.detail == "reply to turn 1 reached max_tokens"
 
@@ -216,7 +202,7 @@ def test_a_call_no_result_follows_is_regenerated_though_the_record_goes_on():
     convo = [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": "", "tool_calls": [call]},
              {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "old"}]
     replies = [Reply("Done.", "stop", 1), Reply("You are welcome.", "stop", 1)]
-    result = asyncio.run(regenerate(convo, _scripted(replies), keep_truncated=False, keep_thinking=False))
+    result = asyncio.run(regenerate(convo, scripted(replies), keep_truncated=False, keep_thinking=False))
     assert result.messages == [convo[0], {"role": "assistant", "content": "Done."}, convo[2],
                                {"role": "assistant", "content": "You are welcome."}]
 
@@ -349,7 +335,7 @@ def test_a_call_with_results_after_a_text_reply_keeps_its_results_tied_to_it():
                            {"role": "tool", "content": "21", "tool_call_id": "c1"},
                            {"role": "assistant", "content": "It is 21."}]}
     messages = record_messages(record, Schema(), role_table({})).messages
-    result = asyncio.run(regenerate(messages, _scripted([Reply("Checking.", "stop", 1), Reply("21 C.", "stop", 1)]),
+    result = asyncio.run(regenerate(messages, scripted([Reply("Checking.", "stop", 1), Reply("21 C.", "stop", 1)]),
                                     keep_truncated=False, keep_thinking=False))
     roles = [m["role"] for m in result.messages]
     assert roles == ["user", "assistant", "assistant", "tool", "assistant"], roles

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from common.regenerate import data_config, output_records, write_jsonl
+from common.regenerate import data_config, mock_endpoint, output_records, scripted, write_jsonl
 from pydantic import ValidationError
 
 from dflash_app.config import load_config
@@ -171,13 +171,6 @@ def test_record_shapes_become_openai_messages():
     assert messages_of(greeting, Schema(), roles, merge=True) == twice["messages"][1:]
 
 
-def _scripted(replies: list[Reply], seen: list[list[dict]]):
-    async def send(messages):
-        seen.append(list(messages))
-        return replies[len(seen) - 1]
-    return send
-
-
 def test_a_greeting_stays_and_a_truncated_reply_ends_the_conversation_unless_kept():
     """A later reply cut by max_tokens ends the conversation after the reply before it (those are whole); a first
     one drops the record; keep_truncated keeps it."""
@@ -186,18 +179,18 @@ def test_a_greeting_stays_and_a_truncated_reply_ends_the_conversation_unless_kep
              {"role": "assistant", "content": "old"}]
     seen: list = []
     cut = [Reply("2", "stop", 1), Reply("4 4 4", "length", 8)]
-    result = asyncio.run(regenerate(convo, _scripted(cut, seen), keep_truncated=False, keep_thinking=False))
+    result = asyncio.run(regenerate(convo, scripted(cut, seen), keep_truncated=False, keep_thinking=False))
     assert result.drop is None and result.finish == ["stop", "length"] and result.tokens == 9
     assert [m["content"] for m in result.messages] == ["Hi! Ask me.", "1+1?", "2"]
     assert result.cut is not None and result.cut.startswith("ends after turn 2: truncated: reply to turn 4 reached")
     assert seen[0] == convo[:2] and seen[1][2] == {"role": "assistant", "content": "2"}
-    first = asyncio.run(regenerate(convo[:3], _scripted(cut[1:], []), keep_truncated=False, keep_thinking=False))
+    first = asyncio.run(regenerate(convo[:3], scripted(cut[1:], []), keep_truncated=False, keep_thinking=False))
     assert first.drop == Drop("truncated", first.drop.detail) and first.messages is None
-    kept = asyncio.run(regenerate(convo, _scripted(cut, []), keep_truncated=True, keep_thinking=False))
+    kept = asyncio.run(regenerate(convo, scripted(cut, []), keep_truncated=True, keep_thinking=False))
     assert [m["content"] for m in kept.messages] == ["Hi! Ask me.", "1+1?", "2", "2+2?", "4 4 4"]
     assert kept.tokens == 9
     for bad in (Reply("", "stop", 0), Reply("4 4", "repetition", 2)):  # empty, or ended other than at a stop
-        later = asyncio.run(regenerate(convo, _scripted([cut[0], bad], []), keep_truncated=False,
+        later = asyncio.run(regenerate(convo, scripted([cut[0], bad], []), keep_truncated=False,
                                        keep_thinking=False))
         assert later.drop is None and [m["content"] for m in later.messages] == ["Hi! Ask me.", "1+1?", "2"]
         assert ("empty_reply" if not bad.content else "unfinished_reply") in later.cut
@@ -210,7 +203,7 @@ def test_kept_reasoning_is_written_but_not_sent_back_as_reply_text():
              {"role": "user", "content": "2+2?"}]
     seen: list = []
     replies = [Reply("2", "stop", 5, reasoning="one and one"), Reply("4", "stop", 5, reasoning="two and two")]
-    result = asyncio.run(regenerate(convo, _scripted(replies, seen), keep_truncated=False, keep_thinking=True))
+    result = asyncio.run(regenerate(convo, scripted(replies, seen), keep_truncated=False, keep_thinking=True))
     assert seen[1][1] == {"role": "assistant", "content": "2"}
     assert [m["content"] for m in result.messages if m["role"] == "assistant"] == [
         "<think>\none and one\n</think>\n\n2", "<think>\ntwo and two\n</think>\n\n4"]
@@ -232,7 +225,7 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_the_results_regene
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
     assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
     seen: list = []
-    result = asyncio.run(regenerate(messages, _scripted([Reply("It is 21 degrees.", "stop", 6)], seen),
+    result = asyncio.run(regenerate(messages, scripted([Reply("It is 21 degrees.", "stop", 6)], seen),
                                     keep_truncated=False, keep_thinking=False))
     assert len(seen) == 1 and seen[0] == messages[:3]
     assert result.messages == [*messages[:3], {"role": "assistant", "content": "It is 21 degrees."}]
@@ -254,7 +247,7 @@ def test_a_call_the_record_ends_on_is_regenerated_and_a_split_reply_is_answered_
     convo = [{"role": "user", "content": "Call f with x=1"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     seen: list = []
     mine = {"id": "chatcmpl-tool-9", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
-    result = asyncio.run(regenerate(convo, _scripted([Reply("", "tool_calls", 7, None, [mine])], seen),
+    result = asyncio.run(regenerate(convo, scripted([Reply("", "tool_calls", 7, None, [mine])], seen),
                                     keep_truncated=False, keep_thinking=False))
     assert seen == [convo[:1]] and result.tokens == 7
     assert result.messages == [convo[0], {"role": "assistant", "content": "", "tool_calls": [mine]}]
@@ -262,7 +255,7 @@ def test_a_call_the_record_ends_on_is_regenerated_and_a_split_reply_is_answered_
              {"role": "assistant", "content": "Second, ..."}, {"role": "user", "content": "Thanks. A third?"},
              {"role": "assistant", "content": "Third, ..."}]
     seen = []
-    result = asyncio.run(regenerate(split, _scripted([Reply("One and two.", "stop", 3), Reply("Three.", "stop", 2)],
+    result = asyncio.run(regenerate(split, scripted([Reply("One and two.", "stop", 3), Reply("Three.", "stop", 2)],
                                                      seen), keep_truncated=False, keep_thinking=False))
     assert len(seen) == 2 and seen[1] == [split[0], {"role": "assistant", "content": "One and two."}, split[3]]
     assert [m["content"] for m in result.messages] == ["Tell me two things.", "One and two.", "Thanks. A third?",
@@ -304,8 +297,7 @@ def _answering(statuses: list[int], headers: dict[str, str] | None = None) -> tu
         return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
                                          "usage": {"completion_tokens": 1}})
 
-    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=3, backoff_s=0.01))
-    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    endpoint = mock_endpoint(answer, retries=3, backoff_s=0.01)
     return endpoint, seen
 
 
@@ -351,8 +343,7 @@ def test_a_reply_budget_beyond_the_context_is_sent_again_with_the_room_left(mess
         return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
                                          "usage": {"completion_tokens": 1}})
 
-    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
-    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    endpoint = mock_endpoint(answer, retries=2, backoff_s=0.01)
     if room is None:
         with pytest.raises(Rejected, match="5000 input tokens"):
             asyncio.run(endpoint.chat({"max_tokens": 3072}))
@@ -373,8 +364,7 @@ def _completing(replies: list[dict], seen: list[httpx.Request] | None = None) ->
         return httpx.Response(200, content=json.dumps({"choices": [choice], "usage": {"completion_tokens": 3}}),
                               headers={"Content-Type": "application/json"})
 
-    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
-    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    endpoint = mock_endpoint(answer, retries=2, backoff_s=0.01)
     return endpoint
 
 
@@ -390,11 +380,11 @@ def test_a_reply_the_server_aborted_is_retried_and_one_cut_short_otherwise_drops
         asyncio.run(endpoint.chat({}))
     convo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "old"}]
     for reason in ("content_filter", "repetition"):
-        result = asyncio.run(regenerate(convo, _scripted([Reply("4 4 4 4", reason, 4)], []), keep_truncated=True,
+        result = asyncio.run(regenerate(convo, scripted([Reply("4 4 4 4", reason, 4)], []), keep_truncated=True,
                                         keep_thinking=False))
         assert result.drop is not None and result.drop.reason == "unfinished_reply" and reason in result.drop.detail
     for reason in ("stop", "eos_token", "unknown"):  # OpenAI/vLLM/SGLang, TGI, a server that gives none
-        result = asyncio.run(regenerate(convo, _scripted([Reply("4", reason, 1)], []), keep_truncated=False,
+        result = asyncio.run(regenerate(convo, scripted([Reply("4", reason, 1)], []), keep_truncated=False,
                                         keep_thinking=False))
         assert result.messages == [convo[0], {"role": "assistant", "content": "4"}]
 
@@ -409,8 +399,7 @@ def test_an_answer_with_no_choices_is_sent_again_not_taken_for_a_malformed_one()
         seen.append(1)
         return httpx.Response(200, json=answers[min(len(seen) - 1, len(answers) - 1)])
 
-    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(retries=2, backoff_s=0.01))
-    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    endpoint = mock_endpoint(answer, retries=2, backoff_s=0.01)
     assert asyncio.run(endpoint.chat({})).content == "4" and len(seen) == 2
     answers[1] = {"choices": []}
     seen.clear()
@@ -431,7 +420,7 @@ def test_a_reply_that_calls_tools_keeps_its_calls_and_ends_the_conversation():
     convo = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is sunny."},
              {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Rain."}]
     seen: list = []
-    result = asyncio.run(regenerate(convo, _scripted([reply], seen), keep_truncated=False, keep_thinking=False))
+    result = asyncio.run(regenerate(convo, scripted([reply], seen), keep_truncated=False, keep_thinking=False))
     assert len(seen) == 1 and result.finish == ["tool_calls"]
     assert result.messages == [convo[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
     conv = to_conversation({"messages": result.messages}, Schema(), role_table({}))
@@ -439,9 +428,7 @@ def test_a_reply_that_calls_tools_keeps_its_calls_and_ends_the_conversation():
     bad = _completing([{"message": {"content": "x", "tool_calls": ["get_weather()"]}, "finish_reason": "stop"}])
     with pytest.raises(Rejected, match="malformed completion.*tool_calls"):
         asyncio.run(bad.chat({}))
-    html = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig())  # a proxy's login page, answered with 200
-    html.http = httpx.AsyncClient(base_url=html.url, transport=httpx.MockTransport(
-        lambda request: httpx.Response(200, text="<html>Sign in</html>")))
+    html = mock_endpoint(lambda request: httpx.Response(200, text="<html>Sign in</html>"))  # a proxy's login page
     with pytest.raises(Rejected, match="malformed completion.*JSONDecodeError.*<html>Sign in"):
         asyncio.run(html.chat({}))
 

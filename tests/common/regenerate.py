@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from common.chat import tokenizer_dir
 from dflash_core.data.config import DataConfig
+from dflash_core.regenerate.client import Endpoint, Reply
 from dflash_core.regenerate.config import RegenerateConfig
+from dflash_core.regenerate.records import Send
 
 # A byte-level TCP forwarder in its own process: an endpoint we can kill -9 (the server behind it lives on).
 _FORWARDER = r"""
@@ -71,3 +75,22 @@ def write_jsonl(path: Path, records: list) -> str:
 def output_records(out: Path) -> list[dict]:
     """Every record of a regenerate output, in shard order."""
     return [json.loads(line) for shard in sorted(out.glob("shard-*.jsonl")) for line in shard.read_text().splitlines()]
+
+
+def scripted(replies: list[Reply], seen: list[list[dict]] | None = None) -> Send:
+    """A `send` for records.regenerate that answers the requests with `replies` in turn; each request's messages
+    are added to `seen` when given."""
+    sent = [] if seen is None else seen
+
+    async def send(messages):
+        sent.append(list(messages))
+        return replies[len(sent) - 1]
+    return send
+
+
+def mock_endpoint(answer: Callable[[httpx.Request], httpx.Response], **cfg: Any) -> Endpoint:
+    """An Endpoint whose server is the function `answer` (request -> response), with these RegenerateConfig
+    settings."""
+    endpoint = Endpoint("http://127.0.0.1:9/v1", RegenerateConfig(**cfg))
+    endpoint.http = httpx.AsyncClient(base_url=endpoint.url, transport=httpx.MockTransport(answer))
+    return endpoint
