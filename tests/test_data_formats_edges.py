@@ -194,8 +194,8 @@ def test_the_schema_is_what_most_sampled_records_use_and_ids_are_strings_or_numb
 
 
 def _called(call: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-                         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "x"}]}
+    return _chat({"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "r"},
+                 {"role": "assistant", "content": "x"})
 
 
 def test_null_fields_of_a_tool_call_or_definition_are_absent_ones():

@@ -11,21 +11,14 @@ import math
 import numpy as np
 import pytest
 from common.logs import make_log, write_jsonl
+from test_monitor_stability import CFG, _analyze
 
 from dflash_core.monitor import rolling
 from dflash_core.monitor.baseline import regressions
 from dflash_core.monitor.check import run_check
 from dflash_core.monitor.config import CheckConfig
 from dflash_core.monitor.report import build_report, render_markdown, verdict
-from dflash_core.monitor.sources import MetricsLog, metrics_frame
-from dflash_core.monitor.stability import analyze, figure
-
-CFG = CheckConfig()
-
-
-def _analyze(records, cfg=CFG):
-    log = MetricsLog("test", records, list(range(1, len(records) + 1)))
-    return analyze(metrics_frame(log), cfg)
+from dflash_core.monitor.stability import figure
 
 
 def _cycling(n, *, loss=1.0, grad=0.5, s_loss=0.0, s_grad=0.0, mix=None):
