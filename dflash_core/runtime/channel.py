@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -55,15 +54,11 @@ class Channel(Generic[T]):
         self._cond = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
-        self.wait_get_s = 0.0  # total time readers spent blocked (pipeline health)
-        self.wait_put_s = 0.0  # total time writers spent blocked (back-pressure)
 
     def put(self, item: T) -> None:
         """Append an item; blocks while full; raises the channel's error or ChannelClosed."""
         with self._cond:
-            start = time.perf_counter()
             self._cond.wait_for(lambda: self._error is not None or self._closed or len(self._items) < self.capacity)
-            self.wait_put_s += time.perf_counter() - start
             self._raise_if_failed()
             if self._closed:
                 raise ChannelClosed(f"put on closed channel {self.name!r}")
@@ -74,9 +69,7 @@ class Channel(Generic[T]):
         """Take the oldest item; blocks while empty (ChannelTimeout after `timeout` seconds, if given); raises
         EndOfStream when closed and drained."""
         with self._cond:
-            start = time.perf_counter()
             ready = self._cond.wait_for(lambda: self._error is not None or self._closed or bool(self._items), timeout)
-            self.wait_get_s += time.perf_counter() - start
             if not ready:
                 raise ChannelTimeout(f"nothing came through channel {self.name!r} for {timeout:g} s")
             self._raise_if_failed()
