@@ -196,8 +196,8 @@ def test_features_are_not_copied_to_float32_under_autocast(target):
 def test_compiled_block_mask_and_flex_match_sdpa_on_cpu(target, monkeypatch, layer):
     """The CUDA code path (compiled mask builder, compiled flex kernel) run on CPU, forward: exact.
 
-    Lengths are not whole 128-tiles here (48 queries, 88 keys); unpadded, torch 2.13's compiled CPU kernel got
-    such partial tiles wrong when the mask reads captured tensors -- flex_mask pads to whole tiles."""
+    Lengths are not whole 128-tiles here (48 queries, 88 keys), which flex_mask pads to whole tiles (see its
+    docstring: a safeguard; unpadded, this test passed too on 2026-12-06)."""
     monkeypatch.setattr(attention_module, "create_block_mask", torch.compile(attention_module.create_block_mask))
     monkeypatch.setattr(attention_module, "flex_attention", torch.compile(attention_module.flex_attention))
     d = tiny_drafter(target, num_anchors=12)

@@ -173,10 +173,11 @@ def flex_mask(
 ) -> BlockMask:
     """The same visibility as `dense_mask`, as a FlexAttention BlockMask (tiles with nothing visible skipped).
 
-    Built for lengths padded to whole tiles (`attend` pads q, k, v to match): compiled flex on CPU (torch
-    2.13) gets partial tiles wrong when the mask reads captured tensors, and at the recipe shape (8192
-    queries, 11264 keys) nothing is padded anyway. A padded query sees key 0 only (no empty softmax row; its
-    output is dropped, so it adds no gradient); no real query sees a padded key.
+    Built for lengths padded to whole tiles (`attend` pads q, k, v to match), a safeguard: compiled flex on
+    CPU was once seen to get partial tiles wrong when the mask reads captured tensors, though on 2026-12-06
+    (torch 2.13) the compiled CPU test matched SDPA unpadded too, with a fresh inductor cache; at the recipe
+    shape (8192 queries, 11264 keys) nothing is padded anyway. A padded query sees key 0 only (no empty
+    softmax row; its output is dropped, so it adds no gradient); no real query sees a padded key.
     """
     n, nb = anchors.shape
     q_len, device = nb * block_size, anchors.device
