@@ -6,9 +6,11 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import test_model_drafter
 import torch
 import torch.nn.functional as F
-from common.models import random_batch, tiny_drafter, tiny_target
+from common.models import random_batch, tiny_drafter
+from test_model_drafter import B, features
 from torch.nn.attention.flex_attention import create_mask
 from transformers import PretrainedConfig
 
@@ -35,16 +37,7 @@ from dflash_core.model.loss import (
     weighted_sum,
 )
 
-B = 4  # block size of the tiny drafter
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-def _features(target, drafter, batch):
-    return target.capture(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
+target = test_model_drafter.target  # its tiny target (a module fixture), reused
 
 
 # ---- loss ----------------------------------------------------------------------------------------------------
@@ -81,7 +74,7 @@ def test_the_drafters_loss_does_not_depend_on_the_chunking(target, monkeypatch):
     for rows in (4096, 5):
         monkeypatch.setattr(loss_module, "_CE_CHUNK_ROWS", rows)
         d = tiny_drafter(target, seed=6)
-        out = d(_features(target, d, batch), **batch, generator=torch.Generator().manual_seed(3))
+        out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(3))
         out.weighted_loss_sum.backward()
         results.append((out, [p.grad for p in d.parameters()]))
     (whole, whole_grads), (chunked, chunked_grads) = results
@@ -127,14 +120,14 @@ def test_a_micro_batch_without_supervised_tokens_has_one_dropped_block_and_a_zer
         batch["loss_mask"], batch["attention_mask"], torch.Generator().manual_seed(0)
     )
     assert anchors.shape == (2, 1) and not valid.any()
-    out = d(_features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
+    out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
     _assert_empty_step_reaches_every_parameter(d, out)
 
 
 def test_sequences_shorter_than_a_block_train_as_dropped_blocks(target):
     d = tiny_drafter(target, seed=2)
     batch = random_batch(2, B - 1, seed=1)
-    out = d(_features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
+    out = d(features(target, d, batch), **batch, generator=torch.Generator().manual_seed(0))
     _assert_empty_step_reaches_every_parameter(d, out)
 
 
@@ -200,7 +193,7 @@ def test_a_causal_layer_without_a_window_drafts_as_it_trains(target):
     d = tiny_drafter(target, target_layer_ids=[0, 2])
     d.layer_attention = [LayerAttention(causal=True), ORIGINAL]
     batch = random_batch(1, 24, seed=6)
-    feats = _features(target, d, batch)
+    feats = features(target, d, batch)
     anchors = torch.tensor([[3, 11, 20]])
     train = d.block_logits(feats, batch["input_ids"], None, anchors)
     for k, a in enumerate(anchors[0].tolist()):
