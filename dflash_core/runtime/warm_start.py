@@ -146,6 +146,8 @@ def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
         layers = config_layer_attention(config)
     except AttentionError as exc:
         raise WarmStartError(f"train.init_from {uri}: config.json: {exc}") from None
+    except ExportError as exc:  # a field its config reading refuses (the message starts with config.json)
+        raise WarmStartError(f"train.init_from {uri}: {exc}") from None
     if layers != drafter.layer_attention and len(layers) == len(drafter.layer_attention):
         spelled = layer_spelling(layers)  # model.layer_types says only vLLM's default causality
         if spelled is not None and spelled[2] is None:
