@@ -102,13 +102,13 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
         raise WarmStartError("train.init_from: 'promoted' must be resolved to a path before the workers start "
                              "(promotion.store.resolve_init_from)")
     fs, root = fsspec.core.url_to_fs(drafter_location(uri))
-    try:
+    try:  # the checks read config.json as the loader does: a field it refuses is an ExportError too
         config = read_config_json(fs, posixpath.join(root, CONFIG_FILE))
         tensors = read_weights(fs, root)
+        _check_layers(uri, config, drafter)
+        _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in DRAFT_SETTINGS})
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}; give an exported drafter folder") from None
-    _check_layers(uri, config, drafter)
-    _check_layout(uri, config, {key: int(getattr(drafter.config, key)) for key in DRAFT_SETTINGS})
     refusal, note = trained_otherwise({"hidden_act": config.get("hidden_act", "silu"),
                                        "final_logit_softcapping": config.get("final_logit_softcapping")}, drafter)
     if refusal:
@@ -146,8 +146,6 @@ def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
         layers = config_layer_attention(config)
     except AttentionError as exc:
         raise WarmStartError(f"train.init_from {uri}: config.json: {exc}") from None
-    except ExportError as exc:  # a field its config reading refuses (the message starts with config.json)
-        raise WarmStartError(f"train.init_from {uri}: {exc}") from None
     if layers != drafter.layer_attention and len(layers) == len(drafter.layer_attention):
         spelled = layer_spelling(layers)  # model.layer_types says only vLLM's default causality
         if spelled is not None and spelled[2] is None:
