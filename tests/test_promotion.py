@@ -197,12 +197,9 @@ def test_a_crash_while_copying_leaves_the_promoted_drafter_intact(root, monkeypa
     assert not fs.glob(f"{path}.staged-*")  # ... is cleaned up by the next reader
 
 
-def test_a_crash_between_the_two_moves_is_recovered(tmp_path, monkeypatch):
-    """On a local disk the swap is two renames: a kill between them leaves no `promoted/`, and the old folder is
-    moved back."""
-    root = str(tmp_path / "store")
-    cfg = _cfg(root)
-    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+def _killed_between_the_two_moves(root: str, monkeypatch) -> list[str]:
+    """A promoter swapping a new drafter into `root`'s promoted/ killed between its two renames (the old one
+    moved aside, the new one not yet in); returns the moves' destinations."""
     fs, _ = fsspec.core.url_to_fs(root)
     real_mv, moves = type(fs).mv, []
 
@@ -214,8 +211,19 @@ def test_a_crash_between_the_two_moves_is_recovered(tmp_path, monkeypatch):
 
     monkeypatch.setattr(type(fs), "mv", second_move_dies)
     with pytest.raises(OSError, match="injected"):
-        atomic_dir.replace_dir(f"{root}/promoted", lambda staged: _drafter(f"{staged}/drafter", "B"))
+        atomic_dir.replace_dir(f"{root}/promoted", lambda staged: _drafter(f"{staged}/drafter", "X"))
     monkeypatch.undo()
+    return moves
+
+
+def test_a_crash_between_the_two_moves_is_recovered(tmp_path, monkeypatch):
+    """On a local disk the swap is two renames: a kill between them leaves no `promoted/`, and the old folder is
+    moved back."""
+    root = str(tmp_path / "store")
+    cfg = _cfg(root)
+    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
+    moves = _killed_between_the_two_moves(root, monkeypatch)
+    fs, _ = fsspec.core.url_to_fs(root)
     assert len(moves) == 2 and not fs.exists(f"{root}/promoted")  # the state a kill there would leave
     assert read_promoted(root)["run"] == "runs/a"  # the old folder was moved back
     assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}

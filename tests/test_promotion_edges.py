@@ -14,10 +14,9 @@ import pytest
 import test_warm_start
 import torch
 from common.models import tiny_drafter
-from test_promotion import _cfg, _drafter, _measured_as, _read, _scores
+from test_promotion import _cfg, _drafter, _killed_between_the_two_moves, _measured_as, _read, _scores
 from test_runtime_validate import validator  # noqa: F401 - the module's fixture, shared
 
-from dflash_core import atomic_dir
 from dflash_core.model.export import save_dflash
 from dflash_core.promotion import gate, store
 from dflash_core.promotion.gate import decide, promote_if_better
@@ -188,20 +187,8 @@ def test_a_promotion_after_another_promoters_crash_mid_swap_finds_its_incumbent_
     cfg = _cfg(root)
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
     scores = _scores(1.9, 1.4, root)  # measured against runs/a
-    fs, _ = fsspec.core.url_to_fs(root)
-    real_mv, moves = type(fs).mv, []
-
-    def second_move_dies(self, path1, path2, **kw):
-        moves.append(path2)
-        if len(moves) == 2:
-            raise OSError("injected: killed between the two renames")
-        return real_mv(self, path1, path2, **kw)
-
-    monkeypatch.setattr(type(fs), "mv", second_move_dies)
-    with pytest.raises(OSError, match="injected"):
-        atomic_dir.replace_dir(f"{root}/promoted", lambda staged: _drafter(f"{staged}/drafter", "X"))
-    monkeypatch.undo()
-    assert not fs.exists(f"{root}/promoted")
+    _killed_between_the_two_moves(root, monkeypatch)
+    assert not fsspec.filesystem("file").exists(f"{root}/promoted")
     decision = promote_if_better(cfg, "runs/b", _drafter(f"{root}/runs/b/drafter", "B"), "pass", scores)
     assert decision["promoted"], decision["reason"]
     assert read_promoted(root)["run"] == "runs/b" and read_promoted(root)["incumbent_run"] == "runs/a"
