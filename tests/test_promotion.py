@@ -724,18 +724,22 @@ def test_an_online_wandb_run_logs_the_promoted_model(tmp_path, monkeypatch):
     assert decision["promoted"] and decision["wandb_artifact"] == "dflash-drafter:production" and len(logged) == 1
 
 
-def test_an_incumbent_that_decodes_no_step_is_not_replaced_unmeasured(root, monkeypatch):
-    """The promoted drafter loads but its tau is None (no decoding step on the prompts): that is no figure to
-    beat, not "nothing was promoted yet" (it was replaced with no comparison)."""
+@pytest.mark.parametrize(("tau", "says"), [(None, "decoded no step"), (math.nan, "its tau is nan")],
+                         ids=["none", "nan"])
+def test_an_incumbent_that_decodes_no_step_is_not_replaced_unmeasured(root, monkeypatch, tau, says):
+    """The promoted drafter loads but its tau is None (no decoding step on the prompts) or NaN (which compares
+    False with everything: tau <= nan + min_gain is False): that is no figure to beat, not "nothing was promoted
+    yet" (it was replaced with no comparison)."""
     cfg = _cfg(root)
     promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
-    _measured_as(monkeypatch, root, incumbent_tau=None)
+    _measured_as(monkeypatch, root, incumbent_tau=tau)
     new = _drafter(f"{root}/runs/b/drafter", "B")
     scores = gate.measure(cfg, new)
-    assert "decoded no step" in scores["incumbent_error"]
+    assert says in scores["incumbent_error"]
     decision = promote_if_better(cfg, "runs/b", new, "pass", scores)
     assert not decision["promoted"] and "could not be measured" in decision["reason"]
     assert read_promoted(root)["run"] == "runs/a"
+    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
 
 
 def test_a_drafter_placed_by_hand_while_a_run_measured_nothing_is_a_conflict(root, monkeypatch):

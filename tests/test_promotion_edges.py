@@ -14,7 +14,7 @@ import pytest
 import test_warm_start
 import torch
 from common.models import tiny_drafter
-from test_promotion import _cfg, _drafter, _killed_between_the_two_moves, _measured_as, _read, _scores
+from test_promotion import _cfg, _drafter, _killed_between_the_two_moves, _measured_as, _scores
 from test_runtime_validate import validator  # noqa: F401 - the module's fixture, shared
 
 from dflash_core.model.export import save_dflash
@@ -78,22 +78,6 @@ def test_promoted_json_holds_every_key_the_readme_lists(tmp_path):
         "block_size": 16,
     }
     assert record["gain"] == gain and record["eval_set"] == scores["eval_set"]
-
-
-def test_an_incumbent_whose_tau_is_nan_is_not_replaced_unmeasured(tmp_path, monkeypatch):
-    """NaN compares False with everything (tau <= nan + min_gain is False): an incumbent that decoded to a NaN
-    tau is no figure to beat, as one of tau None is, and must not be replaced as if beaten."""
-    root = str(tmp_path / "store")
-    cfg = _cfg(root)
-    promote_if_better(cfg, "runs/a", _drafter(f"{root}/runs/a/drafter", "A"), "pass", _scores(1.4))
-    _measured_as(monkeypatch, root, incumbent_tau=math.nan)
-    new = _drafter(f"{root}/runs/b/drafter", "B")
-    scores = gate.measure(cfg, new)
-    assert "its tau is nan" in scores["incumbent_error"]
-    decision = promote_if_better(cfg, "runs/b", new, "pass", scores)
-    assert not decision["promoted"] and "could not be measured" in decision["reason"]
-    assert read_promoted(root)["run"] == "runs/a"
-    assert json.loads(_read(f"{promoted_drafter(root)}/config.json")) == {"marker": "A"}
 
 
 def test_measure_reports_the_paired_gain_at_the_configured_confidence(tmp_path, monkeypatch):
