@@ -123,9 +123,9 @@ async def regenerate(messages: Messages, send: Send, keep_truncated: bool, keep_
     after them: those answer the calls, which cannot be re-run, and the replies after the results are
     regenerated (a call the record ends on, or one no result follows, is regenerated like any reply). Assistant
     turns in a row (a reply the record split in two) are answered by one reply; a call with results among them
-    is kept as said, before its results. A reply that calls
-    tools itself (a server with a tool parser returns the calls apart from the text) is kept with its calls,
-    and the conversation ends there: what follows in the record answers another reply, and no tool runs here.
+    is kept as said, before its results. A reply that calls tools itself (a server with a tool parser returns
+    the calls apart from the text) is kept with its calls, and the conversation ends there: what follows in
+    the record answers another reply, and no tool runs here.
     A reply cut short for any reason other than max_tokens (a content filter, vLLM's repetition stop) drops
     the record as `unfinished_reply`, one cut by max_tokens as `truncated` (unless kept), an empty one as
     `empty_reply`; a refusal (a 4xx) raises Rejected. Any of these after a reply was kept (a later turn: the
