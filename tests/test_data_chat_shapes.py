@@ -254,6 +254,28 @@ def test_empty_turns_are_kept_unsupervised_and_counted(tmp_path: Path, qwen3_tok
     assert "turn 0 (user) is empty" in examples["empty_user_turn"][0]["detail"]
 
 
+def test_tool_calls_on_a_turn_not_the_assistants_are_left_out_and_noted(tmp_path: Path, qwen3_tok: str) -> None:
+    call = {"type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    ok = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple, said the model."}]
+    records = [{"id": f"ok{i}", "messages": ok} for i in range(4)] + [
+        {"id": "user-calls", "messages": [{**ok[0], "tool_calls": [call]}, ok[1]]},
+        {"id": "user-function-call", "messages": [{**ok[0], "function_call": call["function"]}, ok[1]]},
+        {"id": "user-call-part", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Name a fruit."},
+                                         {"type": "tool_call", "tool_call": call}]}, ok[1]]}]
+    summary = _run(tmp_path, records, qwen3_tok)
+    assert summary["kept"] == 7 and summary["dropped"] == {}
+    assert summary["notes"] == {"tool_calls_off_assistant_turn": 3}
+    spans = _supervised(tmp_path, qwen3_tok)
+    assert all(s == ["An apple, said the model.<|im_end|>"] for s in spans)
+    tok = AutoTokenizer.from_pretrained(qwen3_tok)
+    texts = [tok.decode(r[0]) for r in ShardReader(str(tmp_path / "out")).rows(list(range(7)))]
+    assert len(set(texts)) == 1 and "lookup" not in texts[0]  # rendered as the records without the calls
+    examples = read_manifest(str(tmp_path / "out"))["note_examples"]["tool_calls_off_assistant_turn"]
+    assert [e["id"] for e in examples] == ["user-calls", "user-function-call", "user-call-part"]
+    assert "turn 0 (user) carries tool calls" in examples[0]["detail"]
+
+
 def test_role_hint_names_the_source_role_and_a_mapping_that_works(tmp_path: Path) -> None:
     glaive = {"id": "g", "conversations": [
         {"from": "human", "value": "Look it up, please."}, {"from": "gpt", "value": "I will look it up for you."},

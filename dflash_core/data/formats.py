@@ -711,6 +711,10 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
             if isinstance(more, Drop):
                 return more
             calls += more
+    if role != "assistant" and (calls or any(raw.get(k) for k in ("tool_calls", "function_call"))):
+        notes.append(Drop("tool_calls_off_assistant_turn", f"turn {i} ({source}) carries tool calls; chat templates "
+                          f"write calls only in assistant turns: the calls are left out, the turn's text kept"))
+        calls = []
     # the reasoning as a field: reasoning_content (DeepSeek, Qwen, vLLM), reasoning (OpenRouter, newer vLLM),
     # thinking (gpt-oss's template and its datasets)
     explicit = next((v for v in map(raw.get, REASONING_KEYS) if isinstance(v, str) and v.strip()), None)
