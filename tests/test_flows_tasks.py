@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from common.chat import conversations, to_sharegpt, tokenizer_dir, write_jsonl
+from common.clock import ModuleWith
 from common.logs import make_log
 from common.logs import write_jsonl as write_metrics
 from prefect.logging import disable_run_logger
@@ -17,7 +18,7 @@ from prefect.logging import disable_run_logger
 from dflash_core.config import PipelineConfig, parse_config
 from dflash_core.data.fingerprint import input_fingerprint
 from dflash_core.plan import read_plan
-from flows import tasks
+from flows import progress, tasks
 from flows.progress import LogThrottle, follow_metrics
 
 
@@ -160,7 +161,7 @@ def test_check_writes_the_report_and_publishes_it(tmp_path, monkeypatch):
 
 def test_log_throttle_forwards_at_the_rate_and_counts_the_rest(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("flows.progress.time.monotonic", lambda: now[0])
+    monkeypatch.setattr(progress, "time", ModuleWith(time, monotonic=lambda: now[0]))
     lines: list[str] = []
     throttle = LogThrottle(lines.append, rate=2.0)  # one line per 0.5 s
     for i in range(5):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
+from common.clock import ModuleWith
 from common.regenerate import data_config, mock_endpoint, scripted, write_jsonl
 
 from dflash_core.regenerate import client
@@ -58,13 +58,8 @@ def test_a_server_that_lists_no_model_is_named():
 def _waits(monkeypatch, statuses: list[int], headers: dict[str, str] | None = None, **cfg) -> list[float]:
     """The sleeps between the tries of one request whose server answers `statuses` in turn, then 200."""
     waits: list[float] = []
-    real_sleep, here = asyncio.sleep, threading.get_ident()
 
-    async def sleep(seconds: float, *args, **kwargs) -> None:
-        # asyncio.sleep is patched for the whole process: another thread's event loop (Prefect's, left by an
-        # earlier test in this worker) sleeps as before, and only this request's waits are recorded
-        if threading.get_ident() != here:
-            return await real_sleep(seconds, *args, **kwargs)
+    async def sleep(seconds: float) -> None:
         waits.append(seconds)
 
     sent: list[int] = []
@@ -75,7 +70,7 @@ def _waits(monkeypatch, statuses: list[int], headers: dict[str, str] | None = No
             return httpx.Response(statuses[len(sent) - 1], headers=headers or {}, text="busy")
         return httpx.Response(200, json=_OK)
 
-    monkeypatch.setattr(client.asyncio, "sleep", sleep)
+    monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=sleep))
     assert asyncio.run(mock_endpoint(answer, **cfg).chat({})).content == "hi"
     return waits
 
@@ -97,7 +92,7 @@ def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkey
     async def no_wait(seconds: float) -> None:
         return None
 
-    monkeypatch.setattr(client.asyncio, "sleep", no_wait)
+    monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=no_wait))
     sent: list[int] = []
 
     def answer(request: httpx.Request) -> httpx.Response:

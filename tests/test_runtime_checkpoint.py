@@ -6,10 +6,12 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
+from common.clock import ModuleWith
 
 from dflash_core.runtime import checkpoint
 from dflash_core.runtime.checkpoint import (
@@ -308,7 +310,7 @@ def test_retries_wait_two_then_four_seconds(tmp_path, monkeypatch):
     import errno
 
     waits: list[float] = []
-    monkeypatch.setattr(checkpoint.time, "sleep", waits.append)
+    monkeypatch.setattr(checkpoint, "time", ModuleWith(time, sleep=waits.append))
     mgr = CheckpointManager(tmp_path, keep=3)
     mgr.save(2, *_state(2))
 
@@ -323,7 +325,7 @@ def test_retries_wait_two_then_four_seconds(tmp_path, monkeypatch):
 
 def test_a_step_moved_aside_again_within_the_same_second_gets_a_name_of_its_own(tmp_path, monkeypatch):
     """The same step damaged twice in one second (a crash loop): a rename onto the first folder would crash."""
-    monkeypatch.setattr(checkpoint.time, "strftime", lambda _fmt: "20260101T000000")
+    monkeypatch.setattr(checkpoint, "time", ModuleWith(time, strftime=lambda _fmt: "20260101T000000"))
     mgr = CheckpointManager(tmp_path, keep=5)
     mgr.save(2, *_state(2))
     for _ in range(3):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import test_runtime_train_loop
 import torch
+from common.clock import ModuleWith
 from test_runtime_channel import _blocked
 from test_runtime_checkpoint import _state
 from test_runtime_stages import FakeReplica, SlowReader, _batches, _rows
@@ -589,7 +590,7 @@ def test_a_moved_aside_folder_without_meta_json_is_debris_not_a_checkpoint_to_pu
 
 def test_a_permission_error_is_damage_at_once_not_a_hiccup_to_wait_out(tmp_path, monkeypatch):
     waits: list[float] = []
-    monkeypatch.setattr(checkpoint.time, "sleep", waits.append)
+    monkeypatch.setattr(checkpoint, "time", ModuleWith(time, sleep=waits.append))
     mgr = CheckpointManager(tmp_path, keep=2)
     path = mgr.save(2, *_state(2))
 
