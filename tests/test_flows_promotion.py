@@ -10,7 +10,6 @@ import yaml
 from common.flows import artifact_keys, fast_config, task_states
 
 from dflash_core.promotion.store import promoted_drafter
-from flows.promotion_artifacts import promotion_markdown
 from flows.retrain import retrain_drafter
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
@@ -47,22 +46,3 @@ def test_first_run_promotes_a_worse_one_does_not_and_warm_starts(tmp_path, examp
     run_config = yaml.safe_load((Path(again["run"]) / "config.yaml").read_text())
     assert run_config["train"]["init_from"] == promoted_drafter(str(store)) == again["init_from"]
     assert task_states(second.state_details.flow_run_id)["promote"] == "Completed"
-
-
-def test_promotion_markdown_shows_both_drafters_and_the_decision():
-    text = promotion_markdown({
-        "promoted": False, "reason": "tau 1.2000 does not beat the promoted drafter's 1.3000 by more than 0.0",
-        "tau": 1.2, "incumbent_tau": 1.3, "incumbent_run": "runs/a", "run": "runs/b", "verdict": "pass",
-        "eval_set": {"data": "d.jsonl", "limit": 8, "max_new_tokens": 48}, "promoted_drafter": None,
-        "gain": {"pairs": 9, "mean": -0.1, "lower": -0.25, "p_value": 0.93, "confidence": 0.95},
-    })
-    assert "Paired over 9 prompts" in text and "mean gain -0.1000" in text and "95% lower bound -0.2500" in text
-    assert "**NOT PROMOTED**" in text and "| new | runs/b | 1.2000 | - |" in text and "repeated" not in text
-    assert "| promoted (incumbent) | runs/a | 1.3000 |" in text and "first 8 of `d.jsonl`" in text
-    repeated = promotion_markdown({"promoted": False, "reason": "r", "tau": 1.2, "incumbent_tau": 1.3,
-                                   "incumbent_run": "runs/a", "run": "runs/b", "verdict": "pass",
-                                   "eval_set": {"data": "d.jsonl", "limit": 8, "max_new_tokens": 48},
-                                   "promoted_drafter": None, "gain": {"pairs": 6, "repeats": 2, "mean": 0.1,
-                                                                      "lower": -0.2, "p_value": 0.3,
-                                                                      "confidence": 0.95}})
-    assert "Paired over 6 prompts (the same prompts and outputs; 2 repeated responses averaged in)" in repeated
