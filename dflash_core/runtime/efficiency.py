@@ -210,7 +210,9 @@ def intra_op_threads(
     """
     if requested:
         return requested
-    if omp_env:
-        return max(1, int(omp_env))
+    # OpenMP's nested form "4,2": the outermost level's count; a value that is no count, OpenMP ignores too
+    count = (omp_env or "").split(",")[0].strip()
+    if count.isdecimal():
+        return max(1, int(count))
     share = max(1, cores // max(1, local_world_size) - 1)
     return min(4, share) if device_type == "cuda" else share

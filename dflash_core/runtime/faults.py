@@ -47,7 +47,7 @@ def parse_faults(spec: str | None) -> list[Fault]:
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         kind, _, where = part.partition("@")
         step, _, rank = where.partition(":")
-        if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+        if kind not in KINDS or not step.isdecimal() or (rank and not rank.isdecimal()):
             raise FaultSpecError(f"DFLASH_FAULT: bad entry {part!r}; expected kind@step[:rank], kind in {KINDS}")
         faults.append(Fault(kind, int(step), int(rank) if rank else None))
     return faults
