@@ -6,9 +6,11 @@ replaced by a stand-in that prints what a worker would (launch.run_process_group
 import json
 import os
 import re
+import time
 import uuid
 
 import pytest
+from common.clock import ModuleWith
 from common.runs import build_inputs, write_config
 from test_launch_failures import KILLED_ALONE
 
@@ -272,18 +274,12 @@ def test_a_copy_that_just_fits_is_made_and_progress_is_said_at_most_every_interv
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(launch.shutil, "disk_usage", lambda path: usage(24 << 20, 0, 24 << 20))  # room for it all
 
-    class Clock:  # 6 s a file (no time passes between the calls about one file)
-        now = 0.0
-
-        def monotonic(self) -> float:
-            return self.now
-
-    clock = Clock()
-    monkeypatch.setattr(launch, "time", clock)
+    now = [0.0]  # 6 s a file (no time passes between the calls about one file)
+    monkeypatch.setattr(launch, "time", ModuleWith(time, monotonic=lambda: now[0]))
     real_get = fs.get_file
 
     def get_file(*args, **kwargs):
-        clock.now += 6.0
+        now[0] += 6.0
         return real_get(*args, **kwargs)
 
     monkeypatch.setattr(fs, "get_file", get_file)
@@ -373,24 +369,16 @@ def test_the_failure_names_torchrun_and_its_last_twenty_lines():
     assert str(ProcessFailed(["/usr/bin/env", "x"], "failed", 3, [])).startswith("env failed (exit code 3)")
 
 
-def _sleeper(tmp_path, ignore_sigterm: bool):
-    """A child in its own session that says it is ready, then sleeps (ignoring SIGTERM when asked)."""
+def test_a_group_that_ignores_sigterm_is_killed():
+    import signal
     import subprocess
     import sys
 
-    code = ("import signal, time; " + ("signal.signal(signal.SIGTERM, signal.SIG_IGN); " if ignore_sigterm else "")
-            + "print('ready', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout.readline() == "ready\n"
-    return proc
-
-
-def test_a_group_that_ignores_sigterm_is_killed(tmp_path):
-    import signal
-
     from dflash_core.runtime.process import kill_group
 
-    proc = _sleeper(tmp_path, ignore_sigterm=True)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline() == "ready\n"  # its SIGTERM handler is set
     kill_group(proc, grace_s=0.2)
     assert proc.poll() == -signal.SIGKILL
 
