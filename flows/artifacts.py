@@ -63,6 +63,7 @@ def compact_png(png: bytes, max_bytes: int = IMAGE_BUDGET, name: str = "picture"
     with Image.open(io.BytesIO(png)) as img:
         rgb = img.convert("RGB")
     width = rgb.width
+    floor = min(MIN_WIDTH, width)  # narrow it, never widen it
     while True:
         scaled = rgb.resize((width, round(rgb.height * width / rgb.width)), Image.Resampling.LANCZOS)
         buf = io.BytesIO()
@@ -70,10 +71,10 @@ def compact_png(png: bytes, max_bytes: int = IMAGE_BUDGET, name: str = "picture"
             buf, format="PNG", optimize=True)
         if buf.tell() <= max_bytes:
             return buf.getvalue()
-        if width == MIN_WIDTH:
-            raise ImageBudgetError(f"{name}: {buf.tell()} bytes at {MIN_WIDTH} px wide, over the budget of "
+        if width == floor:
+            raise ImageBudgetError(f"{name}: {buf.tell()} bytes at {floor} px wide, over the budget of "
                                    f"{max_bytes} bytes; raise max_bytes or draw a simpler figure")
-        width = max(MIN_WIDTH, int(width * 0.8))
+        width = max(floor, int(width * 0.8))
 
 
 def _png_bytes(image: Figure | bytes | str) -> bytes:

@@ -27,7 +27,8 @@ def console_url(uri: str, folder: bool = False) -> str | None:
     key = key.rstrip("/")
     if scheme in ("s3", "s3a"):
         if folder:
-            return f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={quote(key)}/"
+            prefix = f"?prefix={quote(key)}/" if key else ""  # the bucket root has no prefix
+            return f"https://s3.console.aws.amazon.com/s3/buckets/{bucket}{prefix}"
         return f"https://s3.console.aws.amazon.com/s3/object/{bucket}?prefix={quote(key)}"
     if scheme in ("gs", "gcs"):
         page = "browser" if folder else "browser/_details"

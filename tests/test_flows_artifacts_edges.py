@@ -5,6 +5,7 @@ regenerate artifacts, storage links, the metrics tail's record filters and the d
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -15,10 +16,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from common.clock import ModuleWith
 from common.logs import write_jsonl
 from matplotlib.figure import Figure
+from PIL import Image
 from test_artifacts import _log, _synthetic_inputs, images
 from test_plan_io import write_tokenized
 
@@ -369,6 +372,24 @@ def test_console_links_of_every_cloud_scheme_for_files_and_folders():
         "https://console.cloud.google.com/storage/browser/_details/bkt/x/y.png")
     assert storage.console_url("gs://bkt/x/", folder=True) == "https://console.cloud.google.com/storage/browser/bkt/x"
     assert storage.console_url("memory://bkt/x") is None and storage.console_url("/tmp/x") is None
+
+
+def test_a_narrow_picture_over_budget_is_never_widened_to_fit(tmp_path):
+    # Noise compresses badly: 200 px wide, no palette and no narrowing down to 200 px brings it under 2 KB.
+    noise = np.random.default_rng(0).integers(0, 255, size=(150, 200, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="PNG")
+    with pytest.raises(artifacts.ImageBudgetError, match=r"^noise: \d+ bytes at 200 px wide, over the budget of 2000"):
+        artifacts.compact_png(buf.getvalue(), max_bytes=2000, name="noise")
+    small = artifacts.compact_png(buf.getvalue(), max_bytes=len(buf.getvalue()) - 1, name="noise")
+    assert Image.open(io.BytesIO(small)).width <= 200
+
+
+def test_a_bucket_root_links_to_the_bucket_page_with_no_prefix():
+    # `?prefix=/` opens an empty folder named "" in the S3 console, not the bucket.
+    assert storage.console_url("s3://bkt/", folder=True) == "https://s3.console.aws.amazon.com/s3/buckets/bkt"
+    assert storage.console_url("s3://bkt", folder=True) == "https://s3.console.aws.amazon.com/s3/buckets/bkt"
+    assert storage.console_url("gs://bkt/", folder=True) == "https://console.cloud.google.com/storage/browser/bkt/"
 
 
 def test_display_path_of_a_relative_local_path_is_absolute(tmp_path):
