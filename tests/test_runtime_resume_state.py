@@ -3,6 +3,7 @@ but only in the slow lane): the optimizer's moments, the lr schedule's position,
 step on, and the gradient scale of a step over several ranks."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import polars as pl
 import pytest
 import torch
 from common.runs import BLOCK, MASK_ID, build_inputs
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dflash_core.data.shards import ShardReader
 from dflash_core.model.config import ModelConfig
@@ -180,6 +181,26 @@ def test_a_checkpoint_of_another_drafter_layout_is_refused_naming_the_settings(i
                        r"layout changed since the checkpoint \(now model.draft_heads None, .* draft_intermediate_size "
                        r"96; null: the target's\); set them back, or train into a new run folder"):
         _trainer(inputs, out, draft_intermediate_size=96)
+
+
+def test_a_checkpoint_from_before_run_identities_with_other_tensors_is_refused_naming_them(inputs, whole, tmp_path):
+    """num_draft_layers is in the run identity, so only a checkpoint older than identities can hold tensors this
+    drafter lacks, or lack some of its own: said as the layout changing, not as load_state_dict's key error."""
+    from dflash_core.runtime.checkpoint import CheckpointError
+
+    out = _resumable(whole, tmp_path)
+    step = out / "checkpoints" / f"step-{EVERY}"
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["identity"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    model = load_file(str(step / "model.safetensors"))
+    gone = sorted(model)[0]
+    model["layers.9.extra.weight"] = model.pop(gone)  # one tensor renamed: one lacking, one extra, same count
+    save_file(model, str(step / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"step-{EVERY}: its tensors are not this run's drafter's \(1 of the "
+                       rf"drafter's missing, e\.g\. {re.escape(gone)}; 1 not the drafter's, e\.g\. "
+                       r"layers\.9\.extra\.weight\): its layout changed since the checkpoint"):
+        _trainer(inputs, out)
 
 
 # --- what a mutation audit of Trainer._resume found unpinned ----------------------------------------------

@@ -164,13 +164,19 @@ class Trainer:
         model.draft_* settings are not in the run's identity (adding them would have refused every checkpoint
         written before them), so a changed one is said here, not as load_state_dict's size mismatch."""
         want = self.drafter.state_dict()
+        now = ", ".join(f"{setting} {getattr(self.cfg.model, setting)}" for setting in DRAFT_SETTINGS.values())
+        advice = (f"its layout changed since the checkpoint (now model.{now}; null: the target's); set them back, "
+                  "or train into a new run folder (--out / --run-name)")
         for name, tensor in ckpt.model.items():
             if name in want and tuple(tensor.shape) != tuple(want[name].shape):
-                now = ", ".join(f"{setting} {getattr(self.cfg.model, setting)}" for setting in DRAFT_SETTINGS.values())
-                raise CheckpointError(
-                    f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, this run's drafter "
-                    f"{tuple(want[name].shape)}: its layout changed since the checkpoint (now model.{now}; null: the "
-                    f"target's); set them back, or train into a new run folder (--out / --run-name)")
+                raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, this run's "
+                                      f"drafter {tuple(want[name].shape)}: {advice}")
+        # names differ only for a checkpoint older than run identities (num_draft_layers is in the identity)
+        missing, extra = sorted(want.keys() - ckpt.model.keys()), sorted(ckpt.model.keys() - want.keys())
+        if missing or extra:
+            said = "; ".join(f"{len(names)} {what}, e.g. {names[0]}" for what, names in
+                             (("of the drafter's missing", missing), ("not the drafter's", extra)) if names)
+            raise CheckpointError(f"{ckpt.path}: its tensors are not this run's drafter's ({said}): {advice}")
 
     def _check_trained_as(self, ckpt: Checkpoint) -> None:
         """A checkpoint's weights continue only in a drafter of their MLP activation (warm_start.trained_otherwise);
