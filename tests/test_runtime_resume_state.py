@@ -2,6 +2,7 @@
 but only in the slow lane): the optimizer's moments, the lr schedule's position, the plan rows from the checkpoint's
 step on, and the gradient scale of a step over several ranks."""
 
+import functools
 import json
 import re
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from common.runs import BLOCK, MASK_ID, build_inputs
+from common.runs import BLOCK, MASK_ID, build_inputs, one_process_trainer, resumable
 from safetensors.torch import load_file, save_file
 
 from dflash_core.data.shards import ShardReader
@@ -19,32 +20,14 @@ from dflash_core.model.drafter import build_drafter
 from dflash_core.model.target import load_target
 from dflash_core.runtime.batch import PlanRow, collate
 from dflash_core.runtime.channel import Channel
-from dflash_core.runtime.config import RunConfig
-from dflash_core.runtime.distributed import DistEnv
 from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.schedule import make_scheduler
 from dflash_core.runtime.train_loop import DrafterTrainLoop, LoopSettings, anchor_generator
-from dflash_core.runtime.trainer import Trainer
 
 STEPS, EVERY = 6, 3  # the run trains plan steps 0..5 and checkpoints after steps 2 and 5
 
 
-def _trainer(inputs, out: Path, **model) -> Trainer:
-    """A one-process Trainer (no torchrun) of STEPS steps, set up: resumed when `out` holds a checkpoint (`model`:
-    more model settings)."""
-    cfg = RunConfig(
-        data={"source": "unused.jsonl", "tokenizer": "unused"},
-        model={"target": inputs.target, "dtype": "float32", "num_draft_layers": 1, "block_size": BLOCK,
-               "mask_token_id": MASK_ID, "num_anchors": 8, **model},
-        # warmup then cosine: every step has another lr; AdamW's moments make the update depend on the steps before
-        train={"lr": 3e-3, "warmup_ratio": 0.2, "device": "cpu", "prefetch_threads": 1, "queue_size": 2,
-               "checkpoint_every": EVERY, "keep_checkpoints": 2, "max_steps": STEPS, "seed": 0},
-        wandb={"enabled": False},
-    )
-    reader = ShardReader(inputs.tokenized)
-    plan = read_run_plan(inputs.plan, 1, reader.fingerprint, inputs.tokenized, STEPS)
-    assert plan.num_steps == STEPS  # the fixture's plan has at least STEPS steps
-    return Trainer(cfg, plan, reader, str(out), DistEnv(), MASK_ID).setup()
+_trainer = functools.partial(one_process_trainer, steps=STEPS, every=EVERY)
 
 
 def _records(out: Path) -> list[dict]:
@@ -65,11 +48,7 @@ def whole(inputs, tmp_path_factory):
     return out
 
 
-def _resumable(whole: Path, tmp_path: Path) -> Path:
-    """A run folder that holds only the whole run's checkpoint after step 2 (an interrupted launch's)."""
-    out = tmp_path / "out"
-    shutil.copytree(whole / "checkpoints" / f"step-{EVERY}", out / "checkpoints" / f"step-{EVERY}")
-    return out
+_resumable = functools.partial(resumable, step=EVERY)
 
 
 def test_a_resumed_trainer_holds_the_checkpoints_optimizer_moments_and_schedule_position(inputs, whole, tmp_path):
@@ -180,7 +159,7 @@ def test_a_checkpoint_of_another_drafter_layout_is_refused_naming_the_settings(i
     with pytest.raises(CheckpointError, match=r"step-3: tensor layers\.0\.mlp\.\w+_proj\.weight has shape .* its "
                        r"layout changed since the checkpoint \(now model.draft_heads None, .* draft_intermediate_size "
                        r"96; null: the target's\); set them back, or train into a new run folder"):
-        _trainer(inputs, out, draft_intermediate_size=96)
+        _trainer(inputs, out, model={"draft_intermediate_size": 96})
 
 
 def test_a_checkpoint_from_before_run_identities_with_other_tensors_is_refused_naming_them(inputs, whole, tmp_path):

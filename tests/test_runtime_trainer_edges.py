@@ -5,10 +5,10 @@ validation's checkpoints and best drafter, what a validation record sums, and wh
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import torch
 import yaml
 from common.clock import ModuleWith
 from common.models import save_tiny_qwen3, tiny_drafter, tiny_target
-from common.runs import BLOCK, MASK_ID, build_inputs, write_config
+from common.runs import BLOCK, MASK_ID, build_inputs, one_process_trainer, resumable, write_config
 from safetensors.torch import load_file
 from test_runtime_validate import validator  # noqa: F401 - the module's fixture, shared
 
@@ -27,19 +27,15 @@ from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import build_drafter
 from dflash_core.model.export import save_dflash
 from dflash_core.model.target import load_target
-from dflash_core.plan.io import read_val
 from dflash_core.runtime import trainer as trainer_module
 from dflash_core.runtime import worker
 from dflash_core.runtime.batch import BatchError, collate
 from dflash_core.runtime.checkpoint import CheckpointManager
-from dflash_core.runtime.config import RunConfig
 from dflash_core.runtime.distributed import DistEnv
 from dflash_core.runtime.faults import Fault, FaultPlan, InjectedFault
 from dflash_core.runtime.launch import HOLD_ENV
-from dflash_core.runtime.run_plan import read_run_plan
 from dflash_core.runtime.stopping import StoppedBySignal, StopRequest
 from dflash_core.runtime.train_loop import NonFiniteError, StallError
-from dflash_core.runtime.trainer import Trainer
 from dflash_core.runtime.validate import Validator
 from dflash_core.runtime.warm_start import check_init_from
 
@@ -51,58 +47,7 @@ def inputs(tmp_path_factory):
     return build_inputs(tmp_path_factory.mktemp("trainer-inputs"), world_size=1, n_samples=48)
 
 
-def _trainer(
-    inputs,
-    out: Path,
-    steps: int = STEPS,
-    val: bool = False,
-    faults: FaultPlan | None = None,
-    stop=None,
-    reader=None,
-    model: dict | None = None,
-    **train,
-) -> Trainer:
-    """A one-process Trainer of `steps` steps, set up (`train`, `model`: more settings; `val`: with the plan's
-    validation slice)."""
-    cfg = RunConfig(
-        data={"source": "unused.jsonl", "tokenizer": "unused"},
-        model={
-            "target": inputs.target,
-            "dtype": "float32",
-            "num_draft_layers": 1,
-            "block_size": BLOCK,
-            "mask_token_id": MASK_ID,
-            "num_anchors": 8,
-            **(model or {}),
-        },
-        train={
-            "lr": 3e-3,
-            "warmup_ratio": 0.2,
-            "device": "cpu",
-            "prefetch_threads": 1,
-            "queue_size": 2,
-            "checkpoint_every": EVERY,
-            "keep_checkpoints": 2,
-            "max_steps": steps,
-            "seed": 0,
-            **train,
-        },
-        wandb={"enabled": False},
-    )
-    reader = reader or ShardReader(inputs.tokenized)
-    plan = read_run_plan(inputs.plan, 1, reader.fingerprint, inputs.tokenized, steps)
-    assert plan.num_steps == steps
-    return Trainer(
-        cfg,
-        plan,
-        reader,
-        str(out),
-        DistEnv(),
-        cfg.model.mask_token_id,
-        faults or FaultPlan([], 0),
-        read_val(inputs.plan, plan.meta) if val else None,
-        stop=stop,
-    ).setup()
+_trainer = functools.partial(one_process_trainer, steps=STEPS, every=EVERY)
 
 
 def _records(out: Path, kind: str = "train") -> list[dict]:
@@ -117,13 +62,7 @@ def whole(inputs, tmp_path_factory):
     return out, _trainer(inputs, out).train()
 
 
-def _resumable(whole: Path, tmp_path: Path, step: int = EVERY, metrics: bool = False) -> Path:
-    """A run folder holding only the whole run's checkpoint `step` (and its metrics.jsonl when asked)."""
-    out = tmp_path / "out"
-    shutil.copytree(whole / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
-    if metrics:
-        shutil.copy(whole / "metrics.jsonl", out / "metrics.jsonl")
-    return out
+_resumable = functools.partial(resumable, step=EVERY)
 
 
 def test_every_set_up_builds_the_initial_drafter_of_train_seed_whatever_the_global_rng_held(inputs, tmp_path):

@@ -8,6 +8,7 @@ block size 4) so torchrun with 2 CPU processes finishes a run in seconds once Py
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,6 +94,45 @@ def write_config(path: Path, inputs: RunInputs, **train) -> str:
     }
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
+
+
+def one_process_trainer(inputs: RunInputs, out: Path, steps: int, every: int, val: bool = False, faults=None,
+                        stop=None, reader=None, model: dict | None = None, **train):
+    """A set-up Trainer of `steps` plan steps in this process (no torchrun), checkpointing every `every` steps and
+    resuming when `out` holds a checkpoint (`model`, `train`: more settings; `val`: with the plan's validation
+    slice). Warmup then cosine: every step has another lr, and AdamW's moments make each update depend on the
+    steps before, so a resume that restores less than all of it shows."""
+    from dflash_core.data.shards import ShardReader
+    from dflash_core.plan.io import read_val
+    from dflash_core.runtime.config import RunConfig
+    from dflash_core.runtime.distributed import DistEnv
+    from dflash_core.runtime.faults import NO_FAULTS
+    from dflash_core.runtime.run_plan import read_run_plan
+    from dflash_core.runtime.trainer import Trainer
+
+    cfg = RunConfig(
+        data={"source": "unused.jsonl", "tokenizer": "unused"},
+        model={"target": inputs.target, "dtype": "float32", "num_draft_layers": 1, "block_size": BLOCK,
+               "mask_token_id": MASK_ID, "num_anchors": 8, **(model or {})},
+        train={"lr": 3e-3, "warmup_ratio": 0.2, "device": "cpu", "prefetch_threads": 1, "queue_size": 2,
+               "checkpoint_every": every, "keep_checkpoints": 2, "max_steps": steps, "seed": 0, **train},
+        wandb={"enabled": False},
+    )
+    reader = reader or ShardReader(inputs.tokenized)
+    plan = read_run_plan(inputs.plan, 1, reader.fingerprint, inputs.tokenized, steps)
+    assert plan.num_steps == steps  # the fixture's plan has at least `steps` steps
+    return Trainer(cfg, plan, reader, str(out), DistEnv(), cfg.model.mask_token_id, faults or NO_FAULTS,
+                   read_val(inputs.plan, plan.meta) if val else None, stop=stop).setup()
+
+
+def resumable(run: Path, tmp_path: Path, step: int, metrics: bool = False) -> Path:
+    """`tmp_path / "out"`: a run folder holding only `run`'s checkpoint after `step` steps (an interrupted
+    launch's), and its metrics.jsonl when asked."""
+    out = tmp_path / "out"
+    shutil.copytree(run / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    if metrics:
+        shutil.copy(run / "metrics.jsonl", out / "metrics.jsonl")
+    return out
 
 
 @dataclass
