@@ -162,7 +162,8 @@ class Trainer:
     def _check_shapes(self, ckpt: Checkpoint) -> None:
         """A checkpoint's tensors fit this run's drafter only if its layout is the one they were trained in: the
         model.draft_* settings are not in the run's identity (adding them would have refused every checkpoint
-        written before them), so a changed one is said here, not as load_state_dict's size mismatch."""
+        written before them), so a changed one is said here, not as load_state_dict's size mismatch; so are tensor
+        names that differ (a checkpoint older than run identities, of another num_draft_layers)."""
         want = self.drafter.state_dict()
         now = ", ".join(f"{setting} {getattr(self.cfg.model, setting)}" for setting in DRAFT_SETTINGS.values())
         advice = (f"its layout changed since the checkpoint (now model.{now}; null: the target's); set them back, "
