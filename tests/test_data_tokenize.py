@@ -497,3 +497,8 @@ def test_the_offsets_fallback_masks_exactly_the_tokens_inside_the_assistant_span
     out = _masked(enc, [(5, 12), (14, 17)])  # " a1 a2 " and " a3"
     assert out.mask.tolist() == [0, 0, 1, 1, 0, 1]
     assert out.turn_ends.tolist() == [4, 6]  # the token index after each span, as the char_to_token path gives
+    # an empty slot (an assistant turn the template rendered nothing of) inside a token trains nothing and ends no
+    # turn, as on the char_to_token path: before, "q3" around it was supervised and a third turn end was added
+    with_empty = _masked(enc, [(5, 12), (13, 13), (14, 17)])
+    assert (with_empty.mask.tolist(), with_empty.turn_ends.tolist()) == ([0, 0, 1, 1, 0, 1], [4, 6])
+    assert _masked(enc, [(6, 11), (13, 13), (15, 17)]).mask.tolist() == [0, 0, 1, 1, 0, 1]  # char_to_token path

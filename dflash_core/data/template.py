@@ -774,7 +774,7 @@ def _masked(encoding: Any, spans: list[Span]) -> Encoded | Drop:
 
 def _masked_by_offsets(encoding: Any, ids: np.ndarray, spans: list[Span]) -> Encoded:
     offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-    spans = sorted(spans)
+    spans = sorted((start, end) for start, end in spans if end > start)  # as _masked: an empty slot trains nothing
     starts = np.fromiter((s for s, _ in spans), dtype=np.int64, count=len(spans))
     ends = np.fromiter((e for _, e in spans), dtype=np.int64, count=len(spans))
     nxt = np.searchsorted(ends, offsets[:, 0], side="right")  # first span ending after the token starts
