@@ -481,6 +481,21 @@ def test_zstd_compressed_json_lines_are_read_as_a_file_and_in_a_folder(tmp_path:
         assert summary["tokens"] == plain["tokens"]
 
 
+def test_the_last_resort_search_places_each_text_after_the_previous_one():
+    """When even the skeleton (contents replaced by markers) fails to render, each slot's text is searched for in
+    order after the previous one, stripped when the template trimmed it; a reply that cannot be found is no
+    placement at all (the record is a template_mismatch), a prompt or reasoning text that cannot be is skipped."""
+    from dflash_core.data.template import _searched_spans
+
+    messages = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": " ok \n", "reasoning_content": "r"},
+                {"role": "user", "content": "gone"}, {"role": "assistant", "content": "fine"}]
+    slots = [(0, "content"), (1, "reasoning_content"), (1, "content"), (2, "content"), (3, "content")]
+    text = "U: ok\nA: ok\nA: fine"  # the reply " ok \n" rendered trimmed; reasoning and the second prompt dropped
+    assert _searched_spans(messages, slots, text) == {0: (3, 5), 2: (9, 11), 4: (15, 19)}
+    assert _searched_spans(messages, slots, text.replace("fine", "good")) is None  # a reply not in the text
+    assert _searched_spans(messages, slots[:3], "A: ok\nU: ok") == {0: (3, 5), 2: (9, 11)}  # never before the last
+
+
 def test_the_offsets_fallback_masks_exactly_the_tokens_inside_the_assistant_spans():
     """A span border on a character no token holds (here a space a whitespace pre-tokenizer drops; in practice a
     normalizer) sends `_masked` to the offsets path. Token borders at the span borders: the token ending where a
