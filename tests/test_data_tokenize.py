@@ -255,6 +255,59 @@ def test_fingerprint_covers_data_tokenizer_and_parameters(tmp_path: Path) -> Non
     assert input_fingerprint(str(data), tok, data_config(), 2) != fp
 
 
+def test_a_tokenizers_named_chat_templates_are_part_of_its_fingerprint(tmp_path: Path) -> None:
+    """transformers keeps a tokenizer's named templates in additional_chat_templates/ and renders a record with
+    tools by the one named "tool_use": a fix to it must tokenize the data again, not reuse the old tokens."""
+    from dflash_core.data.fingerprint import tokenizer_digest
+
+    folder = tmp_path / "tok"
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("chatml"))
+    tok.chat_template = {"default": tok.chat_template, "tool_use": tok.chat_template + "{{ '' }}"}
+    tok.save_pretrained(folder)
+    assert (folder / "additional_chat_templates" / "tool_use.jinja").is_file()  # where transformers puts it
+    digest = tokenizer_digest(str(folder))
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    assert tokenizer_digest(str(folder)) != digest
+
+
+def test_a_tokenizer_named_by_hub_id_is_fingerprinted_by_what_it_loads(tmp_path: Path) -> None:
+    """A hub id has no local files to hash: the digest is over the loaded tokenizer (its vocabulary and merges, its
+    chat template, its special tokens), the same for the same tokenizer loaded again, another when the template or
+    a special token changes, so a nightly run on `Qwen/Qwen3-8B` tokenizes again after an upstream template fix."""
+    from dflash_core.data.fingerprint import tokenizer_digest
+
+    folder = tokenizer_dir("chatml")
+    digest = tokenizer_digest("org/model", AutoTokenizer.from_pretrained(folder))
+    assert tokenizer_digest("org/model", AutoTokenizer.from_pretrained(folder)) == digest
+    assert digest != tokenizer_digest(folder)  # a local folder is hashed by its files instead
+    retemplated = AutoTokenizer.from_pretrained(folder)
+    retemplated.chat_template += "{{ '' }}"
+    assert tokenizer_digest("org/model", retemplated) != digest
+    special = AutoTokenizer.from_pretrained(folder)
+    special.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert tokenizer_digest("org/model", special) != digest
+
+
+def test_a_target_named_by_hub_id_is_known_by_its_cached_snapshot(tmp_path: Path, monkeypatch) -> None:
+    """A target given by hub id is told apart by the commit of the snapshot in the local Hugging Face cache (a new
+    upstream version, once downloaded, regenerates its replies again); an id not in the cache by the id alone."""
+    import huggingface_hub.constants
+
+    from dflash_core.data.fingerprint import model_digest
+
+    repo = tmp_path / "models--org--model"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert model_digest("org/model") == f"hub commit {'a' * 40}"
+    (repo / "refs" / "main").write_text("b" * 40)
+    assert model_digest("org/model") == f"hub commit {'b' * 40}"
+    assert model_digest("org/other") is None and model_digest(None) is None
+
+
 def test_progress_reports_records_tokens_rate_and_eta(tmp_path: Path) -> None:
     calls: list[dict] = []
     data = write_jsonl(tmp_path / "d.jsonl", [to_sharegpt(c, i) for i, c in enumerate(conversations(5))])

@@ -82,6 +82,10 @@ def test_the_cache_key_follows_the_targets_weights_not_only_its_path(tmp_path):
         weights.write_bytes(original)
     (target / "config.json").write_text('{"hidden_size": 16}')
     assert settings(data, str(target)) != key
+    key = settings(data, str(target))
+    (target / "additional_chat_templates").mkdir()  # the named chat templates its server renders with
+    (target / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    assert settings(data, str(target)) != key
     served = data.model_copy(update={"regenerate": data.regenerate.model_copy(update={"endpoints": ["http://x/v1"]})})
     assert "target_weights" not in settings(served, str(target))
     assert model_digest("no/such-model-anywhere") is None and "target_weights" not in settings(data, "no/such")

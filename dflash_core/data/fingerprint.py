@@ -18,6 +18,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
     "vocab.txt", "spiece.model",
 )
+# transformers saves a tokenizer's named chat templates beside the default one here (<name>.jinja); apply_chat_template
+# renders a record with tools by the one named "tool_use" when there is one
+TEMPLATES_DIR = "additional_chat_templates"
 _CHUNK = 1 << 20
 
 
@@ -45,11 +48,12 @@ def files_digest(files: list[SourceFile]) -> str:
 
 
 def tokenizer_digest(path: str, tokenizer: Any | None = None) -> str:
-    """sha256 over the tokenizer's files when `path` is a local folder, else over the loaded tokenizer."""
+    """sha256 over the tokenizer's files when `path` is a local folder (its named chat templates too), else over the
+    loaded tokenizer."""
     h = hashlib.sha256()
     names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))] if os.path.isdir(path) else []
     if names:
-        for name in names:
+        for name in names + named_templates(path):
             with open(os.path.join(path, name), "rb") as fh:
                 h.update(f"{name}\0".encode() + fh.read())
         return h.hexdigest()
@@ -65,22 +69,29 @@ def tokenizer_digest(path: str, tokenizer: Any | None = None) -> str:
 _SAMPLE = 1 << 20  # bytes of each end of a weight file a model digest reads
 
 
+def named_templates(folder: str) -> list[str]:
+    """The named chat templates a local tokenizer folder keeps (TEMPLATES_DIR/<name>.jinja), relative, sorted."""
+    found = os.path.join(folder, TEMPLATES_DIR)
+    return sorted(f"{TEMPLATES_DIR}/{e.name}" for e in os.scandir(found) if e.is_file()) if os.path.isdir(found) else []
+
+
 def model_digest(target: str | None) -> str | None:
     """What tells a model's weights apart without reading them all (a nightly fingerprint of a 16-140 GB
-    target): for a local folder, sha256 over each top-level file's name and size, the whole of the small ones
-    (config, tokenizer, index) and the first and last MiB of the large ones (a safetensors header names and
-    places every tensor; a fine-tune changes the bytes at both ends); for a hub id, the commit of its snapshot in
-    the local Hugging Face cache; None when neither is there (the id alone then names it)."""
+    target): for a local folder, sha256 over each top-level file's name and size (and its named chat templates'),
+    the whole of the small ones (config, tokenizer, index) and the first and last MiB of the large ones (a
+    safetensors header names and places every tensor; a fine-tune changes the bytes at both ends); for a hub id,
+    the commit of its snapshot in the local Hugging Face cache; None when neither is there (the id alone then
+    names it)."""
     if target is None:
         return None
     if os.path.isdir(target):
         h = hashlib.sha256()
-        for entry in sorted(os.scandir(target), key=lambda e: e.name):
-            if not entry.is_file() or entry.name.startswith("."):
-                continue
-            size = entry.stat().st_size
-            h.update(f"{entry.name}\0{size}\0".encode())
-            with open(entry.path, "rb") as fh:
+        names = [e.name for e in os.scandir(target) if e.is_file() and not e.name.startswith(".")]
+        for name in sorted(names) + named_templates(target):  # the templates its server renders with, too
+            path = os.path.join(target, name)
+            size = os.path.getsize(path)
+            h.update(f"{name}\0{size}\0".encode())
+            with open(path, "rb") as fh:
                 if size <= 4 * _SAMPLE:
                     h.update(fh.read())
                 else:
