@@ -485,6 +485,33 @@ def test_prompt_lists_and_exchanges_read_as_their_public_datasets_store_them(tmp
         assert [m["role"] for m in read.messages] == ["user", "assistant"] and read.sources == [user, assistant]
 
 
+def test_zephyr_tulu_phi3_and_glm_transcripts_flan_pairs_and_firefly_exchanges_are_read(
+        tmp_path: Path, qwen3_tok: str) -> None:
+    """Chats rendered with <|system|>/<|user|>/<|assistant|> markers (Zephyr and StableLM end a turn with </s> or
+    <|endoftext|>, Phi-3 with <|end|>, Tulu's open-instruct format and GLM-4's with the next marker alone), FLAN's
+    and P3's {inputs, targets} pairs, Firefly's {input, target} pairs and its multi-turn {human, assistant}
+    exchanges: each reply supervised, the end marks cut, the system block a system turn."""
+    zephyr = {"text": "<|system|>\nYou are kind.</s>\n<|user|>\nName a fish.</s>\n<|assistant|>\nA carp.</s>\n"}
+    tulu = {"dataset": "oasst1", "text": "<|user|>\nName a bird.\n<|assistant|>\nA wren.\n<|user|>\nAnother?\n"
+                                         "<|assistant|>\nA crow.</s>"}
+    phi3 = {"text": "<s><|user|>\nName a tree.<|end|>\n<|assistant|>\nAn oak.<|end|>\n<|endoftext|>"}
+    glm = {"text": "[gMASK]<sop><|system|>\nBe brief.<|user|>\nName a stone.<|assistant|>\nJade."}
+    flan = {"inputs": "Translate to English: chat", "targets": "a small cat", "task_source": "Flan2021"}
+    firefly = {"kind": "Translation", "input": "Translate to English: chien", "target": "a loyal dog"}
+    exchanges = {"conversation_id": 7, "category": "Brainstorming", "conversation": [
+        {"human": "Name a colour.", "assistant": "Teal."}, {"human": "Another?", "assistant": "Ochre."}]}
+    records = [zephyr, tulu, phi3, glm, flan, firefly, exchanges]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [
+        ["A carp.<|im_end|>"], ["A wren.<|im_end|>", "A crow.<|im_end|>"], ["An oak.<|im_end|>"], ["Jade.<|im_end|>"],
+        ["a small cat<|im_end|>"], ["a loyal dog<|im_end|>"], ["Teal.<|im_end|>", "Ochre.<|im_end|>"]]
+    assert [m["role"] for m in to_conversation(zephyr).messages] == ["system", "user", "assistant"]
+    assert to_conversation(glm).messages[0] == {"role": "system", "content": "Be brief."}
+    assert to_conversation(phi3).messages == [{"role": "user", "content": "Name a tree."},
+                                              {"role": "assistant", "content": "An oak."}]
+
+
 def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_them(
         tmp_path: Path, qwen3_tok: str) -> None:
     """The `chosen` side of a preference pair is the conversation: Anthropic HH-RLHF's transcript string, TRL's

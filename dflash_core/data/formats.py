@@ -6,8 +6,8 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   turns whose value is the call JSON, `observation` turns; Hermes: `from: tool`), OpenAI `messages` with
   `role`/`content` (assistant `content: null` + `tool_calls` or the older `function_call`, `tool`/`function`
   messages with `tool_call_id`/`name`, top-level `tools` as a list or a JSON string);
-- turns without roles: Capybara's `{input, output}` exchanges (a user turn and the assistant's reply each),
-  LIMA's plain strings (user first, then alternating);
+- turns without roles: Capybara's `{input, output}` and Firefly's `{human, assistant}` exchanges (a user turn and
+  the assistant's reply each), LIMA's plain strings (user first, then alternating);
 - a prompt held as a list of turns then the reply, as turns or a string: TRL's conversational prompt/completion,
   Llama-Nemotron's `input`/`output` (with its top-level `system_prompt`);
 - preference pairs, read by their `chosen` side (`rejected` is never read): the reply of a prompt (Orca DPO
@@ -43,14 +43,15 @@ MESSAGE_KEYS = ("messages", "conversations", "conversation")
 # A prompt as a list of turns (TRL's conversational prompt, Llama-Nemotron's input) and its reply are read as one
 # list: the reply as turns or as one assistant string.
 PROMPT_LIST_KEYS = ("prompt", "input")
-EXCHANGE_KEYS = ("input", "output")  # Capybara: each turn is one exchange, a user input and the assistant's output
-PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem")
+# turns that are each one exchange, a user turn and the assistant's reply: Capybara's, Firefly's multi-turn sets'
+EXCHANGE_KEYS = (("input", "output"), ("human", "assistant"))
+PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem", "inputs")  # inputs: FLAN, P3, xP3
 CONTEXT_KEYS = ("input", "context")
 # a worked solution before a bare answer (NVIDIA's OpenMath sets: generated_solution); a preference pair's `chosen`
 # reply (Orca DPO pairs, TRL's explicit prompt); OpenThoughts' metadata rows: deepseek_solution, its reasoning in
 # deepseek_reasoning (PAIR_REASONING_KEYS)
 REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen",
-              "deepseek_solution")
+              "deepseek_solution", "targets", "target")  # FLAN's inputs/targets, Firefly's input/target
 PAIR_REASONING_KEYS = ("deepseek_reasoning",)
 # a reply that is tool calls: Salesforce xlam's `answers` ([{name, arguments}], as JSON), beside its `tools`
 CALL_REPLY_KEYS = ("answers",)
@@ -79,6 +80,9 @@ TRANSCRIPTS = (
     Transcript(("<|im_start|>",), re.compile(r"<\|im_start\|>(\w+)\n")),  # ChatML (Qwen, Hermes)
     Transcript(("<|start_header_id|>",), re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>")),  # Llama 3
     Transcript(("<start_of_turn>",), re.compile(r"<start_of_turn>(\w+)\n")),  # Gemma
+    # Zephyr, Tulu (open-instruct), Phi-3, StableLM, GLM-4: <|system|>, <|user|>, <|assistant|>, each turn ended by
+    # </s>, <|end|> or <|endoftext|> (Tulu's and GLM's by the next marker alone)
+    Transcript(("<|system|>", "<|user|>"), re.compile(r"<\|(system|user|assistant)\|>\n?")),
     Transcript(("[INST]",), re.compile(r"\[(/?INST)\]"), {"INST": "user", "/INST": "assistant"},  # Llama 2, Mistral
                re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)),
     # Vicuna and Glaive: upper-case names after a space or a mark ("Hi ASSISTANT: Hello!</s>USER: ...")
@@ -86,10 +90,10 @@ TRANSCRIPTS = (
     # Baize: a fixed preamble, then [|Human|] and [|AI|] turns
     Transcript(("The conversation between human and AI assistant.",), re.compile(r"\[\|(Human|AI)\|\]")),
 )
-BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>")
+BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>", "[gMASK]", "<sop>")  # GLM-4 opens with [gMASK]<sop>
 # what ends a turn in a rendered transcript (cut from its text): end-of-turn and end-of-sequence marks, and the
 # BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
-EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", *BOS_MARKS)
+EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end|>", *BOS_MARKS)
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
 ID_KEYS = ("id", "conversation_id", "uuid")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
@@ -498,13 +502,16 @@ def _turn_list(value: list[Any]) -> bool:
 
 def _role_turns(turns: list[Any], fmt: str | None) -> list[Any]:
     """Turns written without roles, given theirs: LIMA's plain strings (user first, then alternating), Capybara's
-    {input, output} exchanges (a user turn and an assistant turn each); other turns as they are."""
+    {input, output} and Firefly's {human, assistant} exchanges (a user turn and an assistant turn each); other
+    turns as they are."""
     if all(isinstance(turn, str) for turn in turns):
         return [_new_turn(fmt, ("user", "assistant")[i % 2], turn) for i, turn in enumerate(turns)]
     out: list[Any] = []
     for turn in turns:
-        if isinstance(turn, dict) and _turn_format(turn) is None and all(k in turn for k in EXCHANGE_KEYS):
-            out += [_new_turn(fmt, "user", turn["input"]), _new_turn(fmt, "assistant", turn["output"])]
+        said = next((keys for keys in EXCHANGE_KEYS if all(k in turn for k in keys)), None) if isinstance(
+            turn, dict) and _turn_format(turn) is None else None
+        if said:
+            out += [_new_turn(fmt, "user", turn[said[0]]), _new_turn(fmt, "assistant", turn[said[1]])]
         else:
             out.append(turn)
     return out
