@@ -490,7 +490,8 @@ def test_zephyr_tulu_phi3_and_glm_transcripts_flan_pairs_and_firefly_exchanges_a
     """Chats rendered with <|system|>/<|user|>/<|assistant|> markers (Zephyr and StableLM end a turn with </s> or
     <|endoftext|>, Phi-3 with <|end|>, Tulu's open-instruct format and GLM-4's with the next marker alone), FLAN's
     and P3's {inputs, targets} pairs, Firefly's {input, target} pairs and its multi-turn {human, assistant}
-    exchanges: each reply supervised, the end marks cut, the system block a system turn."""
+    exchanges, distilabel's {instruction, generation}: each reply supervised, the end marks cut, the system
+    block a system turn."""
     zephyr = {"text": "<|system|>\nYou are kind.</s>\n<|user|>\nName a fish.</s>\n<|assistant|>\nA carp.</s>\n"}
     tulu = {"dataset": "oasst1", "text": "<|user|>\nName a bird.\n<|assistant|>\nA wren.\n<|user|>\nAnother?\n"
                                          "<|assistant|>\nA crow.</s>"}
@@ -498,14 +499,15 @@ def test_zephyr_tulu_phi3_and_glm_transcripts_flan_pairs_and_firefly_exchanges_a
     glm = {"text": "[gMASK]<sop><|system|>\nBe brief.<|user|>\nName a stone.<|assistant|>\nJade."}
     flan = {"inputs": "Translate to English: chat", "targets": "a small cat", "task_source": "Flan2021"}
     firefly = {"kind": "Translation", "input": "Translate to English: chien", "target": "a loyal dog"}
+    distilabel = {"instruction": "Name a planet.", "generation": "Mars, the red one.", "model_name": "m"}
     exchanges = {"conversation_id": 7, "category": "Brainstorming", "conversation": [
         {"human": "Name a colour.", "assistant": "Teal."}, {"human": "Another?", "assistant": "Ochre."}]}
-    records = [zephyr, tulu, phi3, glm, flan, firefly, exchanges]
+    records = [zephyr, tulu, phi3, glm, flan, firefly, distilabel, exchanges]
     summary = _run(tmp_path, records, qwen3_tok, split=True)
     assert summary["kept"] == len(records) and summary["dropped"] == {}
     assert _supervised(tmp_path, qwen3_tok) == [
         ["A carp.<|im_end|>"], ["A wren.<|im_end|>", "A crow.<|im_end|>"], ["An oak.<|im_end|>"], ["Jade.<|im_end|>"],
-        ["a small cat<|im_end|>"], ["a loyal dog<|im_end|>"], ["Teal.<|im_end|>", "Ochre.<|im_end|>"]]
+        ["a small cat<|im_end|>"], ["a loyal dog<|im_end|>"], ["Mars, the red one.<|im_end|>"], ["Teal.<|im_end|>", "Ochre.<|im_end|>"]]
     assert [m["role"] for m in to_conversation(zephyr).messages] == ["system", "user", "assistant"]
     assert to_conversation(glm).messages[0] == {"role": "system", "content": "Be brief."}
     assert to_conversation(phi3).messages == [{"role": "user", "content": "Name a tree."},

@@ -49,9 +49,9 @@ PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem", "inputs"
 CONTEXT_KEYS = ("input", "context")
 # a worked solution before a bare answer (NVIDIA's OpenMath sets: generated_solution); a preference pair's `chosen`
 # reply (Orca DPO pairs, TRL's explicit prompt); OpenThoughts' metadata rows: deepseek_solution, its reasoning in
-# deepseek_reasoning (PAIR_REASONING_KEYS)
+# deepseek_reasoning (PAIR_REASONING_KEYS); FLAN's and P3's targets, Firefly's target, distilabel's generation
 REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen",
-              "deepseek_solution", "targets", "target")  # FLAN's inputs/targets, Firefly's input/target
+              "deepseek_solution", "targets", "target", "generation")
 PAIR_REASONING_KEYS = ("deepseek_reasoning",)
 # a reply that is tool calls: Salesforce xlam's `answers` ([{name, arguments}], as JSON), beside its `tools`
 CALL_REPLY_KEYS = ("answers",)
