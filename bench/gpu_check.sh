@@ -11,7 +11,7 @@
 #   worker      the real torchrun worker (nproc 1, nccl) on the same inputs and steps: its summary, with the
 #               steady-state figures (warm-up, final checkpoint and export excluded) next to the end-to-end ones;
 #   compare     worker vs in-process pipeline tokens/s, steady and end to end (goal: steady >= 0.9).
-# About 6-8 minutes on one H200. Every part has a timeout, 90 + 240 + 120 + 110 s = 560 s in all, inside a
+# About 6-8 minutes on one H100 or H200. Every part has a timeout, 90 + 240 + 120 + 110 s = 560 s in all, inside a
 # 600 s limit per command (EFF_BUDGET_S, 120 s, is the time of efficiency's two memory searches, 60 s each from
 # its own start, inside its 240: the rest is the target build, the timed steps and flex's compile). Each line is
 # also appended to $OUT/gpu_check.jsonl as soon as its part ends (the device tool's $OUT comes back even when
