@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "none: start a local server for model.target (data.regenerate.serve)")
     p.add_argument("--model", help="model id in requests (default: the server's first, GET /v1/models)")
     p.add_argument("--max-tokens", type=int, help="most new tokens per reply (data.regenerate.max_tokens)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (data.regenerate.temperature)")
+    p.add_argument("--temperature", type=_temperature, help="sampling temperature (data.regenerate.temperature)")
     p.add_argument("--concurrency", type=int, help="requests in flight per endpoint")
     p.add_argument("--limit", type=int, help="only the first N records")
     _add_config(p)
@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(command: str, exc: BaseException, code: int, verbose: bool = False) -> int:
-    """One line naming what was wrong (the first line of the message); the traceback only with --verbose."""
+    """What was wrong, after `dflash <command>: error:` (the whole message: some go on with the records or the log
+    lines that show it); the traceback only with --verbose."""
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)
     text = str(exc).strip() or type(exc).__name__

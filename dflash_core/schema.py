@@ -17,9 +17,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    """A config section: unknown keys are rejected, values are validated on assignment."""
+    """A config section: unknown keys are rejected, values are validated on assignment, a number must be finite
+    (YAML's .inf and .nan are no setting: `temperature: .inf` passed `ge=0`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -46,10 +46,12 @@ def test_the_counts_take_plain_digits():
     assert cli.build_parser().parse_args(["tokenize", "--preview", "2"]).preview == 2
 
 
-@pytest.mark.parametrize("value", ["-0.5", "-inf"])
-def test_a_negative_temperature_is_refused(capsys, value):
-    """--temperature is 0 (greedy) or more: a negative one is refused while parsing."""
-    line = _refusal([*EVAL, f"--temperature={value}"], capsys)  # "-inf" alone would read as an option
+@pytest.mark.parametrize("command", [EVAL, ["regenerate", "--data", "d", "--out", "o"]])
+@pytest.mark.parametrize("value", ["-0.5", "-inf", "inf", "nan"])
+def test_a_negative_or_not_finite_temperature_is_refused(capsys, command, value):
+    """--temperature of eval and regenerate is a finite number, 0 (greedy) or more: anything else is refused
+    while parsing."""
+    line = _refusal([*command, f"--temperature={value}"], capsys)  # "-inf" alone would read as an option
     assert line.endswith(f"argument --temperature: {value!r}: must be a number >= 0 (0: greedy decoding)")
 
 

@@ -54,6 +54,10 @@ def test_minimal_config_fills_defaults(tmp_path):
         ("model: {target: t}\n", "missing key 'data'"),
         (MINIMAL + "plan: {buckets: [512, 256]}\n", "key 'plan.buckets'"),
         (MINIMAL + "plan: [1, 2\n", "invalid YAML: line"),
+        # YAML's infinity and NaN are no setting (an infinite temperature passed its ge=0 bound)
+        ("data: {source: d, tokenizer: t, regenerate: {temperature: .inf}}\nmodel: {target: t}\n",
+         "key 'data.regenerate.temperature': Input should be a finite number"),
+        (MINIMAL + "train: {lr: .nan}\n", "key 'train.lr': Input should be a finite number"),
         ("- a\n- b\n", "must be a mapping"),
     ],
 )
