@@ -300,10 +300,15 @@ def test_typed_parts_with_text_or_value_keys_and_other_parts_refused(tmp_path: P
                            {"from": "gpt", "value": [{"type": "text", "value": answer}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
                       {"role": "assistant", "content": answer}]},
+        # what OpenAI's API returns for a refused answer: a refusal part, or the message's refusal field
+        {"messages": [{"role": "user", "content": "Sort it."},
+                      {"role": "assistant", "content": [{"type": "refusal", "refusal": answer}]}]},
+        {"messages": [{"role": "user", "content": "Sort it."},
+                      {"role": "assistant", "content": None, "refusal": answer}]},
     ]
     summary = _run(tmp_path, records, tokenizer_dir("chatml"), split=True, max_bad_fraction=0.0)  # images: not bad
-    assert summary["kept"] == 2 and summary["dropped"] == {"non_text_content": 1}
-    assert _supervised(tmp_path, tokenizer_dir("chatml")) == [[answer + "<|im_end|>"]] * 2
+    assert summary["kept"] == 4 and summary["dropped"] == {"non_text_content": 1}
+    assert _supervised(tmp_path, tokenizer_dir("chatml")) == [[answer + "<|im_end|>"]] * 4
 
 
 def test_malformed_tool_data_is_bad_input_with_its_reason() -> None:

@@ -112,7 +112,8 @@ DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-
     "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs, Baize
 }
 CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
-TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+# refusal: what OpenAI's API returns in place of an answer it refuses (a part, or the message's `refusal` field)
+TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 REASONING_PARTS = frozenset({"reasoning", "thinking"})
 _DETECT_SAMPLE = 32
 
@@ -708,7 +709,10 @@ def _message(raw: dict[str, Any], content_field: str, i: int, role: str, source:
     if source.lower() in CALL_ROLES:
         calls = _tool_calls(raw.get(content_field), i)
         return calls if isinstance(calls, Drop) else {"role": role, "content": "", "tool_calls": calls}
-    parts = _content(raw.get(content_field), i)
+    content = raw.get(content_field)
+    if content is None and role == "assistant" and isinstance(raw.get("refusal"), str):
+        content = raw["refusal"]  # OpenAI's refusal: what the model said instead of an answer
+    parts = _content(content, i)
     if isinstance(parts, Drop):
         return parts
     text, reasoning, calls = parts
@@ -799,7 +803,7 @@ def _parts(parts: list[Any], i: int) -> tuple[str, list[str], list[dict[str, Any
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         # a parquet file mixing OpenAI and LLaMA-Factory parts gives each part both keys, one of them null
-        value = (part.get("text") if part.get("text") is not None else part.get("value")) \
+        value = next((part[k] for k in ("text", "value", "refusal") if part.get(k) is not None), None) \
             if isinstance(part, dict) else None
         if kind == "tool_call":
             call = _tool_calls(value if value is not None else part.get("tool_call"), i)
