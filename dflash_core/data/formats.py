@@ -15,7 +15,7 @@ parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, p
   string (Anthropic HH-RLHF's "\n\nHuman: ...\n\nAssistant: ..."); UltraChat's `data` and OpenChat's `items`
   turns; a `text` transcript (OpenAssistant Guanaco's "### Human: ... ### Assistant: ...", or rendered ChatML);
 - content as a string or a list of typed parts whose text sits under `text` (OpenAI) or `value` (LLaMA-Factory):
-  `text`, `reasoning`/`thinking`, `tool_call`;
+  `text`, `reasoning`/`thinking`, `tool_call`, and OpenAI's `refusal` (also as a message's field) as text;
 - reasoning from `reasoning_content` (or `reasoning`), typed parts, or inline: a `<think>...</think>` block that
   opens an assistant's content, or what precedes a `</think>` on a line of its own (DeepSeek-R1 leaves `<think>`
   to the prompt); always moved to `reasoning_content`, and taken out of the content even when a field gives the
