@@ -509,10 +509,11 @@ def _role_turns(turns: list[Any], fmt: str | None) -> list[Any]:
         return [_new_turn(fmt, ("user", "assistant")[i % 2], turn) for i, turn in enumerate(turns)]
     out: list[Any] = []
     for turn in turns:
-        said = next((keys for keys in EXCHANGE_KEYS if all(k in turn for k in keys)), None) if isinstance(
-            turn, dict) and _turn_format(turn) is None else None
-        if said:
-            out += [_new_turn(fmt, "user", turn[said[0]]), _new_turn(fmt, "assistant", turn[said[1]])]
+        roleless = isinstance(turn, dict) and _turn_format(turn) is None
+        pair = next((keys for keys in EXCHANGE_KEYS if all(k in turn for k in keys)), None) if roleless else None
+        if pair:
+            asked, answered = pair
+            out += [_new_turn(fmt, "user", turn[asked]), _new_turn(fmt, "assistant", turn[answered])]
         else:
             out.append(turn)
     return out
