@@ -340,3 +340,27 @@ def test_periodic_pushes_are_not_final_and_their_failures_are_said_once(
     assert calls[:3] == [False, False, False] and calls[-1] is True and every == {0.01}
     assert sum("warning: pushing the run folder" in line for line in lines) == 1
     assert json.loads(fsspec.filesystem("memory").cat_file(f"{remote}/metrics.jsonl")) == {"step": 0}
+
+
+def test_a_store_that_answers_file_not_found_to_an_upload_fails_the_push_and_the_run_is_kept(
+        remote, tmp_path, monkeypatch):  # noqa: F811
+    """s3fs and gcsfs answer an upload into a bucket that does not exist with FileNotFoundError. The mirror took it
+    for a local file pruned during its upload: every push sent nothing and said nothing, and the end of the launch
+    deleted the staging folder, the whole run with it. The push fails instead, and the staging folder is kept."""
+    store = fsspec.filesystem("memory")
+
+    def no_such_bucket(lpath, rpath, **kwargs):
+        raise FileNotFoundError(f"NoSuchBucket: {rpath}")
+
+    local = tmp_path / "staging"
+    _checkpoint(local, 2)
+    mirror = RunMirror(remote, str(local))
+    monkeypatch.setattr(mirror.fs, "put_file", no_such_bucket)  # fsspec's memory filesystem is one instance
+    with pytest.raises(MirrorError, match="uploading checkpoints/step-2/model.safetensors .*NoSuchBucket"):
+        mirror.push()
+    monkeypatch.undo()
+    with pytest.raises(MirrorError, match="final push .* failed .*NoSuchBucket"):
+        with staged_run(remote, lambda _: None, every_s=3600) as run_dir:
+            (Path(run_dir) / "metrics.jsonl").write_text('{"step": 0}\n')
+            monkeypatch.setattr(store, "put_file", no_such_bucket)
+    assert (Path(run_dir) / "metrics.jsonl").exists()

@@ -221,12 +221,15 @@ class RunMirror:
         return out
 
     def _put(self, rel: str, strict: bool = False) -> int:
-        """Upload one file (1) or nothing when it is gone (0; `strict`: FileNotFoundError)."""
+        """Upload one file (1) or nothing when it is gone (0; `strict`: FileNotFoundError); MirrorError when the
+        store answers FileNotFoundError for a file still here."""
         path = self.local / rel
         try:
             signature = _signature(path)
             self.fs.put_file(str(path), join_uri(self.root, rel))
-        except FileNotFoundError:  # pruned or swapped while uploading: the next push sees what replaced it
+        except FileNotFoundError as exc:  # pruned or swapped while uploading: the next push sees what replaced it
+            if path.exists():  # the store's own answer (s3fs, gcsfs: a bucket that does not exist), not a prune
+                raise MirrorError(f"uploading {rel} to {self.remote} failed ({exc})") from exc
             if strict:
                 raise
             return 0
