@@ -313,6 +313,22 @@ def test_a_final_push_that_fails_once_is_not_retried_and_the_staging_folder_is_d
     assert (Path(run_dir) / "metrics.jsonl").exists() and not (Path(run_dir) / OWNER_FILE).exists()
 
 
+def test_a_final_push_interrupted_twice_keeps_the_staging_folder_and_names_it(
+        remote, tmp_path, monkeypatch):  # noqa: F811
+    """A signal during the final push runs it again; a second one during that run stops it, and the staging folder
+    (what the store may lack) is kept without its owner record, so a later launch's sweep cannot delete it."""
+    def interrupted(self, final: bool = False) -> int:
+        raise KeyboardInterrupt("stopped")
+
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with staged_run(remote, lines.append, every_s=3600) as run_dir:
+            (Path(run_dir) / "metrics.jsonl").write_text("{}\n")
+            monkeypatch.setattr(RunMirror, "push", interrupted)
+    assert (Path(run_dir) / "metrics.jsonl").exists() and not (Path(run_dir) / OWNER_FILE).exists()
+    assert f"kept in {run_dir}" in lines[-1] and "interrupted twice" in lines[-1]
+
+
 def test_periodic_pushes_are_not_final_and_their_failures_are_said_once(
         remote, tmp_path, monkeypatch):  # noqa: F811
     """While the ranks run the mirror pushes what is due (not everything), with the staged run's every_s as the

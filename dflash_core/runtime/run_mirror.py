@@ -348,6 +348,12 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
             if failed is None:
                 raise kept from exc
             on_line(f"error: {kept}")  # the run's own failure stays the error raised
+        except BaseException:  # a second signal while the final push ran again: keep what it may not have sent
+            disown_scratch(local)
+            on_line(f"error: the final push of the run folder to {out} was interrupted twice; everything the run "
+                    f"wrote is kept in {local}: copy it there, or run the same command again (it resumes from the "
+                    f"newest checkpoint the store holds)")
+            raise
         else:
             remove_scratch(local)
             if interrupted is not None:
