@@ -339,21 +339,20 @@ def staged_run(out: str, on_line: Callable[[str], None] = print, log_name: str =
             if thread.is_alive():  # a store call that never returns: the final push would wait on it too
                 raise TimeoutError(f"a push still runs after {_JOIN_S:.0f} s")
             interrupted = _final_push(mirror, on_line)
-        except Exception as exc:
-            kept = MirrorError(f"the final push of the run folder to {out} failed ({type(exc).__name__}: {exc}); "
-                               f"everything the run wrote is kept in {local}: copy it there, or run the same "
-                               f"command again once the store answers (it resumes from the newest checkpoint the "
-                               f"store holds)")
+        except BaseException as exc:  # the store failed, or a second signal stopped the final push's second run
+            signal = not isinstance(exc, Exception)
+            why = "was interrupted twice" if signal else f"failed ({type(exc).__name__}: {exc})"
+            kept = MirrorError(f"the final push of the run folder to {out} {why}; everything the run wrote is kept in "
+                               f"{local}: copy it there, or run the same command again"
+                               f"{'' if signal else ' once the store answers'} (it resumes from the newest "
+                               f"checkpoint the store holds)")
             disown_scratch(local)  # the user's to copy: no later launch's sweep deletes it
+            if signal:
+                on_line(f"error: {kept}")
+                raise
             if failed is None:
                 raise kept from exc
             on_line(f"error: {kept}")  # the run's own failure stays the error raised
-        except BaseException:  # a second signal while the final push ran again: keep what it may not have sent
-            disown_scratch(local)
-            on_line(f"error: the final push of the run folder to {out} was interrupted twice; everything the run "
-                    f"wrote is kept in {local}: copy it there, or run the same command again (it resumes from the "
-                    f"newest checkpoint the store holds)")
-            raise
         else:
             remove_scratch(local)
             if interrupted is not None:
