@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from common.flows import fast_config
 
 from flows import unchanged
@@ -20,8 +21,10 @@ def test_the_key_follows_the_model_and_check_settings(tmp_path):
     assert unchanged.training_key(fast_config(tmp_path / "store", **{"check.spike_window": 70}), "plan-a") != key
 
 
-def test_a_drafter_rewritten_at_the_same_size_is_another_incumbent(tmp_path):
-    """Files count by size and stamp (mtime on a local disk): weights replaced byte for byte in size still count."""
+@pytest.mark.parametrize(("rewritten", "stamp"), [(b"y" * 10, 1_000_000_100), (b"x" * 11, 1_000_000_000)])
+def test_a_drafter_rewritten_is_another_incumbent(tmp_path, rewritten, stamp):
+    """Files count by size and stamp (mtime on a local disk): weights replaced byte for byte in size still count,
+    and so do weights of another size rewritten within one mtime tick (or with a stamp set back)."""
     cfg = fast_config(tmp_path / "store")
     drafter = tmp_path / "store" / "promoted" / "drafter"
     drafter.mkdir(parents=True)
@@ -29,8 +32,8 @@ def test_a_drafter_rewritten_at_the_same_size_is_another_incumbent(tmp_path):
     weights.write_bytes(b"x" * 10)
     os.utime(weights, (1_000_000_000, 1_000_000_000))
     key = unchanged.training_key(cfg, "plan-a")
-    weights.write_bytes(b"y" * 10)
-    os.utime(weights, (1_000_000_100, 1_000_000_100))
+    weights.write_bytes(rewritten)
+    os.utime(weights, (stamp, stamp))
     assert unchanged.training_key(cfg, "plan-a") != key
 
 
