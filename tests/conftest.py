@@ -64,6 +64,15 @@ def example_assets():
     return build_example()
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """One rank's token shards and plan (common.runs.build_inputs, world size 1), built once per test module: the
+    launcher tests, whose torchrun is a stand-in or stops before training, read no more of them."""
+    from common.runs import build_inputs
+
+    return build_inputs(tmp_path_factory.mktemp("one-rank"), world_size=1)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """One Prefect test server for the whole session (temporary database, generous start-up timeout)."""

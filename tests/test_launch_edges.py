@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 from common.clock import ModuleWith
-from common.runs import build_inputs, write_config
+from common.runs import write_config
 from test_launch_failures import KILLED_ALONE
 
 from dflash_core.errors import UsageError
@@ -33,13 +33,6 @@ from dflash_core.runtime.launch import (
 from dflash_core.runtime.ledger import read_launches
 from dflash_core.runtime.process import ProcessFailed
 from dflash_core.runtime.run_plan import PlanMismatchError
-
-
-@pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    """One rank's token shards and plan (a launch here never reads them: torchrun is a stand-in)."""
-    return build_inputs(tmp_path_factory.mktemp("launch-edges"), world_size=1)
-
 
 SUMMARY = {"steps": 2, "start_step": 0, "rank": 0}
 

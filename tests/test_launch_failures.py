@@ -126,11 +126,6 @@ def test_a_rank_error_line_carries_the_notes_a_stage_added():
                                 "micro-batch 0, samples [222]")
 
 
-@pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    return build_inputs(tmp_path_factory.mktemp("launch-failures"), world_size=1)
-
-
 def test_a_corrupt_metrics_file_is_refused_before_torchrun_starts(one, tmp_path):
     out = tmp_path / "run"
     out.mkdir()

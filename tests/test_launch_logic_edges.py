@@ -18,7 +18,7 @@ import uuid
 import fsspec
 import pytest
 from common.clock import ModuleWith
-from common.runs import build_inputs, write_config
+from common.runs import write_config
 from test_launch_edges import SUMMARY, _arg, _fake_torchrun
 
 from dflash_core.errors import DflashError
@@ -32,12 +32,6 @@ from dflash_core.runtime.process import (
     rank_error_line,
     run_process_group,
 )
-
-
-@pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    """One rank's token shards and plan (torchrun is a stand-in: nothing reads them past the launcher's checks)."""
-    return build_inputs(tmp_path_factory.mktemp("launch-logic"), world_size=1)
 
 
 def test_the_command_starts_the_python_it_is_given_and_polls_the_ranks_every_tenth_of_a_second():
