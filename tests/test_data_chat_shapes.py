@@ -22,6 +22,7 @@ from dflash_core.data.formats import (
     Drop,
     alternate,
     merge_same_roles,
+    record_id,
     same_role_groups,
     to_conversation,
 )
@@ -600,6 +601,38 @@ def test_preference_pairs_and_transcripts_read_as_their_public_datasets_store_th
     assert "message tree" in to_conversation(oasst_row).detail and "oasst_top1" in to_conversation(oasst_row).detail
     assert to_conversation({"text": "### Human: hi"}, require_assistant=False).messages == [
         {"role": "user", "content": "hi"}]
+
+
+def test_openassistant_trees_are_read_along_their_best_thread() -> None:
+    """oasst1/oasst2's trees export: one tree per record, replies nested under the prompt; the thread follows each
+    message's best-ranked reply (rank 0 before 1, ranked before unranked), never a deleted or rejected one."""
+    def msg(role: str, text: str, *replies: dict, **fields: object) -> dict:
+        return {"message_id": text, "role": role, "text": text, "lang": "en", "replies": list(replies), **fields}
+
+    tree = {"message_tree_id": "t-1", "tree_state": "ready_for_export", "prompt": msg(
+        "prompter", "Name a bird.",
+        msg("assistant", "A sparrow.", rank=1),
+        msg("assistant", "A wren.", msg("prompter", "Another?", msg("assistant", "Unranked.", rank=None),
+                                        msg("assistant", "A robin.", rank=0)), rank=0),
+        msg("assistant", "Deleted.", rank=None, deleted=True))}
+    read = to_conversation(tree)
+    assert read.messages == [{"role": "user", "content": "Name a bird."}, {"role": "assistant", "content": "A wren."},
+                             {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "A robin."}]
+    assert read.sources == ["prompter", "assistant", "prompter", "assistant"] and record_id(tree) == "t-1"
+    # a thread that ends on the prompter keeps it (the template renders it); one whose replies are all rejected
+    # or deleted is a prompt alone
+    rejected = {"prompt": msg("prompter", "Hi.", msg("assistant", "Rude.", review_result=False),
+                              msg("assistant", "Gone.", deleted=True))}
+    assert to_conversation(rejected).reason == "no_assistant_turn"
+    assert to_conversation(rejected, require_assistant=False).messages == [{"role": "user", "content": "Hi."}]
+    # unranked siblings: the first one written
+    assert to_conversation({"prompt": msg("prompter", "Q", msg("assistant", "first"), msg("assistant", "second"))}
+                           ).messages[-1]["content"] == "first"
+    # a message without replies has no `replies` field (the export drops nulls): a prompt alone, for regenerate
+    assert to_conversation({"prompt": {"message_id": "m", "role": "prompter", "text": "Q"}},
+                           require_assistant=False).messages == [{"role": "user", "content": "Q"}]
+    # a prompt object that is not a tree is not read as one
+    assert to_conversation({"prompt": {"text": "Q"}}).reason == "wrong_schema"
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

@@ -95,7 +95,7 @@ BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>", "[gMASK]", "<sop>")  # GLM-4 o
 # BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
 EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end|>", *BOS_MARKS)
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
-ID_KEYS = ("id", "conversation_id", "uuid")
+ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id")  # message_tree_id: OpenAssistant trees
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
 OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
 OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
@@ -357,9 +357,12 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         return _pair(record, roles, require_assistant, prompt_key)
     elif key is None and (whole := _whole_conversation(record)) is not None:
         key, raw_turns = whole
+    elif key is None and (thread := _best_thread(record.get("prompt"))) is not None:
+        key, raw_turns = "prompt", thread
     elif key is None and {"message_id", "parent_id"} <= record.keys():
         return Drop("wrong_schema", "one message of a message tree (OpenAssistant's oasst1/oasst2 rows: message_id, "
-                    "parent_id): a record must hold a whole conversation; use an export of its threads, e.g. "
+                    "parent_id): a record must hold a whole conversation; use its trees export (*.trees.jsonl.gz in the "
+                    "dataset's repository, read along each tree's best thread) or an export of its threads, e.g. "
                     "OpenAssistant/oasst_top1_2023-08-25 (ChatML text) or timdettmers/openassistant-guanaco")
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
@@ -450,6 +453,24 @@ def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
         if isinstance(value, str) and (transcript := _transcript(value)) is not None:
             return key, transcript
     return None
+
+
+def _best_thread(node: Any) -> list[dict[str, Any]] | None:
+    """The turns of a message tree (OpenAssistant's trees export, oasst1/oasst2 *.trees.jsonl: a `prompt`
+    message whose `replies` nest) along its best thread: from the prompt, each message's best-ranked reply (rank 0
+    first, an unranked one after the ranked; deleted replies and ones reviewers rejected never), as OpenAssistant's
+    own top-1 exports pick it. None when `node` is not such a message."""
+    # the export leaves `replies` out of a message without any (its writer drops null fields)
+    if not (isinstance(node, dict) and isinstance(node.get("text"), str) and ("replies" in node or "message_id" in node)):
+        return None
+    turns: list[dict[str, Any]] = []
+    while node is not None:
+        turns.append({"role": node.get("role"), "content": node.get("text")})
+        replies = [(i, r) for i, r in enumerate(node.get("replies") or []) if isinstance(r, dict)
+                   and not r.get("deleted") and r.get("review_result") is not False]
+        ranked = [(r.get("rank") if isinstance(r.get("rank"), int) else float("inf"), i, r) for i, r in replies]
+        node = min(ranked, key=lambda t: t[:2])[2] if ranked else None
+    return turns
 
 
 def _transcript(text: str) -> list[dict[str, Any]] | None:
