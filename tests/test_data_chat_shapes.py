@@ -441,6 +441,36 @@ def test_single_turn_instruction_pairs_supervise_the_reply(tmp_path: Path, qwen3
     assert texts[7].startswith("<|im_start|>system\nYou are an AI assistant.<|im_end|>")  # OpenOrca's system_prompt
 
 
+def test_a_pair_with_history_renders_the_earlier_exchanges_before_its_prompt(tmp_path: Path, qwen3_tok: str) -> None:
+    """LLaMA-Factory's Alpaca format and ChatGLM's prompt/response keep earlier exchanges in `history` as [prompt,
+    reply] pairs, oldest first: they are turns before the prompt (after a system prompt), and their replies are
+    supervised as every assistant turn is."""
+    records = [
+        {"instruction": "And four more?", "input": "", "output": "Seven.", "system": "Count.",
+         "history": [["One and two?", "Three."]]},
+        {"prompt": "Last one?", "response": "Blue.", "history": json.dumps([["Sky?", "Blue."], ["Sea?", "Green."]])},
+        {"instruction": "Hi.", "output": "Hello!", "history": []},  # and "" (a CSV cell), null: none
+        {"prompt": "Again?", "completion": "Yes.", "history": [{"from": "human", "value": "Ready?"},
+                                                             {"from": "gpt", "value": "Ready."}]},
+    ]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [["Three.<|im_end|>", "Seven.<|im_end|>"],
+                                                ["Blue.<|im_end|>", "Green.<|im_end|>", "Blue.<|im_end|>"],
+                                                ["Hello!<|im_end|>"], ["Ready.<|im_end|>", "Yes.<|im_end|>"]]
+    first = to_conversation(records[0])
+    assert [m["role"] for m in first.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert first.messages[1]["content"] == "One and two?" and first.messages[3]["content"] == "And four more?"
+    for none in ("", " ", None):
+        assert len(to_conversation({"prompt": "Q", "response": "A", "history": none}).messages) == 2
+    assert to_conversation({"prompt": "Q", "history": [["earlier?", "yes"]]}, require_assistant=False
+                           ).messages[-1] == {"role": "user", "content": "Q"}  # regenerate answers the prompt
+    for bad, said in (([["only a prompt"]], "history[0] is a list of 1"), (["one string"], "history[0] is a str"),
+                      ({"q": "a"}, "'history' is a dict"), ([["Q", 3]], "history[0] is a list of 2")):
+        drop = to_conversation({"prompt": "Q", "response": "A", "history": bad})
+        assert drop.reason == "wrong_schema" and said in drop.detail, (bad, drop)
+
+
 def test_pair_records_that_cannot_be_read_say_why() -> None:
     assert to_conversation({"prompt": "Hi", "output": ["a", "b"]}).reason == "wrong_schema"
     assert to_conversation({"prompt": "Only a prompt."}).reason == "no_assistant_turn"  # regenerate answers these

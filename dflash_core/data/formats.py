@@ -1,5 +1,6 @@
 """Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
-parts, tool calls and reasoning; single-turn instruction pairs (Alpaca, Dolly, prompt/completion, ...).
+parts, tool calls and reasoning; instruction pairs (Alpaca, Dolly, prompt/completion, ...; LLaMA-Factory's `history` of
+earlier exchanges); OpenAssistant's message trees along their best thread.
 
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
@@ -564,9 +565,13 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     transcript = _transcript(user) if isinstance(user, str) and extra is None else None
     if transcript:
         turns = transcript
+    history = _history(record)
+    if isinstance(history, Drop):
+        return history
     reply_key = _reply_key(record)
     call_key = None if reply_key else next((k for k in CALL_REPLY_KEYS if record.get(k) is not None), None)
-    fmts: list[str | None] = ["openai"] * len(turns)
+    fmts: list[str | None] = [None] * len(history) + ["openai"] * len(turns)  # history turns: each in its own
+    turns = history + turns
     reply_turns = None if reply_key is None else _as_list(record[reply_key])
     as_turns = reply_turns is not None and _turn_list(reply_turns)
     if reply_key is not None and reply_turns is not None and (not isinstance(record[reply_key], str) or as_turns):
@@ -610,6 +615,26 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     if written:
         conv.sources[-len(written):] = written
     return _finished(conv, require_assistant)
+
+
+def _history(record: dict[str, Any]) -> list[dict[str, Any]] | Drop:
+    """The exchanges before a single-turn record's prompt: LLaMA-Factory's Alpaca format and ChatGLM's keep them
+    in `history` as [prompt, reply] pairs, oldest first (a list of turn objects is read as turns); none when the
+    field is absent, null, empty or a blank CSV cell."""
+    value = record.get("history")
+    pairs = [] if value is None or (isinstance(value, str) and not value.strip()) else _as_list(value)  # CSV: ""
+    if pairs is None:
+        return Drop("wrong_schema", f"'history' is a {type(value).__name__}, expected a list of [prompt, reply] "
+                    "pairs (the exchanges before the prompt, oldest first)")
+    if _turn_list(pairs):
+        return pairs
+    turns: list[dict[str, Any]] = []
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(text, str) for text in pair)):
+            what = f"a list of {len(pair)}" if isinstance(pair, list) else f"a {type(pair).__name__}"
+            return Drop("wrong_schema", f"history[{i}] is {what}, expected a [prompt, reply] pair of strings")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
 
 
 def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
