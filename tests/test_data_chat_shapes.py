@@ -665,6 +665,19 @@ def test_openassistant_trees_are_read_along_their_best_thread() -> None:
     assert to_conversation({"prompt": {"text": "Q"}}).reason == "wrong_schema"
 
 
+def test_belle_multi_turn_prompts_are_split_at_their_line_break_markers() -> None:
+    """BELLE's multiturn_chat: the earlier turns and the open "Assistant:" slot in `instruction`, a line break
+    (not HH-RLHF's blank line) before each marker, the reply in `output`; an HH-RLHF line that opens with
+    "Human:" inside a turn stays text, as before."""
+    belle = {"instruction": "Human:Name a bird.\nAssistant:A wren.\nHuman:Another?\nAssistant:", "input": "",
+             "output": "A robin."}
+    read = to_conversation(belle)
+    assert [(m["role"], m["content"]) for m in read.messages] == [
+        ("user", "Name a bird."), ("assistant", "A wren."), ("user", "Another?"), ("assistant", "A robin.")]
+    hh = to_conversation({"chosen": "\n\nHuman: Write:\nHuman: hi\n\nAssistant: Done.", "rejected": "x"})
+    assert [m["content"] for m in hh.messages] == ["Write:\nHuman: hi", "Done."]
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

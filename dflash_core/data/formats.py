@@ -68,16 +68,20 @@ TRANSCRIPT_KEYS = ("chosen", "data", "items", "text", "chat", "input")
 class Transcript:
     """A way of writing a conversation as one string: what it opens with (after any leading BOS marks), the
     pattern that splits it at each turn marker (group 1: the role as written), where a marker is not a role name
-    the role each marker stands for, and a system block that may open the first turn (group 1: its text)."""
+    the role each marker stands for, a system block that may open the first turn (group 1: its text), and a mark
+    the text must hold when another way opens alike."""
     opens: tuple[str, ...]
     marker: re.Pattern[str]
     roles: Mapping[str, str] = field(default_factory=dict)
     system: re.Pattern[str] | None = None
+    needs: str | None = None  # a mark the text must hold to be written this way (two ways may open alike)
 
 
 TRANSCRIPTS = (
     Transcript(("### Human:",), re.compile(r"### (Human|Assistant):")),  # OpenAssistant Guanaco
-    Transcript(("Human:",), re.compile(r"(?:^|\n\n)(Human|Assistant):")),  # Anthropic HH-RLHF
+    Transcript(("Human:",), re.compile(r"(?:^|\n\n)(Human|Assistant):"), needs="\n\nAssistant:"),  # HH-RLHF
+    # BELLE's multi-turn prompts: "Human:...\nAssistant:...\nHuman:...\nAssistant:", a line break between turns
+    Transcript(("Human:",), re.compile(r"(?:^|\n)(Human|Assistant):")),
     Transcript(("<|im_start|>",), re.compile(r"<\|im_start\|>(\w+)\n")),  # ChatML (Qwen, Hermes)
     Transcript(("<|start_header_id|>",), re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>")),  # Llama 3
     Transcript(("<start_of_turn>",), re.compile(r"<start_of_turn>(\w+)\n")),  # Gemma
@@ -479,7 +483,7 @@ def _transcript(text: str) -> list[dict[str, Any]] | None:
     does not open with a transcript's first marker. A system block (Llama 2's <<SYS>>) becomes a turn of its own."""
     body = _without_prefix(text.lstrip(), BOS_MARKS)
     for way in TRANSCRIPTS:
-        if body.startswith(way.opens):
+        if body.startswith(way.opens) and (way.needs is None or way.needs in body):
             parts = way.marker.split(body)  # [before, role, text, role, text, ...]
             turns = [{"role": way.roles.get(role, role), "content": _without_suffix(said.strip(), EOT_MARKS)}
                      for role, said in zip(parts[1::2], parts[2::2], strict=True)]
