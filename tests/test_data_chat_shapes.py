@@ -678,6 +678,55 @@ def test_belle_multi_turn_prompts_are_split_at_their_line_break_markers() -> Non
     assert [m["content"] for m in hh.messages] == ["Write:\nHuman: hi", "Done."]
 
 
+def test_logged_chat_completion_calls_are_read_as_their_conversation(tmp_path: Path, qwen3_tok: str) -> None:
+    """A served target's traffic, as gateways log it: the request's messages (and tools) then the reply
+    (response.choices[0].message, its reasoning and tool calls included) are one conversation, the reply
+    supervised; LiteLLM's logs keep the messages at the top; either side may be JSON text. An OpenAI Batch input
+    line is a prompt (regenerate answers it); an output line without its request is refused, saying how to join."""
+    def completion(**message: object) -> dict:
+        return {"id": "chatcmpl-1", "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}]}
+
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    gateway = {"id": "log-1", "request": {"model": "target", "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a bird."}]},
+        "response": completion(content="A wren.")}
+    tool_call = {"request": {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [weather]},
+                 "response": json.dumps(completion(content=None, tool_calls=[call]))}
+    litellm = {"messages": [{"role": "user", "content": "Two and two?"}],
+               "response": completion(content="Four.", reasoning_content="Add them.")}
+    batch_joined = {"custom_id": "r-7", "body": {"model": "target", "messages": [{"role": "user", "content": "Hi."}]},
+                    "response": {"status_code": 200, "body": completion(content="Hello!")}}
+    records = [gateway, tool_call, litellm, batch_joined]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    supervised = _supervised(tmp_path, qwen3_tok)
+    assert supervised[0] == ["A wren.<|im_end|>"] and supervised[2] == ["Four.<|im_end|>"]
+    assert "<tool_call>" in supervised[1][0] and '"Oslo"' in supervised[1][0]
+    assert supervised[3] == ["Hello!<|im_end|>"]
+    assert to_conversation(tool_call).tools == [weather] and record_id(batch_joined) == "r-7"
+    assert to_conversation(litellm).messages[-1]["reasoning_content"] == "Add them."
+    # a Batch API input line: a prompt alone
+    batch_input = {"custom_id": "r-8", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"model": "target", "messages": [{"role": "user", "content": "Why?"}]}}
+    assert to_conversation(batch_input).reason == "no_assistant_turn"
+    assert to_conversation(batch_input, require_assistant=False).messages == [{"role": "user", "content": "Why?"}]
+    # what cannot be read says why
+    output_only = {"id": "batch_req_1", "custom_id": "r-8", "response": {"status_code": 200, "body": completion(
+        content="Because.")}}
+    assert "custom_id" in to_conversation(output_only).detail
+    no_message = to_conversation({**gateway, "response": {"choices": [{"index": 0, "text": "A wren."}]}})
+    assert no_message.reason == "wrong_schema" and "choices[0]" in no_message.detail
+    bad = to_conversation({"request": {"messages": "not turns"}, "response": completion(content="x")})
+    assert bad.reason == "wrong_schema" and "'messages' is a str" in bad.detail
+    # a failed call: the prompt alone; a Dolly-style string response is still a reply
+    failed = {**gateway, "response": {"error": {"message": "overloaded"}}}
+    assert [m["role"] for m in to_conversation(failed, require_assistant=False).messages] == ["system", "user"]
+    assert to_conversation({"instruction": "Hi.", "response": "Hello."}).messages[-1]["content"] == "Hello."
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

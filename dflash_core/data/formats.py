@@ -1,6 +1,7 @@
 """Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
 parts, tool calls and reasoning; instruction pairs (Alpaca, Dolly, prompt/completion, ...; LLaMA-Factory's `history` of
-earlier exchanges); OpenAssistant's message trees along their best thread.
+earlier exchanges); OpenAssistant's message trees along their best thread; logged chat-completions calls (request
+messages, then the response's message).
 
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
@@ -100,7 +101,7 @@ BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>", "[gMASK]", "<sop>")  # GLM-4 o
 # BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
 EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end|>", *BOS_MARKS)
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
-ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id")  # message_tree_id: OpenAssistant trees
+ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id", "custom_id")  # OpenAssistant trees; OpenAI Batch
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
 OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
 OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
@@ -348,6 +349,10 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     schema, roles = schema or Schema(), roles if roles is not None else DEFAULT_ROLES
     if not isinstance(record, dict):
         return Drop("wrong_schema", f"record is a JSON {type(record).__name__}, expected an object")
+    logged = _logged_exchange(record)
+    if isinstance(logged, Drop):
+        return logged
+    record = logged or record
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
     # key is read by the fields it has
     key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
@@ -398,6 +403,53 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         if problem is not None:
             return problem
     return _finished(conv, require_assistant)
+
+
+def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
+    """A logged chat-completions call as a record of its conversation: the request's `messages` (and `tools`)
+    then the reply, `response.choices[0].message`. The request sits under `request` (gateway and proxy logs) or
+    `body` (an OpenAI Batch API input line, a prompt for regenerate), or its messages at the top beside the
+    `response` (LiteLLM's logs); the response may be a Batch output's `{status_code, body}`; either may be JSON
+    text. None when the record is no such call (a `response` string is a Dolly-style reply)."""
+    request = next((r for k in ("request", "body") if isinstance(r := _as_object(record.get(k)), dict)
+                    and "messages" in r), None)
+    response = _as_object(record.get("response"))
+    if isinstance(response, dict) and isinstance(response.get("body"), dict | str):
+        response = _as_object(response["body"])
+    logs_reply = isinstance(response, dict) and "choices" in response
+    if request is None and logs_reply and "messages" not in record:
+        return Drop("wrong_schema", "a logged reply without its request (an OpenAI Batch API output line?): join "
+                    "each output line with its input line by custom_id, e.g. {\"custom_id\", \"body\": <the input's "
+                    "body>, \"response\": <the output's response>}")
+    if request is None and not logs_reply:
+        return None
+    asked = request if request is not None else record
+    turns = _as_list(asked.get("messages"))
+    if turns is None:
+        return Drop("wrong_schema", f"the logged request's 'messages' is a {type(asked.get('messages')).__name__}, "
+                    "expected a list of messages")
+    flat = {k: v for k, v in record.items() if k not in ("request", "body", "response", "messages")}
+    flat["tools"] = asked.get("tools", record.get("tools"))
+    if logs_reply:
+        choices = response["choices"]
+        reply = choices[0].get("message") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        if not isinstance(reply, dict):
+            return Drop("wrong_schema", "the logged response's choices[0] has no message (a chat completion's "
+                        "choices[0].message was expected; a text completion is not a chat)")
+        turns = [*turns, {"role": "assistant", **reply}]  # the API's message names its role; a log may not
+    flat["messages"] = turns
+    return flat
+
+
+def _as_object(value: Any) -> Any:
+    """A JSON object as itself or as JSON text (a log's request or response body kept as a string)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _prompt_list(record: dict[str, Any]) -> tuple[str, list[Any]] | Drop | None:
