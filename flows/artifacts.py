@@ -388,35 +388,40 @@ def report_markdown(report: dict[str, Any], report_dir: str, drafter_dir: str) -
 
 # --- the run in five lines -------------------------------------------------------------------------------------
 
-def publish_summary(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
-                    report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
+def publish_summary(*, data: dict[str, Any] | None, plan: dict[str, Any] | None, train: dict[str, Any] | None,
+                    report: dict[str, Any] | None, run_dir: str | None, promotion: dict[str, Any] | None = None,
                     failure: tuple[str, str, bool] | None = None) -> str:
     """The flow run's summary artifact: data, plan, training, stability, drafter/promotion, and the pictures.
-    A run that failed or was cancelled after planning (`failure`: the stage, why (stop_reason) and whether a
-    signal stopped it) gets one too: what it did, what it cost (the launch ledger), and why it stopped."""
+    A run that failed or was cancelled (`failure`: the stage, why (stop_reason) and whether a signal stopped it)
+    gets one too: what it did, what it cost (the launch ledger), and why it stopped. Before planning there is no
+    run folder (`run_dir` None) and data or plan may be None: the page says the stage it stopped in, so that the
+    latest `run-summary` is never an earlier night's."""
     text = summary_markdown(data=data, plan=plan, train=train, report=report, run_dir=run_dir, promotion=promotion,
                             failure=failure)
     create_markdown_artifact(text, key="run-summary", description="The run in five lines")
     return text
 
 
-def summary_markdown(*, data: dict[str, Any], plan: dict[str, Any], train: dict[str, Any] | None,
-                     report: dict[str, Any] | None, run_dir: str, promotion: dict[str, Any] | None = None,
+def summary_markdown(*, data: dict[str, Any] | None, plan: dict[str, Any] | None, train: dict[str, Any] | None,
+                     report: dict[str, Any] | None, run_dir: str | None, promotion: dict[str, Any] | None = None,
                      failure: tuple[str, str, bool] | None = None) -> str:
     """The summary page (see publish_summary); validation curves appear when metrics.jsonl has val records."""
-    steps, val = read_records(storage.join(run_dir, "metrics.jsonl"), SUMMARY_KEYS)  # not whole: 200k steps are GBs
+    steps, val = ([], []) if run_dir is None else \
+        read_records(storage.join(run_dir, "metrics.jsonl"), SUMMARY_KEYS)  # not whole: 200k steps are GBs
+    before = "not reached (the run stopped before)"
     lines = ["# Run summary", ""]
     if failure:
         lines += [f"**{'CANCELLED' if failure[2] else 'FAILED'}** in `{failure[0]}`: {md_text(failure[1])}", ""]
-    lines += [f"1. **Data**: {_data_line(data)}",
-              f"2. **Plan**: {_plan_line(plan)}",
-              f"3. **Training**: {_train_line(train, val) if train else _stopped_train_line(steps, run_dir)}",
+    training = _train_line(train, val) if train else _stopped_train_line(steps, run_dir) if run_dir else before
+    drafter = storage_link(storage.join(run_dir, "drafter"), folder=True) if run_dir else "none trained"
+    lines += [f"1. **Data**: {_data_line(data) if data else before}",
+              f"2. **Plan**: {_plan_line(plan) if plan else before}",
+              f"3. **Training**: {training}",
               f"4. **Stability**: {_verdict_line(report) if report else 'not checked (the run stopped before)'}",
-              f"5. **Drafter**: {storage_link(storage.join(run_dir, 'drafter'), folder=True)}; "
-              f"{_promotion_line(promotion)}", ""]
+              f"5. **Drafter**: {drafter}; {_promotion_line(promotion)}", ""]
     if promotion:
         lines += ["## Promotion decision", decision_table(promotion), ""]
-    if report:
+    if report and run_dir:
         lines += [inline_png(storage.join(run_dir, "report", "stability.png"), "stability plot"), ""]
     if val:
         lines += [inline_png(curves_figure(steps, val), "training and validation curves"), ""]

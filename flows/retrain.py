@@ -80,45 +80,51 @@ def retrain_drafter(
     The config's URIs must be resolved (the application layer resolves example://, see dflash_app.deploy).
     """
     logger = get_run_logger()
-    check_run_name(run_name)
-    if data_source:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
-    root = config.storage.root
-    # a promoted drafter the gate could not measure (damaged, or for another target) fails the run now, not after
-    # the GPU hours; so do a warm start that is not a whole drafter folder for this target and eval prompts that
-    # cannot be read
-    target = (config.model.target, config.model.trust_remote_code)
-    check_incumbent(root, *target)
-    check_init_from(config.train.init_from, *target, config.model.draft_layout())
-    check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
-    prompts = None  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
-    if config.eval.data:
-        prompts = unchanged.prompts_digest(read_instances(config.eval.data, config.eval.limit))
-    regenerated = None
-    if config.data.regenerate.enabled:
-        config, regenerated = _regenerated(config, root)
-    data_fp = tasks.fingerprint_inputs(config)
-    tokenized = storage.join(root, "tokenized", data_fp[:16])
-    data_summary = tasks.cached(tasks.tokenize, tokenized, "manifest.json", check_shards)(config, data_fp, tokenized)
-    tasks.publish_sample_artifact(config, tokenized)
-    plan_fp = tasks.plan_fingerprint(data_fp, config)
-    plan_dir = storage.join(root, "plans", plan_fp[:16])
-    plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json", tasks.plan_reads_back)(config, tokenized, plan_fp,
-                                                                                         plan_dir)
-    tasks.publish_plan_artifacts(plan_summary, plan_dir)
-    if skip_unchanged and (earlier := unchanged.trained_before(root, unchanged.training_key(config, plan_fp, prompts))):
-        message = unchanged.skip_message(earlier)
-        logger.info(message)
-        create_markdown_artifact(f"# Run summary\n\n**SKIPPED**: {md_text(message)}", key="run-summary",
-                                 description="The run in five lines")
-        return {"skipped": message, "run": earlier["run"], "plan": plan_dir, "tokenized": tokenized}
-    run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
     # The summary is published by the flow itself, not a task, so that it is the flow run's own artifact; also
-    # when a later stage fails (what the run did and cost, and why it stopped).
-    summary: dict[str, Any] = {"data": data_summary, "plan": plan_summary, "train": None, "report": None,
-                               "run_dir": run_dir}
-    stage = "train"
+    # when a stage fails, the checks before any work included (what the run did and cost, and why it stopped):
+    # the latest run-summary is always this run's, never an earlier night's.
+    summary: dict[str, Any] = {"data": None, "plan": None, "train": None, "report": None, "run_dir": None}
+    stage = "checks"
     try:
+        check_run_name(run_name)
+        if data_source:
+            config = config.model_copy(update={"data": config.data.model_copy(update={"source": data_source})})
+        root = config.storage.root
+        # a promoted drafter the gate could not measure (damaged, or for another target) fails the run now, not
+        # after the GPU hours; so do a warm start that is not a whole drafter folder for this target and eval
+        # prompts that cannot be read
+        target = (config.model.target, config.model.trust_remote_code)
+        check_incumbent(root, *target)
+        check_init_from(config.train.init_from, *target, config.model.draft_layout())
+        check_target_fit(config.model)  # layer ids and mask id against the target's config, not after tokenize
+        prompts = None  # the gate's prompts (data.source's are read by tokenize): missing or empty fails now
+        if config.eval.data:
+            prompts = unchanged.prompts_digest(read_instances(config.eval.data, config.eval.limit))
+        regenerated = None
+        if config.data.regenerate.enabled:
+            stage = "regenerate"
+            config, regenerated = _regenerated(config, root)
+        stage = "tokenize"
+        data_fp = tasks.fingerprint_inputs(config)
+        tokenized = storage.join(root, "tokenized", data_fp[:16])
+        summary["data"] = tasks.cached(tasks.tokenize, tokenized, "manifest.json", check_shards)(
+            config, data_fp, tokenized)
+        tasks.publish_sample_artifact(config, tokenized)
+        stage = "plan"
+        plan_fp = tasks.plan_fingerprint(data_fp, config)
+        plan_dir = storage.join(root, "plans", plan_fp[:16])
+        summary["plan"] = plan_summary = tasks.cached(tasks.plan, plan_dir, "plan.json", tasks.plan_reads_back)(
+            config, tokenized, plan_fp, plan_dir)
+        tasks.publish_plan_artifacts(plan_summary, plan_dir)
+        if skip_unchanged and (earlier := unchanged.trained_before(root, unchanged.training_key(config, plan_fp,
+                                                                                                prompts))):
+            message = unchanged.skip_message(earlier)
+            logger.info(message)
+            create_markdown_artifact(f"# Run summary\n\n**SKIPPED**: {md_text(message)}", key="run-summary",
+                                     description="The run in five lines")
+            return {"skipped": message, "run": earlier["run"], "plan": plan_dir, "tokenized": tokenized}
+        summary["run_dir"] = run_dir = storage.join(root, "runs", _run_name(run_name, plan_fp))
+        stage = "train"
         summary["train"] = train_summary = tasks.train(config, tokenized, plan_dir, run_dir, plan_summary["num_steps"])
         drafter = storage.join(run_dir, "drafter")
         report_dir = storage.join(run_dir, "report")

@@ -121,6 +121,10 @@ def test_bad_input_fails_its_task_at_once_and_a_transient_error_is_retried(tmp_p
     bad.write_text("".join(json.dumps({"conversations": 5}) + "\n" for _ in range(20)))
     state = retrain_drafter(config=fast_config(tmp_path / "store", **{"data.source": str(bad)}), return_state=True)
     assert state.is_failed() and "bad input" in state.message
+    # the run's own page says where it stopped (the latest run-summary used to be an earlier night's)
+    page = artifact_text(state.state_details.flow_run_id, "run-summary")
+    assert "**FAILED** in `tokenize`: " in page and "1. **Data**: not reached" in page
+    assert "5. **Drafter**: none trained; no promotion decision" in page
 
     def runs(flow_run_id) -> dict[str, int]:
         with get_client(sync_client=True) as client:
@@ -149,6 +153,7 @@ def test_a_warm_start_that_is_no_drafter_fails_the_flow_before_any_data_work(tmp
                             return_state=True)
     assert state.is_failed() and "none/config.json: missing" in state.message
     assert not (tmp_path / "store" / "tokenized").exists() and not (tmp_path / "store" / "runs").exists()
+    assert "**FAILED** in `checks`: " in artifact_text(state.state_details.flow_run_id, "run-summary")
     # eval prompts that are missing or hold none: found after a night's training before, and again every night
     (tmp_path / "empty.jsonl").write_text("")
     for prompts, said in (("missing.jsonl", "no such file"), ("empty.jsonl", "no instances")):
