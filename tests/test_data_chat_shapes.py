@@ -727,6 +727,66 @@ def test_logged_chat_completion_calls_are_read_as_their_conversation(tmp_path: P
     assert to_conversation({"instruction": "Hi.", "response": "Hello."}).messages[-1]["content"] == "Hello."
 
 
+def test_logged_responses_api_calls_are_read_as_their_conversation(tmp_path: Path, qwen3_tok: str) -> None:
+    """The Responses API (vLLM serves it; gpt-oss's clients use it): `instructions` is the system turn, `input` a
+    string or items, the reply the response's `output` items. A reasoning item is the next assistant turn's
+    reasoning, function calls are the tool calls of the assistant turn they follow, a call's output a tool turn;
+    flat tool definitions are OpenAI's nested ones. Calls that are no chat (embeddings) are refused."""
+    weather = {"type": "function", "name": "weather", "description": "Weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+    def call(call_id: str, city: str) -> dict:
+        return {"type": "function_call", "call_id": call_id, "name": "weather",
+                "arguments": json.dumps({"city": city})}
+
+    def said(role: str, text: str) -> dict:
+        return {"type": "message", "role": role,
+                "content": [{"type": "input_text" if role == "user" else "output_text", "text": text}]}
+
+    thinking = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "In short: look it up."}],
+                "content": [{"type": "reasoning_text", "text": "Two cities: call twice."}]}
+    tool_turn = {"request": {"model": "target", "instructions": "Be brief.", "tools": [weather], "input": [
+        said("user", "Weather in Oslo and Bergen?")]}, "response": {"object": "response", "status": "completed",
+        "output": [thinking, call("c1", "Oslo"), call("c2", "Bergen")]}}
+    after_tools = {"request": {"input": [
+        said("user", "Weather in Oslo?"), call("c1", "Oslo"),
+        {"type": "function_call_output", "call_id": "c1", "output": "{\"sky\": \"rain\"}"}]},
+        "response": json.dumps({"object": "response", "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "It rains."}]},
+            said("assistant", "Rain in Oslo.")]})}
+    plain = {"custom_id": "r-1", "url": "/v1/responses", "body": {"model": "target", "input": "Hi."},
+             "response": {"status_code": 200, "body": {"object": "response", "output": [said("assistant", "Hello!")]}}}
+    records = [tool_turn, after_tools, plain]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    supervised = _supervised(tmp_path, qwen3_tok)
+    assert len(supervised[0]) == 1 and supervised[0][0].count("<tool_call>") == 2 and '"Bergen"' in supervised[0][0]
+    assert '"Oslo"' in supervised[1][0] and supervised[1][1:] == ["Rain in Oslo.<|im_end|>"]  # every reply
+    assert supervised[2] == ["Hello!<|im_end|>"]
+
+    read = to_conversation(tool_turn)
+    assert [m["role"] for m in read.messages] == ["system", "user", "assistant"]
+    assert read.messages[0]["content"] == "Be brief." and read.tools == [
+        {"type": "function", "function": {k: v for k, v in weather.items() if k != "type"}}]
+    assert read.messages[2]["reasoning_content"] == "Two cities: call twice."  # the full text, not the summary
+    assert [c["id"] for c in read.messages[2]["tool_calls"]] == ["c1", "c2"]
+    read = to_conversation(after_tools)
+    assert [m["role"] for m in read.messages] == ["user", "assistant", "tool", "assistant"]
+    assert read.messages[2]["tool_call_id"] == "c1" and read.messages[3]["reasoning_content"] == "It rains."
+    # a prompt for regenerate; a reply cut off while thinking; calls that are no chat; items not read
+    assert to_conversation({"body": {"input": "Why?"}}, require_assistant=False).messages == [
+        {"role": "user", "content": "Why?"}]
+    cut = to_conversation({"request": {"input": "Q"}, "response": {"output": [thinking]}})
+    assert cut.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": "Two cities: call twice."}
+    embedding = {"custom_id": "e", "url": "/v1/embeddings", "body": {"model": "e5", "input": "some text"}}
+    assert "not a chat" in to_conversation(embedding, require_assistant=False).detail
+    listed = {"request": {"input": ["a", "b"]}, "response": {"object": "list", "data": [{"embedding": [0.1]}]}}
+    assert "'list' object: not a chat" in to_conversation(listed, require_assistant=False).detail
+    search = to_conversation({"request": {"input": "Q"}, "response": {"output": [{"type": "web_search_call"}]}})
+    assert search.reason == "wrong_schema" and "'output' item 0 is 'web_search_call' item" in search.detail
+    assert "'input' is a int" in to_conversation({"request": {"input": 3}, "response": {"output": []}}).detail
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

@@ -1,7 +1,7 @@
 """Chat schemas -> one OpenAI-style conversation: ShareGPT, OpenAI, LLaMA-Factory, Hermes records, typed content
 parts, tool calls and reasoning; instruction pairs (Alpaca, Dolly, prompt/completion, ...; LLaMA-Factory's `history` of
-earlier exchanges); OpenAssistant's message trees along their best thread; logged chat-completions calls (request
-messages, then the response's message).
+earlier exchanges); OpenAssistant's message trees along their best thread; logged API calls (chat completions'
+request messages and the response's message; the Responses API's input and output items).
 
 `to_conversation` is the one reader of chat records (tokenize uses it; regenerate can reuse it):
 - ShareGPT `conversations` with `from`/`value` (LLaMA-Factory: top-level `system` and `tools`, `function_call`
@@ -406,40 +406,103 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
 
 
 def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
-    """A logged chat-completions call as a record of its conversation: the request's `messages` (and `tools`)
-    then the reply, `response.choices[0].message`. The request sits under `request` (gateway and proxy logs) or
-    `body` (an OpenAI Batch API input line, a prompt for regenerate), or its messages at the top beside the
-    `response` (LiteLLM's logs); the response may be a Batch output's `{status_code, body}`; either may be JSON
-    text. None when the record is no such call (a `response` string is a Dolly-style reply)."""
+    """A logged API call as a record of its conversation: the request's turns (and `tools`), then the reply.
+    Chat completions: the request's `messages`, the reply `response.choices[0].message`. The Responses API: the
+    request's `instructions` and `input` (a string or items), the reply the response's `output` items (see
+    _response_items). The request sits under `request` (gateway and proxy logs) or `body` (an OpenAI Batch API
+    input line, a prompt for regenerate), or its messages at the top beside the `response` (LiteLLM's logs); the
+    response may be a Batch output's `{status_code, body}`; either may be JSON text. None when the record is no
+    such call (a `response` string is a Dolly-style reply)."""
     request = next((r for k in ("request", "body") if isinstance(r := _as_object(record.get(k)), dict)
-                    and "messages" in r), None)
+                    and ("messages" in r or "input" in r)), None)
     response = _as_object(record.get("response"))
     if isinstance(response, dict) and isinstance(response.get("body"), dict | str):
         response = _as_object(response["body"])
-    logs_reply = isinstance(response, dict) and "choices" in response
-    if request is None and logs_reply and "messages" not in record:
+    response = response if isinstance(response, dict) else {}
+    chat_reply, items_reply = "choices" in response, isinstance(response.get("output"), list)
+    if request is None and (chat_reply or items_reply) and "messages" not in record:
         return Drop("wrong_schema", "a logged reply without its request (an OpenAI Batch API output line?): join "
                     "each output line with its input line by custom_id, e.g. {\"custom_id\", \"body\": <the input's "
                     "body>, \"response\": <the output's response>}")
-    if request is None and not logs_reply:
+    if request is None and not chat_reply:
         return None
+    # a gateway logs every kind of call: embeddings and text completions are no chats (regenerate would answer
+    # an embedding's input as a prompt)
+    url = next((v for k in ("url", "endpoint") if isinstance(v := record.get(k), str)), None)
+    if url and not url.split("?")[0].rstrip("/").endswith(("/chat/completions", "/responses")):
+        return Drop("wrong_schema", f"a logged call to {url}: not a chat (read are /chat/completions and /responses)")
+    if response.get("object") in ("list", "embedding", "text_completion"):
+        return Drop("wrong_schema", f"a logged call answered by a {response['object']!r} object: not a chat")
     asked = request if request is not None else record
-    turns = _as_list(asked.get("messages"))
-    if turns is None:
-        return Drop("wrong_schema", f"the logged request's 'messages' is a {type(asked.get('messages')).__name__}, "
-                    "expected a list of messages")
-    flat = {k: v for k, v in record.items() if k not in ("request", "body", "response", "messages")}
-    flat["tools"] = asked.get("tools", record.get("tools"))
-    if logs_reply:
+    turns: list[Any] | Drop | None
+    if "messages" in asked:
+        turns = _as_list(asked["messages"])
+        if turns is None:
+            return Drop("wrong_schema", f"the logged request's 'messages' is a {type(asked['messages']).__name__}, "
+                        "expected a list of messages")
+    else:
+        turns = _response_items(asked["input"], "input")
+        instructions = asked.get("instructions")
+        if isinstance(turns, list) and isinstance(instructions, str) and instructions.strip():
+            turns = [{"role": "system", "content": instructions}, *turns]
+    if chat_reply:
         choices = response["choices"]
         reply = choices[0].get("message") if isinstance(choices, list) and choices and \
             isinstance(choices[0], dict) else None
         if not isinstance(reply, dict):
             return Drop("wrong_schema", "the logged response's choices[0] has no message (a chat completion's "
                         "choices[0].message was expected; a text completion is not a chat)")
-        turns = [*turns, {"role": "assistant", **reply}]  # the API's message names its role; a log may not
-    flat["messages"] = turns
+        replies: list[Any] | Drop = [{"role": "assistant", **reply}]  # the API's message names its role; a log may not
+    else:
+        replies = _response_items(response["output"], "output") if items_reply else []
+    for part in (turns, replies):
+        if isinstance(part, Drop):
+            return part
+    flat = {k: v for k, v in record.items() if k not in ("request", "body", "response", "messages")}
+    flat["tools"] = asked.get("tools", record.get("tools"))
+    flat["messages"] = [*turns, *replies]
     return flat
+
+
+def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
+    """The Responses API's input or output items as chat messages: a string is one user turn; `message` items are
+    turns; a `reasoning` item's text (its reasoning_text parts, else its summary) is the next assistant turn's
+    reasoning; `function_call` items are tool calls of the assistant turn they follow (a new one after any other
+    turn); a `function_call_output` is a tool turn. Other items (built-in tools' calls) are refused, named."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    listed = _as_list(items)
+    if listed is None:
+        return Drop("wrong_schema", f"the logged '{where}' is a {type(items).__name__}, expected a string or a list "
+                    "of Responses API items")
+    turns: list[dict[str, Any]] = []
+    thought: list[str] = []  # reasoning items not yet given to an assistant turn
+    for i, item in enumerate(listed):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thought += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            continue
+        if kind == "message":
+            turns.append({"role": item.get("role"), "content": item.get("content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if turns and turns[-1].get("role") == "assistant" and not thought:
+                turns[-1]["tool_calls"] = [*(turns[-1].get("tool_calls") or []), call]
+                continue
+            turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            turns.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
+        else:
+            return Drop("wrong_schema", f"the logged '{where}' item {i} is "
+                        f"{repr(kind) + ' item' if kind else 'not an object'}; read are message, reasoning, "
+                        "function_call and function_call_output items")
+        if thought and turns[-1]["role"] == "assistant":
+            turns[-1]["reasoning_content"], thought = "\n\n".join(thought), []
+    if thought:  # reasoning that no answer followed (a reply cut off while thinking)
+        turns.append({"role": "assistant", "content": "", "reasoning_content": "\n\n".join(thought)})
+    return turns
 
 
 def _as_object(value: Any) -> Any:
@@ -972,7 +1035,9 @@ def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
         fn = _function(tool)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             return Drop("bad_tools", f"a tool definition has no name: {str(tool)[:80]}")
-        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+        # a flat definition (the Responses API's {type, name, parameters}) keeps its type outside the function
+        out.append({"type": "function", "function": {k: v for k, v in fn.items()
+                                                     if v is not None and not (fn is tool and k == "type")}})
     return out or None
 
 
