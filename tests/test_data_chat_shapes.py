@@ -678,6 +678,44 @@ def test_belle_multi_turn_prompts_are_split_at_their_line_break_markers() -> Non
     assert [m["content"] for m in hh.messages] == ["Write:\nHuman: hi", "Done."]
 
 
+def test_ms_swift_agent_turns_and_openai_legacy_functions_are_tool_calls(tmp_path: Path, qwen3_tok: str) -> None:
+    """ms-swift's agent format: `tool_call` turns hold the call JSON (consecutive ones are parallel calls of one
+    assistant turn), `tool_response` turns the results, `tools` a JSON list or a list of JSON strings. OpenAI's
+    older function-calling fine-tune format: top-level `functions` are the tools its `function_call` calls."""
+    aqi = {"type": "function", "function": {"name": "realtime_aqi", "description": "Air quality.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    swift = {"tools": json.dumps([aqi]), "messages": [
+        {"role": "user", "content": "AQI in Beijing and Shanghai?"},
+        {"role": "tool_call", "content": json.dumps({"name": "realtime_aqi", "arguments": {"city": "Beijing"}})},
+        {"role": "tool_call", "content": json.dumps({"name": "realtime_aqi", "arguments": {"city": "Shanghai"}})},
+        {"role": "tool_response", "content": "{\"aqi\": 10}"}, {"role": "tool_response", "content": "{\"aqi\": 20}"},
+        {"role": "assistant", "content": "10 and 20."}]}
+    swift_v34 = {**swift, "tools": [json.dumps(aqi)]}
+    legacy = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                           {"role": "assistant", "function_call": {"name": "weather",
+                                                                   "arguments": "{\"city\": \"Paris\"}"}}],
+              "functions": [{"name": "weather", "description": "Weather now.",
+                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]}
+    summary = _run(tmp_path, [swift, swift_v34, legacy], qwen3_tok, split=True)
+    assert summary["kept"] == 3 and summary["dropped"] == {}
+    read = to_conversation(swift)
+    assert [m["role"] for m in read.messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [c["function"]["arguments"] for c in read.messages[1]["tool_calls"]] == [{"city": "Beijing"},
+                                                                                    {"city": "Shanghai"}]
+    assert read.tools == [aqi] and to_conversation(swift_v34).tools == [aqi]
+    read = to_conversation(legacy)
+    assert read.tools == [{"type": "function", "function": legacy["functions"][0]}]
+    assert read.messages[1]["tool_calls"][0]["function"]["name"] == "weather"
+    supervised = _supervised(tmp_path, qwen3_tok)
+    assert supervised[0][0].count("<tool_call>") == 2 and supervised[0][1] == "10 and 20.<|im_end|>"
+    assert supervised[0] == supervised[1]
+    # LLaMA-Factory: gpt text, then its function_call, is still one assistant turn
+    lf = to_conversation({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Calling."},
+                                            {"from": "function_call", "value": '{"name": "f", "arguments": {}}'},
+                                            {"from": "observation", "value": "ok"}, {"from": "gpt", "value": "Done."}]})
+    assert [m["role"] for m in lf.messages] == ["user", "assistant", "tool", "assistant"]
+
+
 def test_logged_chat_completion_calls_are_read_as_their_conversation(tmp_path: Path, qwen3_tok: str) -> None:
     """A served target's traffic, as gateways log it: the request's messages (and tools) then the reply
     (response.choices[0].message, its reasoning and tool calls included) are one conversation, the reply
@@ -816,6 +854,11 @@ def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Pat
     assert "Example answer." in texts[0] and "Not this." in texts[1]  # still the context of the next turn
     wrong = read_manifest(str(tmp_path / "out"))["drop_examples"]["wrong_schema"][0]["detail"]
     assert "weight 'high'" in wrong and "0 = not trained on" in wrong
+    # THUDM's AgentInstruct: `loss` false marks the in-context demonstration replies (null: the default)
+    agent = to_conversation({"id": "alfworld_0", "conversations": [
+        turn("human", "Interact with a household.", loss=None), turn("gpt", "OK", loss=False),
+        turn("human", "Your task: find a mug.", loss=None), turn("gpt", "ACTION: go to countertop 1", loss=True)]})
+    assert agent.unsupervised == {1} and len(agent.messages) == 4
 
 
 def test_a_hugging_face_save_to_disk_folder_is_read_as_is(tmp_path: Path, qwen3_tok: str) -> None:

@@ -108,16 +108,22 @@ OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 # a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
 UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
-TRAIN_KEYS = ("weight", "training")  # per turn: weight 0 / training false = rendered, not trained on
+# per turn: weight 0 / training false / loss false (THUDM's AgentInstruct, AgentGym) = rendered, not trained on
+TRAIN_KEYS = ("weight", "training", "loss")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
 DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-oss's template reads both alike)
     "system": "system", "developer": "system", "human": "user", "user": "user", "gpt": "assistant",
     "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
     "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
     "function response": "tool",  # Glaive's transcripts
+    "tool_call": "assistant", "tool_response": "tool",  # ms-swift's agent format
     "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs, Baize
 }
-CALL_ROLES = frozenset({"function_call"})  # LLaMA-Factory: the turn's value is the call JSON
+# LLaMA-Factory's function_call and ms-swift's tool_call: the turn's value is the call JSON (consecutive ones are
+# parallel calls of one assistant turn)
+CALL_ROLES = frozenset({"function_call", "tool_call"})
+# the tools a record offers: `tools`, or `functions` (OpenAI's older function-calling format, flat definitions)
+TOOLS_KEYS = ("tools", "functions")
 # refusal: what OpenAI's API returns in place of an answer it refuses (a part, or the message's `refusal` field)
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 REASONING_PARTS = frozenset({"reasoning", "thinking"})
@@ -387,7 +393,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         return Drop("wrong_schema", f"'{key}' is a {type(record[key]).__name__}, expected a list of turns")
     if not raw_turns:
         return Drop("empty_conversation", f"'{key}' is empty")
-    tools = _tools(record.get("tools"))
+    tools = _tools(_first_set(record, *TOOLS_KEYS))
     if isinstance(tools, Drop):
         return tools
     # the record's own turn format, unless the config names one: a file may mix OpenAI and ShareGPT records
@@ -459,7 +465,7 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
         if isinstance(part, Drop):
             return part
     flat = {k: v for k, v in record.items() if k not in ("request", "body", "response", "messages")}
-    flat["tools"] = asked.get("tools", record.get("tools"))
+    flat["tools"] = _first_set(asked, *TOOLS_KEYS, default=_first_set(record, *TOOLS_KEYS))
     flat["messages"] = [*turns, *replies]
     return flat
 
@@ -718,7 +724,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
     elif require_assistant and not transcript:  # (a transcript prompt may hold replies of its own)
         return Drop("no_assistant_turn", f"a '{prompt_key}' and no reply: none of "
                     f"{'/'.join(REPLY_KEYS + CALL_REPLY_KEYS)} (keys: {', '.join(sorted(map(str, record))[:8])})")
-    tools = _tools(record.get("tools"))
+    tools = _tools(_first_set(record, *TOOLS_KEYS))
     if isinstance(tools, Drop):
         return tools
     conv = _system_prefix(record, not _opens_with_system(turns, roles))  # a transcript may open with its own
@@ -810,7 +816,8 @@ def _checked(conv: Conversation) -> Conversation | Drop:
     if not any(_has_output(m) or m.get("reasoning_content") for m in assistant):
         return Drop("no_assistant_content", f"all {len(assistant)} assistant turns are empty")
     if all(j in conv.unsupervised for j, m in enumerate(conv.messages) if m["role"] == "assistant"):
-        return Drop("no_trained_turn", f"all {len(assistant)} assistant turns have weight 0 / training false")
+        return Drop("no_trained_turn", f"all {len(assistant)} assistant turns have weight 0 / training false / "
+                    "loss false")
     return conv
 
 
@@ -841,8 +848,9 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
         return trained
     previous = conv.messages[-1] if conv.messages else None
     if source.lower() in CALL_ROLES and previous and previous["role"] == "assistant" and message["tool_calls"] \
-            and not previous.get("tool_calls"):  # gpt text, then its function_call: one assistant message
-        previous["tool_calls"] = message["tool_calls"]
+            and (not previous.get("tool_calls") or conv.source(len(conv.messages) - 1).lower() in CALL_ROLES):
+        # gpt text, then its function_call; or a call after a call (ms-swift's parallel calls): one assistant message
+        previous["tool_calls"] = [*(previous.get("tool_calls") or []), *message["tool_calls"]]
         return None
     if role == "tool" and previous and previous.get("tool_calls") and "name" not in message:
         names = [c["function"]["name"] for c in previous["tool_calls"]]
@@ -856,8 +864,8 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
 
 
 def _trained(raw: dict[str, Any], i: int) -> bool | Drop:
-    """A turn's training switch: `weight` (SlimOrca, axolotl; 0 = not trained on) or `training` (axolotl's
-    bool); null or absent = trained. Any non-zero weight trains the turn fully (there is no partial loss)."""
+    """A turn's training switch: `weight` (SlimOrca, axolotl; 0 = not trained on), `training` (axolotl's bool)
+    or `loss` (AgentInstruct's bool); null or absent = trained. Any non-zero weight trains the turn fully (there is no partial loss)."""
     for key in TRAIN_KEYS:
         value = raw.get(key)
         if value is None:
@@ -1028,6 +1036,8 @@ def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
     if value is None or value == "" or value == []:
         return None
     tools = _as_list(value)
+    if tools is not None:  # each definition may be JSON text of its own (ms-swift, smoltalk2's xml_tools)
+        tools = [_as_object(t) for t in tools]
     if tools is None or not all(isinstance(t, dict) for t in tools):
         return Drop("bad_tools", f"'tools' must be a list of tool definitions (or its JSON); got {str(value)[:60]}")
     out = []
