@@ -716,6 +716,52 @@ def test_ms_swift_agent_turns_and_openai_legacy_functions_are_tool_calls(tmp_pat
     assert [m["role"] for m in lf.messages] == ["user", "assistant", "tool", "assistant"]
 
 
+def test_preference_and_ranking_shapes_are_read_by_their_preferred_reply(tmp_path: Path, qwen3_tok: str) -> None:
+    """The preferred reply of the preference shapes beyond `chosen`: LLaMA-Factory's ShareGPT preference format
+    (a `chosen` turn object after the turns), OpenAI's DPO fine-tune format (`input.messages`,
+    `preferred_output`), argilla's `chosen_response`, arena battles (the winner's conversation), Nectar's ranked
+    `answers` (the best-ranked); a DeepSeek-R1 distillation's `input`/`content`/`reasoning_content`; an unpaired
+    preference record labelled false (KTO) is not trained on."""
+    lf = {"conversations": [{"from": "human", "value": "Name a bird."}, {"from": "gpt", "value": "A wren."},
+                            {"from": "human", "value": "Another?"}],
+          "chosen": {"from": "gpt", "value": "A robin."}, "rejected": {"from": "gpt", "value": "WRONG."}}
+    openai_dpo = {"input": {"messages": [{"role": "user", "content": "Sky colour?"}], "tools": [],
+                            "parallel_tool_calls": True},
+                  "preferred_output": [{"role": "assistant", "content": "Blue."}],
+                  "non_preferred_output": [{"role": "assistant", "content": "WRONG."}]}
+    argilla = {"source": "evol_instruct", "instruction": "Write a haiku.", "chosen_response": "Old silent pond.",
+               "rejected_response": "WRONG.", "chosen_avg_rating": 5.0, "chosen_model": "gpt-4"}
+    arena = {"question_id": "q1", "model_a": "a", "model_b": "b", "winner": "model_b", "judge": "user_1", "turn": 1,
+             "conversation_a": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "WRONG."}],
+             "conversation_b": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]}
+    nectar = {"prompt": "\n\nHuman: Capital of France?\n\nAssistant: ", "turns": 1, "num_responses": 2,
+              "answers": [{"answer": "WRONG.", "model": "m2", "rank": 2.0},
+                          {"answer": "Paris.", "model": "m1", "rank": 1.0}], "good_natured": True}
+    r1 = {"input": "Tell a fable.", "content": "A fox and a crow.", "reasoning_content": "A short one.",
+          "repo_name": "coig/neo", "score": 8}
+    records = [lf, openai_dpo, argilla, arena, nectar, r1]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [["A wren.<|im_end|>", "A robin.<|im_end|>"], ["Blue.<|im_end|>"],
+                                                ["Old silent pond.<|im_end|>"], ["Four.<|im_end|>"],
+                                                ["Paris.<|im_end|>"], ["A fox and a crow.<|im_end|>"]]
+    assert to_conversation(r1).messages[-1]["reasoning_content"] == "A short one."
+    assert to_conversation({**arena, "winner": "tie"}).messages[-1]["content"] == "WRONG."  # a's on a tie
+    assert [m["role"] for m in to_conversation(nectar).messages] == ["user", "assistant"]
+    # KTO: an undesirable reply (label false) is not trained on; regenerate answers its prompt anew
+    for kto in ({"prompt": [{"role": "user", "content": "Sky?"}], "completion": [{"role": "assistant",
+                 "content": "Green."}], "label": False},
+                {"instruction": "Sky?", "input": "", "output": "Green.", "kto_tag": False}):
+        assert to_conversation(kto).reason == "no_trained_turn"
+        assert to_conversation(kto, require_assistant=False).unsupervised == {1}
+        assert to_conversation({**kto, next(k for k in ("label", "kto_tag") if k in kto): True}).unsupervised == set()
+    multi = to_conversation({"messages": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "a"},
+                                          {"role": "user", "content": "B?"}, {"role": "assistant", "content": "x"}],
+                             "label": False})
+    assert multi.unsupervised == {3}  # the labelled reply is the last; the earlier one is context and trained
+    assert to_conversation({**lf, "label": 3}).unsupervised == set()  # a class label, not KTO's
+
+
 def test_logged_chat_completion_calls_are_read_as_their_conversation(tmp_path: Path, qwen3_tok: str) -> None:
     """A served target's traffic, as gateways log it: the request's messages (and tools) then the reply
     (response.choices[0].message, its reasoning and tool calls included) are one conversation, the reply

@@ -51,9 +51,10 @@ PROMPT_KEYS = ("instruction", "prompt", "question", "query", "problem", "inputs"
 CONTEXT_KEYS = ("input", "context")
 # a worked solution before a bare answer (NVIDIA's OpenMath sets: generated_solution); a preference pair's `chosen`
 # reply (Orca DPO pairs, TRL's explicit prompt); OpenThoughts' metadata rows: deepseek_solution, its reasoning in
-# deepseek_reasoning (PAIR_REASONING_KEYS); FLAN's and P3's targets, Firefly's target, distilabel's generation
+# deepseek_reasoning (PAIR_REASONING_KEYS); FLAN's and P3's targets, Firefly's target, distilabel's generation;
+# argilla's chosen_response (its binarized UltraFeedback)
 REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen",
-              "deepseek_solution", "targets", "target", "generation")
+              "chosen_response", "deepseek_solution", "targets", "target", "generation")
 PAIR_REASONING_KEYS = ("deepseek_reasoning",)
 # a reply that is tool calls: Salesforce xlam's `answers` ([{name, arguments}], as JSON), beside its `tools`
 CALL_REPLY_KEYS = ("answers",)
@@ -108,6 +109,8 @@ OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 # a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
 UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
+# per record: false = its last reply is undesirable (TRL's unpaired preference `label`, LLaMA-Factory's `kto_tag`)
+UNDESIRABLE_KEYS = ("label", "kto_tag")
 # per turn: weight 0 / training false / loss false (THUDM's AgentInstruct, AgentGym) = rendered, not trained on
 TRAIN_KEYS = ("weight", "training", "loss")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
@@ -358,7 +361,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     logged = _logged_exchange(record)
     if isinstance(logged, Drop):
         return logged
-    record = logged or record
+    record = _reshaped(logged or record)
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
     # key is read by the fields it has
     key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
@@ -408,7 +411,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         problem = _add_turn(conv, raw, i, fmt, roles)
         if problem is not None:
             return problem
-    return _finished(conv, require_assistant)
+    return _finished(conv, require_assistant, record)
 
 
 def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
@@ -509,6 +512,43 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     if thought:  # reasoning that no answer followed (a reply cut off while thinking)
         turns.append({"role": "assistant", "content": "", "reasoning_content": "\n\n".join(thought)})
     return turns
+
+
+def _reshaped(record: dict[str, Any]) -> dict[str, Any]:
+    """A record in a shape that holds one conversation among others, as the shape the reader reads:
+    - OpenAI's DPO fine-tune format `{input: {messages, tools}, preferred_output: [turns]}`: the messages, then
+      the preferred output;
+    - LLaMA-Factory's ShareGPT preference format: the turns, then the `chosen` turn object;
+    - arena battles (`conversation_a`, `conversation_b`, `winner`): the winner's conversation (a's on a tie);
+    - ranked answers (Nectar: a prompt and `answers: [{answer, model, rank}]`): the prompt and the best-ranked
+      answer;
+    - a reply in `content` with its `reasoning_content` beside an `input` (DeepSeek-R1 distillations): a pair.
+    Any other record as it is."""
+    asked = _as_object(record.get("input"))
+    if isinstance(asked, dict) and "messages" in asked and record.get("preferred_output") is not None:
+        preferred = _as_list(record["preferred_output"])
+        rest = {k: v for k, v in record.items() if k not in ("input", "preferred_output", "non_preferred_output")}
+        return {**rest, "messages": [*(_as_list(asked["messages"]) or []), *(preferred or [])],
+                "tools": asked.get("tools")}
+    key = next((k for k in MESSAGE_KEYS if record.get(k) is not None), None)
+    chosen = _as_object(record.get("chosen"))
+    if key and isinstance(chosen, dict) and _turn_format(chosen) and (turns := _as_list(record[key])) is not None:
+        return {**{k: v for k, v in record.items() if k not in ("chosen", "rejected")}, key: [*turns, chosen]}
+    if key is None and {"conversation_a", "conversation_b"} <= record.keys():
+        side = "conversation_b" if record.get("winner") == "model_b" else "conversation_a"
+        rest = {k: v for k, v in record.items() if k not in ("conversation_a", "conversation_b")}
+        return {**rest, "messages": record[side]}
+    answers = _as_list(record.get("answers"))
+    if answers and all(isinstance(a, dict) and isinstance(a.get("answer"), str) for a in answers):
+        ranks = [(a.get("rank") if isinstance(a.get("rank"), int | float) else float("inf"), i)
+                 for i, a in enumerate(answers)]
+        best = answers[min(ranks)[1]]["answer"]
+        return {**{k: v for k, v in record.items() if k != "answers"}, "completion": best}
+    if key is None and isinstance(record.get("input"), str) and isinstance(record.get("content"), str) \
+            and isinstance(record.get("reasoning_content"), str) and _reply_key(record) is None:
+        rest = {k: v for k, v in record.items() if k not in ("content", "reasoning_content")}
+        return {**rest, "output": record["content"], "deepseek_reasoning": record["reasoning_content"]}
+    return record
 
 
 def _as_object(value: Any) -> Any:
@@ -739,7 +779,7 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
         ([] if transcript else [prompt_key]) + ([reply_key] if reply_key is not None else [])
     if written:
         conv.sources[-len(written):] = written
-    return _finished(conv, require_assistant)
+    return _finished(conv, require_assistant, record)
 
 
 def _history(record: dict[str, Any]) -> list[dict[str, Any]] | Drop:
@@ -773,10 +813,15 @@ def _system_prefix(record: dict[str, Any], wanted: bool = True) -> Conversation:
     return Conversation([])
 
 
-def _finished(conv: Conversation, require_assistant: bool) -> Conversation | Drop:
+def _finished(conv: Conversation, require_assistant: bool, record: dict[str, Any]) -> Conversation | Drop:
     """The conversation as read, its empty system turns left out (Nemotron's post-training sets carry one in
-    every record: a template would render an empty system block that serving never shows), then checked for
-    something to learn unless a prompt alone will do."""
+    every record: a template would render an empty system block that serving never shows), its last reply not
+    trained on when the record labels it undesirable (KTO's unpaired preference data: `label` or LLaMA-Factory's
+    `kto_tag` false; regenerate answers the prompt anew), then checked for something to learn unless a prompt
+    alone will do."""
+    if any(record.get(key) is False for key in UNDESIRABLE_KEYS):
+        replies = [j for j, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        conv.unsupervised.update(replies[-1:])
     empty = [j for j, m in enumerate(conv.messages) if m["role"] == "system" and not _has_output(m)]
     if empty:
         conv = _left_out(conv, empty, [Drop("empty_system_turn", f"turn {j} ({conv.source(j)}) is empty; left out")
