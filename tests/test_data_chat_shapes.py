@@ -1194,8 +1194,8 @@ def test_reasoning_sets_and_tool_call_pairs_read_as_they_are_published(tmp_path:
                                                                         thinking: str) -> None:
     """OpenThoughts-114k writes its reasoning inline between <|begin_of_thought|> and <|end_of_thought|>, the
     answer between <|begin_of_solution|> and <|end_of_solution|>; its metadata rows keep them in
-    deepseek_reasoning / deepseek_solution; Salesforce's xlam pairs a query with `answers`, the calls (JSON), and
-    `tools`. The reasoning follows data.thinking like any other; the calls are supervised, the tools rendered."""
+    deepseek_reasoning / deepseek_solution; a-m-team's sets wrap the answer after </think> in <answer> tags;
+    Salesforce's xlam pairs a query with `answers`, the calls (JSON), and `tools`. The reasoning follows data.thinking like any other; the calls are supervised, the tools rendered."""
     thought = "<|begin_of_thought|>\n\nAdd two and two.\n\n<|end_of_thought|>\n\n"
     records = [
         {"system": "Your role as an assistant involves thoroughly exploring questions.",
@@ -1206,9 +1206,19 @@ def test_reasoning_sets_and_tool_call_pairs_read_as_they_are_published(tmp_path:
          "ground_truth_solution": "4", "domain": "math"},
         {"id": 0, "query": QUESTION, "answers": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}]),
          "tools": json.dumps([WEATHER])},
+        # a-m-team's distillations: the answer in <answer> tags after the think block, `info` beside
+        {"messages": [{"role": "user", "content": "What is 2+2?", "info": {"source": "natural_reasoning"}},
+                      {"role": "assistant", "content": "<think>\nAdd two and two.\n</think>\n<answer>\nThe sum is 4."
+                       "\n</answer>", "info": {"think_content": "Add two and two.", "answer_content": "The sum is 4."}}]},
     ]
     summary = _run(tmp_path, records, qwen3_tok, split=True, thinking=thinking)
-    assert summary["kept"] == 3 and summary["dropped"] == {}
+    assert summary["kept"] == 4 and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok)[3] == _supervised(tmp_path, qwen3_tok)[0]
+    # tags in the prose, or an answer that is not wholly inside them, stay text
+    for text in ("<think>x</think>Use <answer> tags.", "<think>x</think><answer>4</answer> Done."):
+        assert "<answer>" in to_conversation({"messages": [{"role": "user", "content": "Q"},
+                                                           {"role": "assistant", "content": text}]}
+                                             ).messages[1]["content"]
     answer = "The sum is 4.<|im_end|>"
     if thinking == "keep":
         answer = "<think>\nAdd two and two.\n</think>\n\n" + answer

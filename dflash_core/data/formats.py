@@ -106,6 +106,9 @@ ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id", "custom_id")  # O
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
 OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
 OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
+# a-m-team's distillations (AM-DeepSeek-R1-Distilled, AM-Thinking-v1-Distilled): "<think>...</think>\n<answer>\n...
+# \n</answer>", the answer wrapped in tags their format adds (cut, as OpenThoughts' solution marks are)
+AM_ANSWER = ("<answer>", "</answer>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 # a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
 UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
@@ -978,7 +981,8 @@ def _is_id(value: Any) -> bool:
 def _inline_reasoning(text: str) -> tuple[list[str], str]:
     """([reasoning], answer) of a reply that writes its reasoning inline: <think>...</think> (Qwen3, DeepSeek-R1
     and the sets they wrote), or Bespoke-Stratos / OpenThoughts' <|begin_of_thought|>...<|end_of_thought|> with
-    the answer inside <|begin_of_solution|>...<|end_of_solution|>; ([], text) for a reply without. The block opens
+    the answer inside <|begin_of_solution|>...<|end_of_solution|> (or a-m-team's <answer>...</answer>); ([], text)
+    for a reply without. The block opens
     the reply, or its opening tag is missing (left to the prompt) and the closing one stands on a line of its own:
     a reply that mentions the tags in its prose has no reasoning. A reply that opens its reasoning and never closes
     it (cut off while thinking) is all reasoning, with no answer."""
@@ -995,6 +999,8 @@ def _inline_reasoning(text: str) -> tuple[list[str], str]:
         answer = answer.strip("\n") if closes == OT_THOUGHT[1] else answer.lstrip("\n")
         if answer.startswith(OT_SOLUTION[0]):
             answer = answer.removeprefix(OT_SOLUTION[0]).removesuffix(OT_SOLUTION[1]).strip("\n")
+        elif answer.strip().startswith(AM_ANSWER[0]) and answer.strip().endswith(AM_ANSWER[1]):
+            answer = answer.strip().removeprefix(AM_ANSWER[0]).removesuffix(AM_ANSWER[1]).strip("\n")
         return [head], answer
     return [], text
 
