@@ -871,6 +871,21 @@ def test_logged_responses_api_calls_are_read_as_their_conversation(tmp_path: Pat
     assert "'input' is a int" in to_conversation({"request": {"input": 3}, "response": {"output": []}}).detail
 
 
+def test_nemo_transcripts_and_helpsteer2_multi_turn_prompts_are_split_into_turns() -> None:
+    """NeMo's SteerLM format (<extra_id_0>System, <extra_id_1>User / Assistant); HelpSteer2's multi-turn prompts
+    hold the earlier turns in that format without the first user turn's marker. A prompt that only mentions the
+    marker in a sentence stays one turn."""
+    helpsteer = {"prompt": "Name a cat.\n<extra_id_1>Assistant\nWhiskers.\n<extra_id_1>User\nMore unusual?",
+                 "response": "Archimedes.", "helpfulness": 3, "correctness": 3, "coherence": 4}
+    assert [(m["role"], m["content"]) for m in to_conversation(helpsteer).messages] == [
+        ("user", "Name a cat."), ("assistant", "Whiskers."), ("user", "More unusual?"), ("assistant", "Archimedes.")]
+    nemo = {"text": "<extra_id_0>System\nBe kind.\n\n<extra_id_1>User\nHi\n<extra_id_1>Assistant\nHello!\n"}
+    assert [(m["role"], m["content"]) for m in to_conversation(nemo).messages] == [
+        ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!")]
+    single = {"prompt": "What does <extra_id_1>Assistant mean?", "response": "A marker."}
+    assert to_conversation(single).messages[0]["content"] == "What does <extra_id_1>Assistant mean?"
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

@@ -79,6 +79,7 @@ class Transcript:
     needs: str | None = None  # a mark the text must hold to be written this way (two ways may open alike)
 
 
+NEMO_OPENS = ("<extra_id_0>System\n", "<extra_id_1>User\n")
 TRANSCRIPTS = (
     Transcript(("### Human:",), re.compile(r"### (Human|Assistant):")),  # OpenAssistant Guanaco
     Transcript(("Human:",), re.compile(r"(?:^|\n\n)(Human|Assistant):"), needs="\n\nAssistant:"),  # HH-RLHF
@@ -94,6 +95,9 @@ TRANSCRIPTS = (
                re.compile(r"^<<SYS>>\n?(.*?)\n?<</SYS>>\s*", re.DOTALL)),
     # Vicuna and Glaive: upper-case names after a space or a mark ("Hi ASSISTANT: Hello!</s>USER: ...")
     Transcript(("USER:", "SYSTEM:"), re.compile(r"(?:^|(?<=[\s>]))(USER|ASSISTANT|SYSTEM|FUNCTION RESPONSE):")),
+    # NeMo / SteerLM: "<extra_id_0>System\n...\n<extra_id_1>User\n...\n<extra_id_1>Assistant\n..." (HelpSteer2's
+    # multi-turn prompts leave the first user turn's marker out: _transcript puts it back)
+    Transcript(NEMO_OPENS, re.compile(r"\n?<extra_id_[01]>(System|User|Assistant)\n")),
     # Baize: a fixed preamble, then [|Human|] and [|AI|] turns
     Transcript(("The conversation between human and AI assistant.",), re.compile(r"\[\|(Human|AI)\|\]")),
 )
@@ -646,6 +650,8 @@ def _transcript(text: str) -> list[dict[str, Any]] | None:
     """A transcript as turns (the role as written, the text stripped of end-of-turn marks); None when the text
     does not open with a transcript's first marker. A system block (Llama 2's <<SYS>>) becomes a turn of its own."""
     body = _without_prefix(text.lstrip(), BOS_MARKS)
+    if "\n<extra_id_1>Assistant\n" in body and not body.startswith(NEMO_OPENS):  # HelpSteer2: the first turn's mark
+        body = NEMO_OPENS[1] + body
     for way in TRANSCRIPTS:
         if body.startswith(way.opens) and (way.needs is None or way.needs in body):
             parts = way.marker.split(body)  # [before, role, text, role, text, ...]
