@@ -886,6 +886,22 @@ def test_nemo_transcripts_and_helpsteer2_multi_turn_prompts_are_split_into_turns
     assert to_conversation(single).messages[0]["content"] == "What does <extra_id_1>Assistant mean?"
 
 
+def test_smoltalk2_chat_template_kwargs_give_the_system_prompt_and_tools() -> None:
+    """SmolTalk2 keeps a record's system prompt and tools in `chat_template_kwargs` (custom_instructions,
+    xml_tools as JSON strings); a record's own system turn or tools win; empty ones are none."""
+    tool = {"name": "get_weather", "description": "Weather now.", "parameters": {"type": "object", "properties": {}}}
+    record = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}],
+              "chat_template_kwargs": {"custom_instructions": "You are a weather bot.", "enable_thinking": False,
+                                       "python_tools": [], "xml_tools": [json.dumps(tool)]}, "source": "smoltalk"}
+    read = to_conversation(record)
+    assert read.messages[0] == {"role": "system", "content": "You are a weather bot."}
+    assert read.tools == [{"type": "function", "function": tool}]
+    own = to_conversation({**record, "messages": [{"role": "system", "content": "Own."}, *record["messages"]]})
+    assert [m["content"] for m in own.messages if m["role"] == "system"] == ["Own."]
+    empty = to_conversation({**record, "chat_template_kwargs": json.dumps({"custom_instructions": "", "xml_tools": []})})
+    assert [m["role"] for m in empty.messages] == ["user", "assistant"] and empty.tools is None
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

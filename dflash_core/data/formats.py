@@ -529,8 +529,17 @@ def _reshaped(record: dict[str, Any]) -> dict[str, Any]:
     - arena battles (`conversation_a`, `conversation_b`, `winner`): the winner's conversation (a's on a tie);
     - ranked answers (Nectar: a prompt and `answers: [{answer, model, rank}]`): the prompt and the best-ranked
       answer;
-    - a reply in `content` with its `reasoning_content` beside an `input` (DeepSeek-R1 distillations): a pair.
+    - a reply in `content` with its `reasoning_content` beside an `input` (DeepSeek-R1 distillations): a pair;
+    - SmolTalk2's `chat_template_kwargs`: its `custom_instructions` as the system prompt, its `xml_tools` as the
+      tools (its `python_tools` are Python source, not tool definitions: left out).
     Any other record as it is."""
+    kwargs = _as_object(record.get("chat_template_kwargs"))
+    if isinstance(kwargs, dict):
+        record = {k: v for k, v in record.items() if k != "chat_template_kwargs"}
+        if isinstance(kwargs.get("custom_instructions"), str) and _first_set(record, *SYSTEM_KEYS) is None:
+            record["system"] = kwargs["custom_instructions"]
+        if kwargs.get("xml_tools") and _first_set(record, *TOOLS_KEYS) is None:
+            record["tools"] = kwargs["xml_tools"]
     asked = _as_object(record.get("input"))
     if isinstance(asked, dict) and "messages" in asked and record.get("preferred_output") is not None:
         preferred = _as_list(record["preferred_output"])
