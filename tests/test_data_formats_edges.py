@@ -9,6 +9,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_core.data.formats import (
     Conversation,
@@ -223,3 +225,29 @@ def test_null_fields_of_a_tool_call_or_definition_are_absent_ones():
         assert _read(_called(call)).messages[1]["tool_calls"][0]["function"] == {"name": "now", "arguments": {}}
     assert _read(_called({"name": "f", "arguments": None, "parameters": {"y": 2}})).messages[1]["tool_calls"][0][
         "function"]["arguments"] == {"y": 2}
+
+
+# Every key some shape reads, at the top of a record and inside a logged request or response: the reader must
+# answer any mix of them, of any value, with a Conversation or a Drop (never an exception, which would stop the
+# whole tokenize or regenerate stage).
+_KEYS = ["messages", "conversations", "conversation", "prompt", "completion", "response", "output", "input",
+         "instruction", "chosen", "rejected", "history", "answers", "tools", "functions", "system", "request",
+         "body", "choices", "message", "preferred_output", "conversation_a", "conversation_b", "winner", "label",
+         "kto_tag", "chat_template_kwargs", "custom_instructions", "xml_tools", "content", "reasoning_content",
+         "role", "from", "value", "text", "replies", "rank", "type", "items", "data", "url", "object", "call_id",
+         "arguments", "name", "instructions", "deleted", "review_result", "message_id", "weight", "loss"]
+_leaves = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.sampled_from(
+    ["", "Hi", "user", "assistant", "human", "gpt", "prompter", "tool_call", "function_call", "model_b",
+     "message", "reasoning", "function_call_output", "/v1/responses", "{}", "[]", '[["q", "a"]]',
+     '{"messages": []}', "\n\nHuman: hi\n\nAssistant: yo", "<think>x</think><answer>y</answer>",
+     "a\n<extra_id_1>Assistant\nb"]))
+_shapes = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(st.sampled_from(_KEYS), inner, max_size=4)),
+                       max_leaves=14)
+
+
+@settings(max_examples=400, deadline=None)
+@given(record=st.dictionaries(st.sampled_from(_KEYS), _shapes, max_size=5), prompts_only=st.booleans())
+def test_any_mix_of_the_keys_the_shapes_read_is_a_conversation_or_a_drop(record: dict, prompts_only: bool) -> None:
+    got = to_conversation(record, require_assistant=not prompts_only)
+    assert isinstance(got, Conversation | Drop)
