@@ -20,9 +20,11 @@ from dflash_core.data.errors import TemplateError
 from dflash_core.data.formats import (
     Conversation,
     Drop,
+    Schema,
     alternate,
     merge_same_roles,
     record_id,
+    role_table,
     same_role_groups,
     to_conversation,
 )
@@ -663,6 +665,13 @@ def test_openassistant_trees_are_read_along_their_best_thread() -> None:
                            require_assistant=False).messages == [{"role": "user", "content": "Q"}]
     # a prompt object that is not a tree is not read as one
     assert to_conversation({"prompt": {"text": "Q"}}).reason == "wrong_schema"
+    # the *_all.trees exports hold trees OpenAssistant's reviewed data leaves out: so does the reader
+    for state in ("halted_by_moderator", "aborted_low_grade", "growing"):
+        drop = to_conversation({**tree, "tree_state": state})
+        assert drop.reason == "excluded_by_source" and state in drop.detail
+    for flag, said in (({"deleted": True}, "deleted"), ({"review_result": False}, "rejected")):
+        drop = to_conversation({**tree, "prompt": {**tree["prompt"], **flag}})
+        assert drop.reason == "excluded_by_source" and said in drop.detail
 
 
 def test_belle_multi_turn_prompts_are_split_at_their_line_break_markers() -> None:
@@ -856,7 +865,8 @@ def test_logged_responses_api_calls_are_read_as_their_conversation(tmp_path: Pat
     assert [c["id"] for c in read.messages[2]["tool_calls"]] == ["c1", "c2"]
     read = to_conversation(after_tools)
     assert [m["role"] for m in read.messages] == ["user", "assistant", "tool", "assistant"]
-    assert read.messages[2]["tool_call_id"] == "c1" and read.messages[3]["reasoning_content"] == "It rains."
+    # a reasoning item with a summary alone: the summary is not the reasoning the model wrote
+    assert read.messages[2]["tool_call_id"] == "c1" and "reasoning_content" not in read.messages[3]
     # a prompt for regenerate; a reply cut off while thinking; calls that are no chat; items not read
     assert to_conversation({"body": {"input": "Why?"}}, require_assistant=False).messages == [
         {"role": "user", "content": "Why?"}]
@@ -900,6 +910,108 @@ def test_smoltalk2_chat_template_kwargs_give_the_system_prompt_and_tools() -> No
     assert [m["content"] for m in own.messages if m["role"] == "system"] == ["Own."]
     empty = to_conversation({**record, "chat_template_kwargs": json.dumps({"custom_instructions": "", "xml_tools": []})})
     assert [m["role"] for m in empty.messages] == ["user", "assistant"] and empty.tools is None
+
+
+def test_logged_calls_cut_at_the_token_limit_chained_or_with_logged_parameters() -> None:
+    """A logged reply that stopped at max_tokens (finish_reason length; a Responses call `incomplete`) is
+    rendered but not trained on, noted; a Responses call that continues another (previous_response_id) lacks its
+    earlier turns and is refused; LiteLLM's model_parameters hold the call's tools."""
+    cut = {"request": {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                                    {"role": "user", "content": "Q2"}]},
+           "response": {"choices": [{"message": {"role": "assistant", "content": "A2 cut"}, "finish_reason": "length"}]}}
+    read = to_conversation(cut)
+    assert read.unsupervised == {3} and [n.reason for n in read.notes] == ["reply_cut_short"]
+    alone = {"request": {"input": "Q"}, "response": {"status": "incomplete", "incomplete_details": {
+        "reason": "max_output_tokens"}, "output": [{"type": "message", "role": "assistant", "content": "cut"}]}}
+    assert to_conversation(alone).reason == "no_trained_turn"
+    assert to_conversation(alone, require_assistant=False).messages[0] == {"role": "user", "content": "Q"}
+    whole = {**cut, "response": {"choices": [{"message": {"role": "assistant", "content": "A2"},
+                                              "finish_reason": "stop"}]}}
+    assert to_conversation(whole).unsupervised == set() and to_conversation(whole).notes == []
+    chained = {"request": {"previous_response_id": "resp_0", "input": [
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"}]},
+        "response": {"output": [{"type": "message", "role": "assistant", "content": "It is 18C."}]}}
+    drop = to_conversation(chained, require_assistant=False)
+    assert drop.reason == "wrong_schema" and "'resp_0'" in drop.detail and "join the chain" in drop.detail
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    litellm = {"messages": [{"role": "user", "content": "Weather?"}], "model_parameters": {"tools": tools},
+               "response": {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}}]}}
+    assert to_conversation(litellm).tools == tools
+
+
+def test_preference_ranking_and_distillation_fields_of_more_public_sets(tmp_path: Path, qwen3_tok: str) -> None:
+    """The preferred or best reply of HelpSteer3, SHP, PKU-SafeRLHF, NeMo RL's ranked completions and
+    natural_reasoning; the model's reply, with its reasoning, of s1K (1.0 and 1.1), GeneralThought,
+    OpenCodeReasoning-2, dolphin-r1 and R1-Distill-SFT (never the source's reference solution or original
+    answer); Langfuse's traced generations; {role, text} turns; a safety set's unsafe reply is not trained on."""
+    helpsteer3 = {"domain": "general", "context": [{"role": "user", "content": "Name a tree."}],
+                  "response1": "WRONG.", "response2": "An oak.", "overall_preference": 2}
+    shp = {"post_id": "p1", "domain": "askscience", "history": "Why is the sky blue?", "human_ref_A": "Rayleigh.",
+           "human_ref_B": "WRONG.", "labels": 1, "score_A": 52, "score_B": 3}
+    pku = {"prompt": "How do I bake bread?", "response_0": "WRONG.", "response_1": "Knead, rise, bake.",
+           "better_response_id": 1, "safer_response_id": 1, "is_response_0_safe": True}
+    nemo_rl = {"context": [{"role": "user", "content": "Two plus two?"}], "completions": [
+        {"rank": 1, "completion": [{"role": "assistant", "content": "WRONG."}]},
+        {"rank": 0, "completion": [{"role": "assistant", "content": "Four."}]}]}
+    natural = {"question": "Why do cats purr?", "reference_answer": "WRONG.",
+               "responses": [{"response_model": "Llama-3.3-70B-Instruct", "response": "To signal calm."}]}
+    s1k = {"solution": "WRONG.", "question": "What is 2^7?", "cot_type": "math", "cot": None,
+           "thinking_trajectories": ["Double seven times."], "attempt": "128."}
+    s1k_11 = {"solution": "WRONG.", "question": "What is 2^7?", "gemini_attempt": "WRONG.",
+              "deepseek_thinking_trajectory": "Double seven times.", "deepseek_attempt": "128."}
+    general = {"question_id": 7, "question": "Capital of Peru?", "reference_answer": "Lima",
+               "model_reasoning": "It is Lima.", "model_answer": "Lima."}
+    ocr2 = {"id": "x", "question": "Print one.", "r1_generation": "<think>\nEasy.\n</think>\n\nprint(1)",
+            "qwq_critique": "Right.", "solution": "WRONG", "judgement": "right", "dataset": "taco"}
+    dolphin = {"messages": [{"role": "user", "content": "Sum 2 and 2."}], "model": "deepseek-r1",
+               "reasoning": "Two and two.", "answer": "Four."}
+    servicenow = {"id": "r", "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant",
+                                                                              "content": "WRONG."}],
+                  "reannotated_messages": [{"role": "user", "content": "Q?"},
+                                           {"role": "assistant", "content": "<think>\nHm.\n</think>\n\nAn answer."}]}
+    langfuse = {"type": "GENERATION", "name": "chat", "input": {"messages": [{"role": "user", "content": "Hi."}],
+                                                                "tools": []},
+                "output": {"role": "assistant", "content": "Hello!"}, "model": "target"}
+    swe = {"trajectory": None, "messages": [{"role": "system", "text": "You are an agent."},
+                                            {"role": "user", "text": "Fix the bug."}, {"role": "ai", "text": "Fixed it."}]}
+    records = [helpsteer3, shp, pku, nemo_rl, natural, s1k, s1k_11, general, ocr2, dolphin, servicenow, langfuse,
+               swe]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [[r + "<|im_end|>"] for r in (
+        "An oak.", "Rayleigh.", "Knead, rise, bake.", "Four.", "To signal calm.", "128.", "128.", "Lima.",
+        "print(1)", "Four.", "An answer.", "Hello!", "Fixed it.")]
+    for record, thought in ((s1k, "Double seven times."), (s1k_11, "Double seven times."), (general, "It is Lima."),
+                            (ocr2, "Easy."), (dolphin, "Two and two.")):
+        assert to_conversation(record).messages[-1]["reasoning_content"].strip() == thought, record
+    assert to_conversation({**helpsteer3, "overall_preference": -1}).messages[-1]["content"] == "WRONG."
+    assert to_conversation({**shp, "labels": 0}).messages[-1]["content"] == "WRONG."
+    # OpenCodeReasoning's split_1 keeps a placeholder for the question: refused, saying where it is
+    ocr = {"id": "a1", "input": "-", "output": "print(1)", "dataset": "taco", "split": "train", "index": "42"}
+    drop = to_conversation(ocr, require_assistant=False)
+    assert drop.reason == "wrong_schema" and "placeholder" in drop.detail and "taco/train/42" in drop.detail
+    # PKU-SafeRLHF-QA and BeaverTails: an unsafe reply is rendered, not trained on
+    unsafe = {"prompt": "How do I pick a lock?", "response": "Insert a wrench.", "is_safe": False}
+    assert to_conversation(unsafe).reason == "no_trained_turn"
+    assert to_conversation({**unsafe, "is_safe": True}).unsupervised == set()
+
+
+def test_benchmark_prompt_sets_are_prompts_for_regenerate() -> None:
+    """MT-Bench's and Spec-Bench's `turns` (strings) and Arena-Hard's (`{content}` objects) are user turns
+    answered in order: regenerate fills the empty reply slot between them; tokenize has nothing to learn."""
+    from dflash_core.regenerate.records import record_messages
+
+    mt_bench = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]}
+    read = to_conversation(mt_bench, require_assistant=False)
+    assert [(m["role"], m["content"]) for m in read.messages] == [
+        ("user", "Write a poem."), ("assistant", ""), ("user", "Now shorter.")]
+    assert record_id(mt_bench) == "81" and to_conversation(mt_bench).reason == "no_assistant_content"
+    chat = record_messages(mt_bench, Schema(), role_table({}))
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user"]
+    arena = {"uid": "u1", "category": "arena-hard-v0.1", "turns": [{"content": "Explain monads."}]}
+    assert to_conversation(arena, require_assistant=False).messages == [{"role": "user", "content": "Explain monads."}]
+    assert to_conversation({"turns": 3, "prompt": "Hi.", "response": "Yo."}).messages[-1]["content"] == "Yo."
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

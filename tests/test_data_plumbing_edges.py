@@ -277,7 +277,8 @@ def test_bad_records_exactly_at_a_threshold_float_rounding_puts_below_still_pass
 
 README_POLICY_DROPS = ("empty_conversation", "no_assistant_turn", "no_assistant_content", "no_trained_turn",
                        "non_text_content", "too_long", "too_few_supervised", "template_has_no_tools",
-                       "template_single_tool_call", "template_drops_text_with_calls", "template_rewrites_reply")
+                       "template_single_tool_call", "template_drops_text_with_calls", "template_rewrites_reply",
+                       "excluded_by_source")
 
 
 def test_the_policy_drops_the_readme_lists_never_count_as_bad_input() -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 from dflash_core.data.errors import BadInputError
 
-# Drops that follow from the length or tools policy, from ordinary data quality (nothing to learn, images), or
+# Drops that follow from the length or tools policy, from ordinary data quality (nothing to learn, images, what
+# the data's own source excludes from its reviewed set: excluded_by_source), or
 # from a template that cannot render a sound record as written (template_rewrites_reply: it cuts or rewrites a
 # reply, as DeepSeek-R1's keeps only what follows a '</think>' the reply mentions), not from broken input: they
 # never count toward data.max_bad_fraction. Everything else does: unparsable, unreadable, truncated_file (one per
@@ -15,7 +16,7 @@ from dflash_core.data.errors import BadInputError
 POLICY_REASONS = frozenset({"too_long", "too_few_supervised", "template_has_no_tools", "template_single_tool_call",
                             "template_drops_text_with_calls", "template_rewrites_reply",
                             "empty_conversation", "no_assistant_turn", "no_assistant_content", "no_trained_turn",
-                            "non_text_content"})
+                            "non_text_content", "excluded_by_source"})
 
 
 class DropLog:

@@ -106,7 +106,8 @@ BOS_MARKS = ("<s>", "<|begin_of_text|>", "<bos>", "[gMASK]", "<sop>")  # GLM-4 o
 # BOS of the next exchange (Llama 2: "... </s><s>[INST] ...")
 EOT_MARKS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end|>", *BOS_MARKS)
 SYSTEM_KEYS = ("system", "system_prompt")  # a top-level system prompt (ShareGPT and single-turn records)
-ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id", "custom_id")  # OpenAssistant trees; OpenAI Batch
+# message_tree_id: OpenAssistant's trees; custom_id: OpenAI Batch lines; question_id: MT-Bench, Arena-Hard
+ID_KEYS = ("id", "conversation_id", "uuid", "message_tree_id", "custom_id", "question_id")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an assistant turn's reasoning, as a field
 OT_THOUGHT = ("<|begin_of_thought|>", "<|end_of_thought|>")  # Bespoke-Stratos / OpenThoughts-114k
 OT_SOLUTION = ("<|begin_of_solution|>", "<|end_of_solution|>")
@@ -116,8 +117,10 @@ AM_ANSWER = ("<answer>", "</answer>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 # a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
 UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
-# per record: false = its last reply is undesirable (TRL's unpaired preference `label`, LLaMA-Factory's `kto_tag`)
-UNDESIRABLE_KEYS = ("label", "kto_tag")
+# per record: false = its last reply is undesirable (TRL's unpaired preference `label`, LLaMA-Factory's `kto_tag`,
+# a safety set's `is_safe`)
+CUT_REPLY = "__reply_cut_short__"  # set on a logged call's record whose reply stopped at max_tokens
+UNDESIRABLE_KEYS = ("label", "kto_tag", "is_safe")  # is_safe: PKU-SafeRLHF-QA, BeaverTails
 # per turn: weight 0 / training false / loss false (THUDM's AgentInstruct, AgentGym) = rendered, not trained on
 TRAIN_KEYS = ("weight", "training", "loss")
 FIELDS = {"sharegpt": ("from", "value"), "openai": ("role", "content")}
@@ -369,6 +372,8 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     if isinstance(logged, Drop):
         return logged
     record = _reshaped(logged or record)
+    if isinstance(record, Drop):
+        return record
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
     # key is read by the fields it has
     key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
@@ -384,6 +389,8 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     elif key is None and (whole := _whole_conversation(record)) is not None:
         key, raw_turns = whole
     elif key is None and (thread := _best_thread(record.get("prompt"))) is not None:
+        if excluded := _excluded_tree(record):
+            return excluded
         key, raw_turns = "prompt", thread
     elif key is None and {"message_id", "parent_id"} <= record.keys():
         return Drop("wrong_schema", "one message of a message tree (OpenAssistant's oasst1/oasst2 rows: message_id, "
@@ -450,6 +457,9 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     if response.get("object") in ("list", "embedding", "text_completion"):
         return Drop("wrong_schema", f"a logged call answered by a {response['object']!r} object: not a chat")
     asked = request if request is not None else record
+    if asked.get("previous_response_id"):
+        return Drop("wrong_schema", f"a Responses API call that continues response {asked['previous_response_id']!r}"
+                    ": its earlier turns are in that call's log; join the chain into one record")
     turns: list[Any] | Drop | None
     if "messages" in asked:
         turns = _as_list(asked["messages"])
@@ -475,8 +485,14 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
         if isinstance(part, Drop):
             return part
     flat = {k: v for k, v in record.items() if k not in ("request", "body", "response", "messages")}
-    flat["tools"] = _first_set(asked, *TOOLS_KEYS, default=_first_set(record, *TOOLS_KEYS))
+    # LiteLLM logs the call's parameters, its tools among them, in model_parameters
+    params = record["model_parameters"] if isinstance(record.get("model_parameters"), dict) else {}
+    flat["tools"] = _first_set(asked, *TOOLS_KEYS, default=_first_set(record, *TOOLS_KEYS,
+                                                                      default=_first_set(params, *TOOLS_KEYS)))
     flat["messages"] = [*turns, *replies]
+    choice = response["choices"][0] if chat_reply else {}
+    if choice.get("finish_reason") == "length" or (items_reply and response.get("status") == "incomplete"):
+        flat[CUT_REPLY] = True
     return flat
 
 
@@ -495,9 +511,9 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     thought: list[str] = []  # reasoning items not yet given to an assistant turn
     for i, item in enumerate(listed):
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            thought += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if kind == "reasoning":  # its content (reasoning_text); a summary is not the reasoning the model wrote
+            thought += [p["text"] for p in item.get("content") or [] if isinstance(p, dict)
+                        and isinstance(p.get("text"), str)]
             continue
         if kind == "message":
             turns.append({"role": item.get("role"), "content": item.get("content")})
@@ -521,50 +537,166 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     return turns
 
 
-def _reshaped(record: dict[str, Any]) -> dict[str, Any]:
-    """A record in a shape that holds one conversation among others, as the shape the reader reads:
-    - OpenAI's DPO fine-tune format `{input: {messages, tools}, preferred_output: [turns]}`: the messages, then
-      the preferred output;
-    - LLaMA-Factory's ShareGPT preference format: the turns, then the `chosen` turn object;
-    - arena battles (`conversation_a`, `conversation_b`, `winner`): the winner's conversation (a's on a tie);
-    - ranked answers (Nectar: a prompt and `answers: [{answer, model, rank}]`): the prompt and the best-ranked
-      answer;
-    - a reply in `content` with its `reasoning_content` beside an `input` (DeepSeek-R1 distillations): a pair;
-    - SmolTalk2's `chat_template_kwargs`: its `custom_instructions` as the system prompt, its `xml_tools` as the
-      tools (its `python_tools` are Python source, not tool definitions: left out).
-    Any other record as it is."""
+def _reshaped(record: dict[str, Any]) -> dict[str, Any] | Drop:
+    """A record in a shape that holds its conversation in fields of its own, as a shape the reader reads (see
+    RESHAPERS; the first that knows the record reshapes it); any other record as it is."""
+    record = _template_kwargs(record)
+    for reshape in RESHAPERS:
+        got = reshape(record)
+        if got is not None:
+            return got
+    return record
+
+
+def _without(record: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in keys}
+
+
+def _message_key(record: dict[str, Any]) -> str | None:
+    return next((k for k in MESSAGE_KEYS if record.get(k) is not None), None)
+
+
+def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
+    """SmolTalk2's `chat_template_kwargs`: its `custom_instructions` as the system prompt, its `xml_tools` as the
+    tools (its `python_tools` are Python source, not tool definitions: left out)."""
     kwargs = _as_object(record.get("chat_template_kwargs"))
-    if isinstance(kwargs, dict):
-        record = {k: v for k, v in record.items() if k != "chat_template_kwargs"}
-        if isinstance(kwargs.get("custom_instructions"), str) and _first_set(record, *SYSTEM_KEYS) is None:
-            record["system"] = kwargs["custom_instructions"]
-        if kwargs.get("xml_tools") and _first_set(record, *TOOLS_KEYS) is None:
-            record["tools"] = kwargs["xml_tools"]
-    asked = _as_object(record.get("input"))
+    if not isinstance(kwargs, dict):
+        return record
+    record = _without(record, "chat_template_kwargs")
+    if isinstance(kwargs.get("custom_instructions"), str) and _first_set(record, *SYSTEM_KEYS) is None:
+        record["system"] = kwargs["custom_instructions"]
+    if kwargs.get("xml_tools") and _first_set(record, *TOOLS_KEYS) is None:
+        record["tools"] = kwargs["xml_tools"]
+    return record
+
+
+def _preferred(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The preferred side of a preference record that does not call it `chosen`: OpenAI's DPO fine-tune format
+    (`input.messages` + `preferred_output`), LLaMA-Factory's ShareGPT preference format (a `chosen` turn object
+    after the turns), arena battles (`conversation_a`/`_b` + `winner`: a's on a tie), HelpSteer3 (`context` +
+    `response1`/`2` + `overall_preference`: negative prefers response1), SHP (the post in `history`,
+    `human_ref_A`/`_B`, `labels` 1 = A) and PKU-SafeRLHF (`response_0`/`_1`, `better_response_id`)."""
+    asked, key = _as_object(record.get("input")), _message_key(record)
     if isinstance(asked, dict) and "messages" in asked and record.get("preferred_output") is not None:
-        preferred = _as_list(record["preferred_output"])
-        rest = {k: v for k, v in record.items() if k not in ("input", "preferred_output", "non_preferred_output")}
-        return {**rest, "messages": [*(_as_list(asked["messages"]) or []), *(preferred or [])],
-                "tools": asked.get("tools")}
-    key = next((k for k in MESSAGE_KEYS if record.get(k) is not None), None)
+        return {**_without(record, "input", "preferred_output", "non_preferred_output"), "tools": asked.get("tools"),
+                "messages": [*(_as_list(asked["messages"]) or []), *(_as_list(record["preferred_output"]) or [])]}
     chosen = _as_object(record.get("chosen"))
     if key and isinstance(chosen, dict) and _turn_format(chosen) and (turns := _as_list(record[key])) is not None:
-        return {**{k: v for k, v in record.items() if k not in ("chosen", "rejected")}, key: [*turns, chosen]}
+        return {**_without(record, "chosen", "rejected"), key: [*turns, chosen]}
     if key is None and {"conversation_a", "conversation_b"} <= record.keys():
         side = "conversation_b" if record.get("winner") == "model_b" else "conversation_a"
-        rest = {k: v for k, v in record.items() if k not in ("conversation_a", "conversation_b")}
-        return {**rest, "messages": record[side]}
+        return {**_without(record, "conversation_a", "conversation_b"), "messages": record[side]}
+    context = _as_list(record.get("context"))
+    if key is None and context is not None and {"response1", "response2"} <= record.keys():
+        preference = record.get("overall_preference")
+        side = "response1" if isinstance(preference, int | float) and preference <= 0 else "response2"
+        return {**_without(record, "context", "response1", "response2"),
+                "messages": [*context, {"role": "assistant", "content": record[side]}]}
+    if {"human_ref_A", "human_ref_B"} <= record.keys() and isinstance(record.get("history"), str):
+        side = "human_ref_A" if record.get("labels") == 1 else "human_ref_B"
+        return {**_without(record, "history", "human_ref_A", "human_ref_B"), "prompt": record["history"],
+                "completion": record[side]}
+    if {"response_0", "response_1"} <= record.keys() and record.get("better_response_id") in (0, 1):
+        side = f"response_{record['better_response_id']}"
+        return {**_without(record, "response_0", "response_1"), "completion": record[side]}
+    return None
+
+
+def _ranked(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The best of ranked replies: Nectar's `answers: [{answer, model, rank}]` (rank 1 best), NeMo RL's
+    `completions: [{rank, completion: [turns]}]` after its `context` (rank 0 best); natural_reasoning's
+    `responses: [{response_model, response}]` (the first)."""
+    def best(items: list[Any], text: str) -> Any:
+        ranks = [(r if isinstance(r := item.get("rank"), int | float) else float("inf"), i)
+                 for i, item in enumerate(items)]
+        return items[min(ranks)[1]][text]
+
     answers = _as_list(record.get("answers"))
     if answers and all(isinstance(a, dict) and isinstance(a.get("answer"), str) for a in answers):
-        ranks = [(a.get("rank") if isinstance(a.get("rank"), int | float) else float("inf"), i)
-                 for i, a in enumerate(answers)]
-        best = answers[min(ranks)[1]]["answer"]
-        return {**{k: v for k, v in record.items() if k != "answers"}, "completion": best}
-    if key is None and isinstance(record.get("input"), str) and isinstance(record.get("content"), str) \
-            and isinstance(record.get("reasoning_content"), str) and _reply_key(record) is None:
-        rest = {k: v for k, v in record.items() if k not in ("content", "reasoning_content")}
-        return {**rest, "output": record["content"], "deepseek_reasoning": record["reasoning_content"]}
-    return record
+        return {**_without(record, "answers"), "completion": best(answers, "answer")}
+    completions, context = _as_list(record.get("completions")), _as_list(record.get("context"))
+    if completions and context is not None and all(isinstance(c, dict) and "completion" in c for c in completions):
+        reply = best(completions, "completion")
+        reply = _as_list(reply) if not isinstance(reply, str) else [{"role": "assistant", "content": reply}]
+        return {**_without(record, "completions", "context"), "messages": [*context, *(reply or [])]}
+    responses = _as_list(record.get("responses"))
+    if responses and isinstance(responses[0], dict) and isinstance(responses[0].get("response"), str) \
+            and _prompt_key(record) is not None:
+        return {**_without(record, "responses"), "completion": responses[0]["response"]}
+    return None
+
+
+def _reply_fields(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
+    """A reply and its reasoning in fields of a distillation's own: s1K's `attempt` and
+    `thinking_trajectories` (s1K-1.1: `deepseek_attempt`, `deepseek_thinking_trajectory`; not the source's
+    `solution`), GeneralThought's `model_answer` and `model_reasoning`, OpenCodeReasoning-2's `r1_generation` (not
+    the bare `solution`), DeepSeek-R1 distillations' `content` and `reasoning_content` beside an `input`,
+    dolphin-r1's `answer` and `reasoning` after `messages` that end on the user's turn; ServiceNow's R1-Distill-SFT
+    keeps the distilled conversation in `reannotated_messages` (`messages` is the original). A prompt that is a
+    placeholder ("-": OpenCodeReasoning keeps the question in the source dataset) is refused, saying so."""
+    key = _message_key(record)
+    if (redone := _as_list(record.get("reannotated_messages"))) is not None:
+        return {**_without(record, "reannotated_messages", *MESSAGE_KEYS), "messages": redone}
+    prompt_key = _prompt_key(record)
+    if prompt_key is not None and record[prompt_key].strip() == "-":
+        source = "/".join(str(record[k]) for k in ("dataset", "split", "index") if record.get(k) is not None)
+        return Drop("wrong_schema", f"'{prompt_key}' is a placeholder '-'" + (
+            f": the question is row {source} of the source dataset (OpenCodeReasoning); put it in first"
+            if source else ""))
+    for answer, reasoning in (("deepseek_attempt", "deepseek_thinking_trajectory"),
+                              ("attempt", "thinking_trajectories"), ("model_answer", "model_reasoning"),
+                              ("r1_generation", None), ("content", "reasoning_content")):
+        if key is None and isinstance(record.get(answer), str) and (answer != "content" or (
+                isinstance(record.get("input"), str) and isinstance(record.get(reasoning or ""), str)
+                and _reply_key(record) is None)):
+            thought = record.get(reasoning) if reasoning else None
+            thought = thought[0] if isinstance(thought, list) and thought else thought
+            rest = _without(record, answer, *([reasoning] if reasoning else []), *REPLY_KEYS)
+            return {**rest, "output": record[answer],
+                    **({"deepseek_reasoning": thought} if isinstance(thought, str) else {})}
+    turns = _as_list(record.get(key)) if key else None
+    if key and turns and isinstance(turns[-1], dict) and _role(turns[-1], DEFAULT_ROLES) == "user" \
+            and isinstance(record.get("answer"), str):
+        reply = {"role": "assistant", "content": record["answer"]}
+        if isinstance(record.get("reasoning"), str):
+            reply["reasoning_content"] = record["reasoning"]
+        return {**_without(record, "answer", "reasoning"), key: [*turns, reply]}
+    return None
+
+
+def _benchmark_turns(record: dict[str, Any]) -> dict[str, Any] | None:
+    """A benchmark's prompts (MT-Bench and Spec-Bench `turns`: strings; Arena-Hard: `{content}` objects), each a
+    user turn answered in order: an empty assistant slot between them, which regenerate fills (tokenize finds
+    nothing to learn in them)."""
+    turns = _as_list(record.get("turns")) if _message_key(record) is None else None
+    asked = [t if isinstance(t, str) else t.get("content") if isinstance(t, dict) and _turn_format(t) is None
+             else None for t in turns or []]
+    if not asked or not all(isinstance(t, str) for t in asked):
+        return None
+    messages: list[dict[str, Any]] = []
+    for i, text in enumerate(asked):
+        messages += [{"role": "assistant", "content": ""}] if i else []
+        messages.append({"role": "user", "content": text})
+    return {**_without(record, "turns"), "messages": messages}
+
+
+def _traced(record: dict[str, Any]) -> dict[str, Any] | None:
+    """A traced LLM call (Langfuse's generation observations): `input` the messages (or `{messages, tools}`),
+    `output` the reply message."""
+    asked, said = _as_object(record.get("input")), _as_object(record.get("output"))
+    if not (isinstance(said, dict) and _turn_format(said)):
+        return None
+    if isinstance(asked, dict) and "messages" in asked:
+        turns, tools = _as_list(asked["messages"]), asked.get("tools")
+    else:
+        turns, tools = _as_list(asked), None
+    if turns is None or not _turn_list(turns):
+        return None
+    return {**_without(record, "input", "output"), "messages": [*turns, said],
+            "tools": tools if tools is not None else _first_set(record, *TOOLS_KEYS)}
+
+
+RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced)
 
 
 def _as_object(value: Any) -> Any:
@@ -634,6 +766,20 @@ def _whole_conversation(record: dict[str, Any]) -> tuple[str, list[Any]] | None:
             return key, turns
         if isinstance(value, str) and (transcript := _transcript(value)) is not None:
             return key, transcript
+    return None
+
+
+def _excluded_tree(record: dict[str, Any]) -> Drop | None:
+    """Why OpenAssistant's own export leaves a tree out of its reviewed data (its `*_all.trees` files hold them
+    too): a state other than ready_for_export (halted by a moderator, aborted for low grades, still growing), or a
+    prompt deleted or rejected by its reviewers."""
+    state, prompt = record.get("tree_state"), record["prompt"]
+    if state not in (None, "ready_for_export"):
+        return Drop("excluded_by_source", f"an OpenAssistant tree in state {state!r}: only ready_for_export trees "
+                    "are reviewed")
+    if prompt.get("deleted") or prompt.get("review_result") is False:
+        return Drop("excluded_by_source", "an OpenAssistant tree whose prompt was "
+                    f"{'deleted' if prompt.get('deleted') else 'rejected by its reviewers'}")
     return None
 
 
@@ -835,11 +981,14 @@ def _finished(conv: Conversation, require_assistant: bool, record: dict[str, Any
     """The conversation as read, its empty system turns left out (Nemotron's post-training sets carry one in
     every record: a template would render an empty system block that serving never shows), its last reply not
     trained on when the record labels it undesirable (KTO's unpaired preference data: `label` or LLaMA-Factory's
-    `kto_tag` false; regenerate answers the prompt anew), then checked for something to learn unless a prompt
+    `kto_tag` false; regenerate answers the prompt anew) or cut at the token limit (a logged call's), then checked for something to learn unless a prompt
     alone will do."""
-    if any(record.get(key) is False for key in UNDESIRABLE_KEYS):
+    if any(record.get(key) is False for key in UNDESIRABLE_KEYS) or record.get(CUT_REPLY):
         replies = [j for j, m in enumerate(conv.messages) if m["role"] == "assistant"]
         conv.unsupervised.update(replies[-1:])
+        if record.get(CUT_REPLY) and replies:
+            conv.notes.append(Drop("reply_cut_short", f"turn {replies[-1]}: the logged reply stopped at its token "
+                                   "limit; rendered, not trained on (its end-of-turn mark is not the model's)"))
     empty = [j for j, m in enumerate(conv.messages) if m["role"] == "system" and not _has_output(m)]
     if empty:
         conv = _left_out(conv, empty, [Drop("empty_system_turn", f"turn {j} ({conv.source(j)}) is empty; left out")
@@ -896,6 +1045,8 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
     if fmt is None:
         return Drop("wrong_schema", f"turn {i} has neither from/value nor role/content")
     role_field, content_field = FIELDS[fmt]
+    if fmt == "openai" and content_field not in raw and isinstance(raw.get("text"), str):
+        raw = {**_without(raw, "text"), content_field: raw["text"]}  # {role, text} turns (SWE-agent trajectories)
     if role_field not in raw or not (content_field in raw or raw.get("tool_calls") or raw.get("function_call")):
         return Drop("wrong_schema", f"turn {i} lacks '{role_field}' or '{content_field}' ({fmt} format)")
     source = raw[role_field]
