@@ -36,15 +36,17 @@ def test_benchmark_format_and_chat_records_read_in_order_with_limit(tmp_path):
         {"turns": ["third"]},
         {"instruction": "Sum it.", "input": "1 2", "output": "3"},  # every shape tokenize reads
         {"input": [{"role": "user", "content": "Why?"}], "output": "Because.", "system_prompt": "detailed thinking off"},
+        {"uid": "u1", "category": "arena-hard-v0.1", "turns": [{"content": "Explain monads."}]},  # Arena-Hard
     ])
     assert read_instances(str(path)) == [
         Instance(("Write a poem.", "Now shorter.")), Instance(("a", "b"), system="be brief"), Instance(("third",)),
         Instance(("Sum it.\n\n1 2",)), Instance(("Why?",), system="detailed thinking off"),
+        Instance(("Explain monads.",)),
     ]
     assert read_instances(str(path), limit=2) == read_instances(str(path))[:2]
     with pytest.raises(EvalDataError, match="limit 0"):
         read_instances(str(path), limit=0)
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"turns": ["ok"]}, {"turns": []}])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"turns": ["ok"]}, {"turns": [{"text": "no content"}]}])
     with pytest.raises(EvalDataError, match=r"bad.jsonl, line 2: 'turns' must be a non-empty list"):
         read_instances(str(bad))
     (tmp_path / "cut.jsonl").write_text('{"turns": ["ok"]}\n{"turns": [\n')

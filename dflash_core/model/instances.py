@@ -1,6 +1,7 @@
 """Evaluation instances: the user turns of one conversation, from benchmark files, chat data or a list.
 
-Two record shapes are read: the benchmark format `{"turns": ["...", "..."]}` (one JSON object a line, as
+Two record shapes are read: the benchmark format `{"turns": ["...", "..."]}` (Arena-Hard's turns are
+`{"content": "..."}` objects; one JSON object a line, as
 z-lab/dflash's dataset cache and FastChat's MT-Bench question.jsonl are), and chat records in any shape the
 tokenize stage reads (ShareGPT, OpenAI messages, instruction pairs, ...), whose user turns are taken in order
 and whose assistant turns are dropped: the answers come from the target during evaluation.
@@ -59,10 +60,13 @@ def to_instance(record: Any, where: str = "instance") -> Instance | None:
         return record
     if isinstance(record, Mapping) and "turns" in record:
         turns = record["turns"]
+        if isinstance(turns, list):  # Arena-Hard writes each turn as {"content": "..."}
+            turns = [t["content"] if isinstance(t, Mapping) and isinstance(t.get("content"), str) else t
+                     for t in turns]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise EvalDataError(
-                f"{where}: 'turns' must be a non-empty list of non-empty strings (the user turns), "
-                f"got {json.dumps(turns)[:80]}"
+                f"{where}: 'turns' must be a non-empty list of non-empty strings (the user turns; or Arena-Hard's "
+                f"{{\"content\": ...}} objects), got {json.dumps(record['turns'])[:80]}"
             )
         system = record.get("system")
         return Instance(tuple(turns), system if isinstance(system, str) and system else None)
