@@ -168,6 +168,19 @@ def test_an_empty_tools_cell_means_no_tools() -> None:
     assert conv.tools is None and not conv.uses_tools
 
 
+def test_built_in_and_custom_tools_are_left_out_of_the_definitions() -> None:
+    """The Responses API's built-in tools ({"type": "web_search_preview"}) and custom tools have no function
+    definition for a template to write: left out, the function tools beside them kept (they dropped the record
+    as bad_tools)."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    record = {"tools": [{"type": "web_search_preview"}, {"type": "custom", "custom": {"name": "grammar"}}, weather],
+              "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert _read(record).tools == [weather]
+    assert _read({**record, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}).tools is None
+    assert to_conversation({**record, "tools": [{"type": "function", "description": "no name"}]}).reason == \
+        "bad_tools"
+
+
 def test_a_conversation_built_in_code_names_its_roles_and_its_tools() -> None:
     """A Conversation made without sources (regenerate and tests build them) reports each role as its source;
     one with tool definitions and no calls yet still needs a template that renders tools."""

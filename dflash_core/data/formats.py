@@ -1249,7 +1249,9 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]] | Drop:
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
-    """The record's tool definitions (a list, or a JSON string of one) as OpenAI {"type": "function", ...}."""
+    """The record's function definitions (a list, or a JSON string of one) as OpenAI {"type": "function", ...};
+    tools of other types (the Responses API's built-in ones, custom tools) are left out: a template writes
+    function definitions only."""
     if value is None or value == "" or value == []:
         return None
     tools = _as_list(value)
@@ -1259,6 +1261,8 @@ def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
         return Drop("bad_tools", f"'tools' must be a list of tool definitions (or its JSON); got {str(value)[:60]}")
     out = []
     for tool in tools:
+        if tool.get("type") not in (None, "function"):
+            continue  # a built-in tool (web_search, file_search, an MCP server) or a custom one: no definition to show
         fn = _function(tool)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             return Drop("bad_tools", f"a tool definition has no name: {str(tool)[:80]}")
