@@ -1014,6 +1014,34 @@ def test_benchmark_prompt_sets_are_prompts_for_regenerate() -> None:
     assert to_conversation({"turns": 3, "prompt": "Hi.", "response": "Yo."}).messages[-1]["content"] == "Yo."
 
 
+def test_open_webui_exports_are_read_with_the_reasoning_out_of_the_answer(tmp_path: Path, qwen3_tok: str) -> None:
+    """Open WebUI (the chat front end teams put before a vLLM server) exports chats as `{"chat": {"messages":
+    [...]}}`; a reply's reasoning sits in its content as a quoted <details type="reasoning"> block (newer
+    versions HTML-escape it), which is reasoning, not answer text."""
+    def reply(block: str, answer: str) -> dict:
+        return {"id": "m2", "parentId": "m1", "childrenIds": [], "role": "assistant", "model": "target", "done": True,
+                "content": f'<details type="reasoning" done="true" duration="3">\n<summary>Thought for 3 seconds'
+                           f"</summary>\n{block}\n</details>\n{answer}"}
+
+    user = {"id": "m1", "parentId": None, "childrenIds": ["m2"], "role": "user", "content": "Two plus two?",
+            "timestamp": 1}
+    export = {"id": "c1", "user_id": "u1", "title": "Sums", "chat": {"title": "Sums", "models": ["target"],
+              "history": {"messages": {}, "currentId": "m2"},
+              "messages": [user, reply("> Add them.\n> \n> It is 4.", "The sum is 4.")]}}
+    escaped = {**export, "chat": {**export["chat"], "messages": [user, reply("&gt; Is 2 &lt; 3?\n&gt; Yes.",
+                                                                             "The sum is 4.")]}}
+    summary = _run(tmp_path, [export, escaped], qwen3_tok, split=True)
+    assert summary["kept"] == 2 and summary["dropped"] == {}
+    assert _supervised(tmp_path, qwen3_tok) == [["The sum is 4.<|im_end|>"]] * 2
+    assert to_conversation(export).messages[1]["reasoning_content"] == "Add them.\n\nIt is 4."
+    assert to_conversation(escaped).messages[1]["reasoning_content"] == "Is 2 < 3?\nYes."
+    assert record_id(export) == "c1"
+    # a details block that is not a reasoning one, or not at the start, is answer text
+    other = '<details><summary>Sources</summary>a.pdf</details>\nThe sum is 4.'
+    assert to_conversation({"messages": [user, {"role": "assistant", "content": other}]}).messages[1] == {
+        "role": "assistant", "content": other}
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

@@ -28,6 +28,7 @@ not supervised.
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from collections import Counter
@@ -117,6 +118,11 @@ AM_ANSWER = ("<answer>", "</answer>")
 INLINE_REASONING = (("<think>", "</think>"), OT_THOUGHT)  # reasoning written into the reply text
 # a closing tag without its opening one ends reasoning only on a line of its own (DeepSeek-R1: "...\n</think>\n\n")
 UNOPENED_CLOSE = {closes: re.compile(rf"(?:^|\n){re.escape(closes)}(?=\n|$)") for _, closes in INLINE_REASONING}
+# Open WebUI stores a reply's reasoning in its content as a collapsible block, each line quoted ("> ", or "&gt; "
+# HTML-escaped): <details type="reasoning" done="true" duration="3">\n<summary>Thought for 3 seconds</summary>\n
+# > ...\n</details>\n then the answer
+UI_REASONING = re.compile(r'\A\s*<details type="reasoning"[^>]*>\n?(?:<summary>.*?</summary>\n?)?(.*?)\n?</details>\n*',
+                          re.DOTALL)
 # per record: false = its last reply is undesirable (TRL's unpaired preference `label`, LLaMA-Factory's `kto_tag`,
 # a safety set's `is_safe`)
 CUT_REPLY = "__reply_cut_short__"  # set on a logged call's record whose reply stopped at max_tokens
@@ -696,7 +702,16 @@ def _traced(record: dict[str, Any]) -> dict[str, Any] | None:
             "tools": tools if tools is not None else _first_set(record, *TOOLS_KEYS)}
 
 
-RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced)
+def _chat_export(record: dict[str, Any]) -> dict[str, Any] | None:
+    """A chat app's export: Open WebUI's `{"id", "title", "chat": {"messages": [{role, content, ...}], ...}}`
+    (the thread it shows; a reply's reasoning is in its content, see UI_REASONING)."""
+    chat = record.get("chat")
+    if _message_key(record) is None and isinstance(chat, dict) and isinstance(chat.get("messages"), list):
+        return {**_without(record, "chat"), "messages": chat["messages"]}
+    return None
+
+
+RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced, _chat_export)
 
 
 def _as_object(value: Any) -> Any:
@@ -1147,11 +1162,16 @@ def _is_id(value: Any) -> bool:
 def _inline_reasoning(text: str) -> tuple[list[str], str]:
     """([reasoning], answer) of a reply that writes its reasoning inline: <think>...</think> (Qwen3, DeepSeek-R1
     and the sets they wrote), or Bespoke-Stratos / OpenThoughts' <|begin_of_thought|>...<|end_of_thought|> with
-    the answer inside <|begin_of_solution|>...<|end_of_solution|> (or a-m-team's <answer>...</answer>); ([], text)
-    for a reply without. The block opens
+    the answer inside <|begin_of_solution|>...<|end_of_solution|> (or a-m-team's <answer>...</answer>), or Open
+    WebUI's quoted <details type="reasoning"> block; ([], text) for a reply without. The block opens
     the reply, or its opening tag is missing (left to the prompt) and the closing one stands on a line of its own:
     a reply that mentions the tags in its prose has no reasoning. A reply that opens its reasoning and never closes
     it (cut off while thinking) is all reasoning, with no answer."""
+    if block := UI_REASONING.match(text):
+        lines = block.group(1).split("\n")
+        escaped = any(line.startswith("&gt;") for line in lines)
+        quoted = [html.unescape(line) if escaped else line for line in lines]
+        return ["\n".join(line.removeprefix(">").removeprefix(" ") for line in quoted)], text[block.end():]
     for opens, closes in INLINE_REASONING:
         body = text.lstrip()
         if body.startswith(opens):
