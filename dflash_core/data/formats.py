@@ -504,8 +504,8 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
 
 def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     """The Responses API's input or output items as chat messages: a string is one user turn; `message` items are
-    turns; a `reasoning` item's text (its reasoning_text parts, else its summary) is the next assistant turn's
-    reasoning; `function_call` items are tool calls of the assistant turn they follow (a new one after any other
+    turns; a `reasoning` item's text (its reasoning_text parts; a summary is not the model's reasoning) is the
+    next assistant turn's reasoning; `function_call` items are tool calls of the assistant turn they follow (a new one after any other
     turn); a `function_call_output` is a tool turn. Other items (built-in tools' calls) are refused, named."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
