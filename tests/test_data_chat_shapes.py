@@ -822,8 +822,8 @@ def test_logged_chat_completion_calls_are_read_as_their_conversation(tmp_path: P
 
 def test_logged_responses_api_calls_are_read_as_their_conversation(tmp_path: Path, qwen3_tok: str) -> None:
     """The Responses API (vLLM serves it; gpt-oss's clients use it): `instructions` is the system turn, `input` a
-    string or items, the reply the response's `output` items. A reasoning item is the next assistant turn's
-    reasoning, function calls are the tool calls of the assistant turn they follow, a call's output a tool turn;
+    string or items, the reply the response's `output` items. A reasoning item (its content, else its summary)
+    is the next assistant turn's reasoning, function calls are the tool calls of the assistant turn they follow, a call's output a tool turn;
     flat tool definitions are OpenAI's nested ones. Calls that are no chat (embeddings) are refused."""
     weather = {"type": "function", "name": "weather", "description": "Weather in a city.",
                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -865,8 +865,8 @@ def test_logged_responses_api_calls_are_read_as_their_conversation(tmp_path: Pat
     assert [c["id"] for c in read.messages[2]["tool_calls"]] == ["c1", "c2"]
     read = to_conversation(after_tools)
     assert [m["role"] for m in read.messages] == ["user", "assistant", "tool", "assistant"]
-    # a reasoning item with a summary alone: the summary is not the reasoning the model wrote
-    assert read.messages[2]["tool_call_id"] == "c1" and "reasoning_content" not in read.messages[3]
+    # a reasoning item with a summary alone: its summary (NeMo Gym's rollouts write the reasoning there)
+    assert read.messages[2]["tool_call_id"] == "c1" and read.messages[3]["reasoning_content"] == "It rains."
     # a prompt for regenerate; a reply cut off while thinking; calls that are no chat; items not read
     assert to_conversation({"body": {"input": "Why?"}}, require_assistant=False).messages == [
         {"role": "user", "content": "Why?"}]
@@ -1040,6 +1040,74 @@ def test_open_webui_exports_are_read_with_the_reasoning_out_of_the_answer(tmp_pa
     other = '<details><summary>Sources</summary>a.pdf</details>\nThe sum is 4.'
     assert to_conversation({"messages": [user, {"role": "assistant", "content": other}]}).messages[1] == {
         "role": "assistant", "content": other}
+
+
+def test_anthropic_gemini_and_nemo_gym_calls_and_agent_trajectories(tmp_path: Path, qwen3_tok: str) -> None:
+    """Anthropic's Messages API (a logged call: `system`, content blocks, `thinking` as reasoning, `tool_use` as
+    calls, `tool_result` blocks as tool turns, `input_schema` tools, stop_reason max_tokens cut short), Gemini's
+    `contents` of `parts` (tuning files), NeMo Gym's rollouts (`responses_create_params`), tau-bench's `traj`,
+    When2Call's `chosen_response` turn, DeepMath's `r1_solution_1`, capitalised fields, and turns a `datasets`
+    export wrote as columns."""
+    weather = {"name": "get_weather", "description": "Weather now.",
+               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    anthropic = {"request": {"model": "target", "max_tokens": 512, "system": [{"type": "text", "text": "Be terse."}],
+                             "tools": [weather], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Use the tool.", "signature": "s"},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "rain"}]}]}]},
+        "response": {"type": "message", "role": "assistant", "stop_reason": "end_turn", "content": [
+            {"type": "redacted_thinking", "data": "enc"}, {"type": "text", "text": "Rain in Oslo."}]}}
+    gemini = {"systemInstruction": {"role": "system", "parts": [{"text": "Be brief."}]}, "contents": [
+        {"role": "user", "parts": [{"text": "Weather in Oslo?"}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "get_weather", "args": {"city": "Oslo"}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "get_weather", "response": {"sky": "rain"}}}]},
+        {"role": "model", "parts": [{"text": "It rains, so", "thought": True}, {"text": "Rain in Oslo."}]}],
+        "tools": [{"functionDeclarations": [{"name": "get_weather", "parameters": {"type": "object"}}]}]}
+    nemo_gym = {"responses_create_params": {"input": [{"role": "user", "content": "Deal me in."}], "tools": []},
+                "response": {"object": "response", "output": [
+                    {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hit on twelve."}]},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "I hit."}]}]},
+                "reward": 1.0}
+    tau = {"task_id": 3, "reward": 1.0, "trial": 0, "traj": [
+        {"role": "system", "content": "Retail policy."}, {"role": "user", "content": "Return my order."},
+        {"role": "assistant", "content": "Your email?", "tool_calls": None, "function_call": None}]}
+    when2call = {"tools": [{"name": "get_ico", "description": "ICOs.", "parameters": {}}],
+                 "messages": [{"role": "user", "content": "Show ICOs."}],
+                 "chosen_response": {"role": "assistant", "content": "Which dates?"},
+                 "rejected_response": {"role": "assistant", "content": "WRONG."}}
+    deepmath = {"question": "Limit of sin(x)/x at 0?", "final_answer": "1", "difficulty": 3.0,
+                "r1_solution_1": "Use the series.\n</think>\n\nThe limit is 1.", "r1_solution_2": "WRONG."}
+    medical = {"Question": "Chest pain at rest?", "Complex_CoT": "Think of angina.", "Response": "Unstable angina."}
+    columns = {"id": "s1", "conversations": {"from": ["system", "human", "gpt"],
+                                             "value": ["Be kind.", "Hi there.", "Hello, friend."]}}
+    records = [anthropic, gemini, nemo_gym, tau, when2call, deepmath, medical, columns]
+    summary = _run(tmp_path, records, qwen3_tok, split=True)
+    assert summary["kept"] == len(records) and summary["dropped"] == {}
+    supervised = _supervised(tmp_path, qwen3_tok)
+    assert [s[-1] for s in supervised] == [r + "<|im_end|>" for r in (
+        "Rain in Oslo.", "Rain in Oslo.", "I hit.", "Your email?", "Which dates?", "The limit is 1.",
+        "Unstable angina.", "Hello, friend.")]
+    assert all("<tool_call>" in s[0] and '"Oslo"' in s[0] for s in supervised[:2])  # the calls are calls
+    read = to_conversation(anthropic)
+    assert [m["role"] for m in read.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert read.messages[0]["content"] == "Be terse." and read.messages[2]["reasoning_content"] == "Use the tool."
+    assert read.messages[3] == {"role": "tool", "content": "rain", "tool_call_id": "t1", "name": "get_weather"}
+    assert read.tools == [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+                                                            "parameters": weather["input_schema"]}}]
+    cut = to_conversation({**anthropic, "response": {**anthropic["response"], "stop_reason": "max_tokens"}})
+    assert cut.unsupervised == {4} and [n.reason for n in cut.notes] == ["reply_cut_short"]
+    read = to_conversation(gemini)
+    assert [m["role"] for m in read.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert read.messages[4]["reasoning_content"] == "It rains, so" and read.tools[0]["function"]["name"] == \
+        "get_weather"
+    assert to_conversation(nemo_gym).messages[-1]["reasoning_content"] == "Hit on twelve."
+    assert to_conversation(medical).messages[-1]["reasoning_content"] == "Think of angina."
+    assert to_conversation(deepmath).messages[-1]["reasoning_content"] == "Use the series."
+    # a record whose capitalised fields would collide in lower case is read as written
+    assert to_conversation({"Prompt": "a", "prompt": "Hi.", "response": "Yo."}).messages[0]["content"] == "Hi."
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 from dflash_core.data.sources import ReadFailure
 
-MESSAGE_KEYS = ("messages", "conversations", "conversation")
+# traj: tau-bench's results; trajectory: SWE-agent and OpenHands trajectory sets
+MESSAGE_KEYS = ("messages", "conversations", "conversation", "traj", "trajectory")
 # single-turn pairs, read when a record has no message list: Alpaca (instruction, input, output), Dolly
 # (instruction, context, response), prompt/completion, question/answer, query/response (MetaMathQA), problem/solution
 # (Magicoder) records, and NeMo's input/output (the input as the prompt when no other prompt key is there); an
@@ -56,7 +57,7 @@ CONTEXT_KEYS = ("input", "context")
 # argilla's chosen_response (its binarized UltraFeedback)
 REPLY_KEYS = ("output", "response", "completion", "generated_solution", "solution", "answer", "chosen",
               "chosen_response", "deepseek_solution", "targets", "target", "generation")
-PAIR_REASONING_KEYS = ("deepseek_reasoning",)
+PAIR_REASONING_KEYS = ("deepseek_reasoning", "complex_cot")  # complex_cot: medical-o1-reasoning-SFT
 # a reply that is tool calls: Salesforce xlam's `answers` ([{name, arguments}], as JSON), beside its `tools`
 CALL_REPLY_KEYS = ("answers",)
 # a whole conversation in one field, read when a record has neither a message list nor a prompt: a preference
@@ -411,7 +412,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         null = f"; null: {', '.join(nulls[:8])}" if nulls else ""
         return Drop("wrong_schema", f"no {keys} key{pairs} (keys: {', '.join(sorted(map(str, record))[:8])}{null})")
     else:
-        raw_turns = _as_list(record[key])
+        raw_turns = _as_list(_rows(record[key]))
     if raw_turns is None:
         return Drop("wrong_schema", f"'{key}' is a {type(record[key]).__name__}, expected a list of turns")
     if not raw_turns:
@@ -422,7 +423,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     # the record's own turn format, unless the config names one: a file may mix OpenAI and ShareGPT records
     own = next((f for t in raw_turns if isinstance(t, dict) and (f := _turn_format(t))), None)
     fmt = schema.format if schema.forced else own or schema.format
-    raw_turns = _role_turns(raw_turns, fmt)
+    raw_turns = _tool_results_apart(_role_turns(raw_turns, fmt))
     # a top-level system prompt (beside ShareGPT turns as LLaMA-Factory writes it, or an OpenAI message list
     # without a system turn of its own), not before turns that open with their own system turn
     conv = _system_prefix(record, not _opens_with_system(raw_turns, roles))
@@ -434,21 +435,28 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     return _finished(conv, require_assistant, record)
 
 
+# where a log keeps the request: gateways and proxies, OpenAI Batch input lines, NeMo Gym's rollouts
+LOGGED_REQUEST_KEYS = ("request", "body", "responses_create_params")
+
+
 def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     """A logged API call as a record of its conversation: the request's turns (and `tools`), then the reply.
-    Chat completions: the request's `messages`, the reply `response.choices[0].message`. The Responses API: the
+    Chat completions: the request's `messages`, the reply `response.choices[0].message`; Anthropic's Messages API:
+    its `system` and `messages`, the reply the response's content blocks. The Responses API: the
     request's `instructions` and `input` (a string or items), the reply the response's `output` items (see
     _response_items). The request sits under `request` (gateway and proxy logs) or `body` (an OpenAI Batch API
     input line, a prompt for regenerate), or its messages at the top beside the `response` (LiteLLM's logs); the
     response may be a Batch output's `{status_code, body}`; either may be JSON text. None when the record is no
     such call (a `response` string is a Dolly-style reply)."""
-    request = next((r for k in ("request", "body") if isinstance(r := _as_object(record.get(k)), dict)
+    request = next((r for k in LOGGED_REQUEST_KEYS if isinstance(r := _as_object(record.get(k)), dict)
                     and ("messages" in r or "input" in r)), None)
     response = _as_object(record.get("response"))
     if isinstance(response, dict) and isinstance(response.get("body"), dict | str):
         response = _as_object(response["body"])
     response = response if isinstance(response, dict) else {}
-    chat_reply, items_reply = "choices" in response, isinstance(response.get("output"), list)
+    # Anthropic's Messages API answers a message: {"type": "message", "role": "assistant", "content": [blocks]}
+    blocks_reply = response.get("type") == "message" and isinstance(response.get("content"), list)
+    chat_reply, items_reply = "choices" in response or blocks_reply, isinstance(response.get("output"), list)
     if request is None and (chat_reply or items_reply) and "messages" not in record:
         return Drop("wrong_schema", "a logged reply without its request (an OpenAI Batch API output line?): join "
                     "each output line with its input line by custom_id, e.g. {\"custom_id\", \"body\": <the input's "
@@ -477,14 +485,16 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
         instructions = asked.get("instructions")
         if isinstance(turns, list) and isinstance(instructions, str) and instructions.strip():
             turns = [{"role": "system", "content": instructions}, *turns]
-    if chat_reply:
+    if blocks_reply:
+        replies: list[Any] | Drop = [{"role": "assistant", "content": response["content"]}]
+    elif chat_reply:
         choices = response["choices"]
         reply = choices[0].get("message") if isinstance(choices, list) and choices and \
             isinstance(choices[0], dict) else None
         if not isinstance(reply, dict):
             return Drop("wrong_schema", "the logged response's choices[0] has no message (a chat completion's "
                         "choices[0].message was expected; a text completion is not a chat)")
-        replies: list[Any] | Drop = [{"role": "assistant", **reply}]  # the API's message names its role; a log may not
+        replies = [{"role": "assistant", **reply}]  # the API's message names its role; a log may not
     else:
         replies = _response_items(response["output"], "output") if items_reply else []
     for part in (turns, replies):
@@ -496,16 +506,22 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     flat["tools"] = _first_set(asked, *TOOLS_KEYS, default=_first_set(record, *TOOLS_KEYS,
                                                                       default=_first_set(params, *TOOLS_KEYS)))
     flat["messages"] = [*turns, *replies]
-    choice = response["choices"][0] if chat_reply else {}
-    if choice.get("finish_reason") == "length" or (items_reply and response.get("status") == "incomplete"):
+    system = asked.get("system")  # Anthropic's request: the system prompt beside the messages (text or blocks)
+    if isinstance(system, list):
+        system = "".join(b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str))
+    if isinstance(system, str) and system and _first_set(flat, *SYSTEM_KEYS) is None:
+        flat["system"] = system
+    choice = response["choices"][0] if "choices" in response else {}
+    if choice.get("finish_reason") == "length" or response.get("stop_reason") == "max_tokens" or (
+            items_reply and response.get("status") == "incomplete"):
         flat[CUT_REPLY] = True
     return flat
 
 
 def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     """The Responses API's input or output items as chat messages: a string is one user turn; `message` items are
-    turns; a `reasoning` item's text (its reasoning_text parts; a summary is not the model's reasoning) is the
-    next assistant turn's reasoning; `function_call` items are tool calls of the assistant turn they follow (a new one after any other
+    turns; a `reasoning` item's text (its reasoning_text parts, else its summary) is the next assistant turn's
+    reasoning; `function_call` items are tool calls of the assistant turn they follow (a new one after any other
     turn); a `function_call_output` is a tool turn. Other items (built-in tools' calls) are refused, named."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -517,8 +533,8 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     thought: list[str] = []  # reasoning items not yet given to an assistant turn
     for i, item in enumerate(listed):
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "reasoning":  # its content (reasoning_text); a summary is not the reasoning the model wrote
-            thought += [p["text"] for p in item.get("content") or [] if isinstance(p, dict)
+        if kind == "reasoning":  # its content (reasoning_text), else its summary (NeMo Gym writes the reasoning there)
+            thought += [p["text"] for p in item.get("content") or item.get("summary") or [] if isinstance(p, dict)
                         and isinstance(p.get("text"), str)]
             continue
         if kind == "message":
@@ -546,12 +562,21 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
 def _reshaped(record: dict[str, Any]) -> dict[str, Any] | Drop:
     """A record in a shape that holds its conversation in fields of its own, as a shape the reader reads (see
     RESHAPERS; the first that knows the record reshapes it); any other record as it is."""
-    record = _template_kwargs(record)
+    record = _template_kwargs(_lower_keys(record))
     for reshape in RESHAPERS:
         got = reshape(record)
         if got is not None:
             return got
     return record
+
+
+def _lower_keys(record: dict[str, Any]) -> dict[str, Any]:
+    """A record whose field names are capitalised (medical-o1-reasoning-SFT's Question / Complex_CoT / Response)
+    with them in lower case, as the shapes name them, unless two would then collide; others as they are."""
+    if all(not isinstance(k, str) or k.islower() or not k.isascii() for k in record):
+        return record
+    lowered = {k.lower() if isinstance(k, str) else k: v for k, v in record.items()}
+    return lowered if len(lowered) == len(record) else record
 
 
 def _without(record: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -578,17 +603,17 @@ def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
 
 def _preferred(record: dict[str, Any]) -> dict[str, Any] | None:
     """The preferred side of a preference record that does not call it `chosen`: OpenAI's DPO fine-tune format
-    (`input.messages` + `preferred_output`), LLaMA-Factory's ShareGPT preference format (a `chosen` turn object
-    after the turns), arena battles (`conversation_a`/`_b` + `winner`: a's on a tie), HelpSteer3 (`context` +
+    (`input.messages` + `preferred_output`), LLaMA-Factory's ShareGPT preference format and When2Call (a `chosen`
+    or `chosen_response` turn object after the turns), arena battles (`conversation_a`/`_b` + `winner`: a's on a tie), HelpSteer3 (`context` +
     `response1`/`2` + `overall_preference`: negative prefers response1), SHP (the post in `history`,
     `human_ref_A`/`_B`, `labels` 1 = A) and PKU-SafeRLHF (`response_0`/`_1`, `better_response_id`)."""
     asked, key = _as_object(record.get("input")), _message_key(record)
     if isinstance(asked, dict) and "messages" in asked and record.get("preferred_output") is not None:
         return {**_without(record, "input", "preferred_output", "non_preferred_output"), "tools": asked.get("tools"),
                 "messages": [*(_as_list(asked["messages"]) or []), *(_as_list(record["preferred_output"]) or [])]}
-    chosen = _as_object(record.get("chosen"))
+    chosen = _as_object(_first_set(record, "chosen", "chosen_response"))  # chosen_response: When2Call
     if key and isinstance(chosen, dict) and _turn_format(chosen) and (turns := _as_list(record[key])) is not None:
-        return {**_without(record, "chosen", "rejected"), key: [*turns, chosen]}
+        return {**_without(record, "chosen", "rejected", "chosen_response", "rejected_response"), key: [*turns, chosen]}
     if key is None and {"conversation_a", "conversation_b"} <= record.keys():
         side = "conversation_b" if record.get("winner") == "model_b" else "conversation_a"
         return {**_without(record, "conversation_a", "conversation_b"), "messages": record[side]}
@@ -598,9 +623,9 @@ def _preferred(record: dict[str, Any]) -> dict[str, Any] | None:
         side = "response1" if isinstance(preference, int | float) and preference <= 0 else "response2"
         return {**_without(record, "context", "response1", "response2"),
                 "messages": [*context, {"role": "assistant", "content": record[side]}]}
-    if {"human_ref_A", "human_ref_B"} <= record.keys() and isinstance(record.get("history"), str):
-        side = "human_ref_A" if record.get("labels") == 1 else "human_ref_B"
-        return {**_without(record, "history", "human_ref_A", "human_ref_B"), "prompt": record["history"],
+    if {"human_ref_a", "human_ref_b"} <= record.keys() and isinstance(record.get("history"), str):  # (_lower_keys)
+        side = "human_ref_a" if record.get("labels") == 1 else "human_ref_b"
+        return {**_without(record, "history", "human_ref_a", "human_ref_b"), "prompt": record["history"],
                 "completion": record[side]}
     if {"response_0", "response_1"} <= record.keys() and record.get("better_response_id") in (0, 1):
         side = f"response_{record['better_response_id']}"
@@ -636,7 +661,7 @@ def _reply_fields(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     """A reply and its reasoning in fields of a distillation's own: s1K's `attempt` and
     `thinking_trajectories` (s1K-1.1: `deepseek_attempt`, `deepseek_thinking_trajectory`; not the source's
     `solution`), GeneralThought's `model_answer` and `model_reasoning`, OpenCodeReasoning-2's `r1_generation` (not
-    the bare `solution`), DeepSeek-R1 distillations' `content` and `reasoning_content` beside an `input`,
+    the bare `solution`), DeepMath's first `r1_solution_1` (not the `final_answer`), DeepSeek-R1 distillations' `content` and `reasoning_content` beside an `input`,
     dolphin-r1's `answer` and `reasoning` after `messages` that end on the user's turn; ServiceNow's R1-Distill-SFT
     keeps the distilled conversation in `reannotated_messages` (`messages` is the original). A prompt that is a
     placeholder ("-": OpenCodeReasoning keeps the question in the source dataset) is refused, saying so."""
@@ -651,7 +676,7 @@ def _reply_fields(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
             if source else ""))
     for answer, reasoning in (("deepseek_attempt", "deepseek_thinking_trajectory"),
                               ("attempt", "thinking_trajectories"), ("model_answer", "model_reasoning"),
-                              ("r1_generation", None), ("content", "reasoning_content")):
+                              ("r1_generation", None), ("r1_solution_1", None), ("content", "reasoning_content")):
         if key is None and isinstance(record.get(answer), str) and (answer != "content" or (
                 isinstance(record.get("input"), str) and isinstance(record.get(reasoning or ""), str)
                 and _reply_key(record) is None)):
@@ -711,7 +736,52 @@ def _chat_export(record: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced, _chat_export)
+def _gemini(record: dict[str, Any]) -> dict[str, Any] | None:
+    """Gemini's and Vertex AI's `contents` (tuning files, API logs): turns of `parts` (`text`, a `thought` part's
+    text as reasoning, `functionCall` as a tool call, `functionResponse` as a tool turn) by `user` or `model`,
+    `systemInstruction` the system prompt, `tools[].functionDeclarations` the tools."""
+    contents = _as_list(record.get("contents"))
+    if _message_key(record) or not contents or not all(isinstance(c, dict) and isinstance(c.get("parts"), list)
+                                                       for c in contents):
+        return None
+    messages: list[dict[str, Any]] = []
+    for content in contents:
+        parts = [p for p in content["parts"] if isinstance(p, dict)]
+        for part in parts:
+            if isinstance(answered := part.get("functionResponse"), dict):
+                messages.append({"role": "tool", "name": answered.get("name"),
+                                 "content": json.dumps(answered.get("response"), ensure_ascii=False)})
+        texts = [p for p in parts if isinstance(p.get("text"), str)]
+        calls = [p["functionCall"] for p in parts if isinstance(p.get("functionCall"), dict)]
+        if texts or calls or not any("functionResponse" in p for p in parts):
+            message: dict[str, Any] = {"role": content.get("role") or "user",
+                                       "content": "".join(p["text"] for p in texts if not p.get("thought"))}
+            if thought := "".join(p["text"] for p in texts if p.get("thought")):
+                message["reasoning_content"] = thought
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+    system = _as_object(_first_set(record, "systeminstruction", "systemInstruction", "system_instruction"))
+    if isinstance(system, dict):
+        system = "".join(p["text"] for p in system.get("parts") or [] if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))
+    tools = [f for t in _as_list(record.get("tools")) or [] if isinstance(t, dict)
+             for f in t.get("functionDeclarations") or t.get("function_declarations") or [] if isinstance(f, dict)]
+    rest = _without(record, "contents", "systeminstruction", "systemInstruction", "system_instruction", "tools")
+    return {**rest, "messages": messages, **({"system": system} if isinstance(system, str) and system else {}),
+            **({"tools": tools} if tools else {})}
+
+
+RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced, _chat_export, _gemini)
+
+
+def _rows(value: Any) -> Any:
+    """Turns a `datasets` export wrote as columns (a Sequence of {from, value} features becomes {"from": [...],
+    "value": [...]}) as a list of turn objects; any other value as it is."""
+    if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()) \
+            and len({len(v) for v in value.values()}) == 1:
+        return [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
+    return value
 
 
 def _as_object(value: Any) -> Any:
@@ -882,6 +952,28 @@ def _role_turns(turns: list[Any], fmt: str | None) -> list[Any]:
             out += [_new_turn(fmt, "user", turn[asked]), _new_turn(fmt, "assistant", turn[answered])]
         else:
             out.append(turn)
+    return out
+
+
+def _tool_results_apart(turns: list[Any]) -> list[Any]:
+    """Anthropic's tool results, `tool_result` blocks in a user turn's content, as tool turns of their own (the
+    user's text blocks, if any, after them); other turns as they are."""
+    out: list[Any] = []
+    for turn in turns:
+        blocks = turn.get("content") if isinstance(turn, dict) else None
+        if not (isinstance(blocks, list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
+                                                 for b in blocks)):
+            out.append(turn)
+            continue
+        rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+        for block in blocks:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                said = block.get("content")
+                text = said if isinstance(said, str) else "".join(
+                    p["text"] for p in said or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+        if rest:
+            out.append({**turn, "content": rest})
     return out
 
 
@@ -1214,10 +1306,14 @@ def _parts(parts: list[Any], i: int) -> tuple[str, list[str], list[dict[str, Any
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         # a parquet file mixing OpenAI and LLaMA-Factory parts gives each part both keys, one of them null
-        value = next((part[k] for k in ("text", "value", "refusal") if part.get(k) is not None), None) \
+        # Anthropic's blocks: a thinking block's text under `thinking`, a tool_use block is the call itself
+        value = next((part[k] for k in ("text", "value", "refusal", "thinking") if part.get(k) is not None), None) \
             if isinstance(part, dict) else None
-        if kind == "tool_call":
-            call = _tool_calls(value if value is not None else part.get("tool_call"), i)
+        if kind == "redacted_thinking":
+            continue  # encrypted: no text to learn
+        if kind in ("tool_call", "tool_use"):
+            call = _tool_calls(part if kind == "tool_use" else value if value is not None else part.get("tool_call"),
+                               i)
             if isinstance(call, Drop):
                 return call
             calls += call
@@ -1228,7 +1324,7 @@ def _parts(parts: list[Any], i: int) -> tuple[str, list[str], list[dict[str, Any
         else:
             kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in parts})
             return Drop("non_text_content", f"turn {i} has content parts of type {kinds}; only text (under "
-                        "'text' or 'value'), reasoning and tool_call parts are read")
+                        "'text' or 'value'), reasoning, thinking and tool call parts are read")
     return "".join(texts), reasoning, calls
 
 
@@ -1251,7 +1347,8 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]] | Drop:
     calls = []
     for call in value if isinstance(value, list) else [value]:
         fn = _function(call) if isinstance(call, dict) else None
-        name, args = (fn.get("name"), _first_set(fn, "arguments", "parameters", default={})) \
+        # arguments: OpenAI; parameters: xlam; input: Anthropic's tool_use; args: Gemini's functionCall
+        name, args = (fn.get("name"), _first_set(fn, "arguments", "parameters", "input", "args", default={})) \
             if isinstance(fn, dict) else (None, None)
         if isinstance(args, str):
             try:
@@ -1281,9 +1378,11 @@ def _tools(value: Any) -> list[dict[str, Any]] | None | Drop:
         return Drop("bad_tools", f"'tools' must be a list of tool definitions (or its JSON); got {str(value)[:60]}")
     out = []
     for tool in tools:
-        if tool.get("type") not in (None, "function"):
+        if tool.get("type") not in (None, "function") and "input_schema" not in tool:
             continue  # a built-in tool (web_search, file_search, an MCP server) or a custom one: no definition to show
         fn = _function(tool)
+        if isinstance(fn, dict) and "input_schema" in fn and "parameters" not in fn:  # Anthropic's definitions
+            fn = {**_without(fn, "input_schema", "type", "cache_control"), "parameters": fn["input_schema"]}
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             return Drop("bad_tools", f"a tool definition has no name: {str(tool)[:80]}")
         # a flat definition (the Responses API's {type, name, parameters}) keeps its type outside the function
