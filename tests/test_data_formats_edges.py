@@ -264,3 +264,241 @@ _shapes = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size
 def test_any_mix_of_the_keys_the_shapes_read_is_a_conversation_or_a_drop(record: dict, prompts_only: bool) -> None:
     got = to_conversation(record, require_assistant=not prompts_only)
     assert isinstance(got, Conversation | Drop)
+
+
+# The shapes read since 4f163c3 (OpenAssistant trees, logged API calls, preference and distillation fields, Open
+# WebUI exports, ...): the corners a second mutation audit found untested.
+
+def _reply(content: str, finish_reason: str = "stop") -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
+
+
+def _said(record: dict[str, Any], **kwargs: Any) -> list[tuple[str, Any]]:
+    return [(m["role"], m["content"]) for m in _read(record, **kwargs).messages]
+
+
+def test_an_openassistant_tree_is_read_to_its_deepest_turn_with_or_without_message_ids() -> None:
+    """oasst2 threads run to many turns: the best thread is followed to its last reply, not cut after a few; a
+    trimmed copy of the trees export that keeps role, text and replies but drops the ids is still a tree."""
+    def msg(role: str, text: str, *replies: dict[str, Any]) -> dict[str, Any]:
+        return {"role": role, "text": text, "replies": list(replies)}
+
+    deep = {"prompt": msg("prompter", "Q1", msg("assistant", "A1", msg("prompter", "Q2", msg(
+        "assistant", "A2", msg("prompter", "Q3", msg("assistant", "A3"))))))}
+    assert [content for _, content in _said(deep)] == ["Q1", "A1", "Q2", "A2", "Q3", "A3"]
+
+
+def test_a_history_entry_that_is_not_a_pair_is_refused() -> None:
+    """LLaMA-Factory's and ChatGLM's `history` holds [prompt, reply] pairs; an entry of three (a converted row that
+    kept a score or a system prompt beside them) is refused naming its length, not read as a pair."""
+    drop = to_conversation({"prompt": "Q", "response": "A", "history": [["q", "a", "5"]]})
+    assert isinstance(drop, Drop) and drop.reason == "wrong_schema" and "a list of 3" in drop.detail
+
+
+@pytest.mark.parametrize("url", ["/openai/deployments/target/chat/completions?api-version=2024-10-21",
+                                 "https://gateway.local/v1/chat/completions/"])
+def test_logged_chat_urls_as_azure_and_proxies_write_them(url: str) -> None:
+    """Azure OpenAI's deployment URLs carry `?api-version=...` and some proxies log a trailing slash: still a
+    chat completions call (read as its prompt for regenerate), not refused as 'not a chat'."""
+    record = {"custom_id": "r-1", "url": url, "body": {"messages": [{"role": "user", "content": "Hi."}]}}
+    assert _said(record, require_assistant=False) == [("user", "Hi.")]
+
+
+def test_a_batch_output_body_kept_as_json_text_and_an_endpoint_field_are_read() -> None:
+    """A joined OpenAI Batch line whose output `body` was stored as JSON text is the reply all the same; a log
+    that names its `endpoint` (not `url`) is checked alike: an embeddings call is no chat."""
+    joined = {"custom_id": "r-1", "body": {"messages": [{"role": "user", "content": "Hi."}]},
+              "response": {"status_code": 200, "body": json.dumps({"object": "chat.completion",
+                                                                   "choices": [_reply("Hello!")]})}}
+    assert _said(joined) == [("user", "Hi."), ("assistant", "Hello!")]
+    embedding = to_conversation({"endpoint": "/v1/embeddings", "body": {"model": "e5", "input": "some text"}},
+                                require_assistant=False)
+    assert isinstance(embedding, Drop) and "not a chat" in embedding.detail
+
+
+def test_a_logged_call_with_several_choices_is_read_by_its_first() -> None:
+    """A request with n=2 logs two choices: choices[0] is the reply, and its own finish_reason (not the other
+    sample's) says whether it was cut at the token limit."""
+    read = _read({"request": {"messages": [{"role": "user", "content": "Hi."}], "n": 2},
+                  "response": {"choices": [_reply("One."), _reply("Two, cut", "length")]}})
+    assert read.messages[-1] == {"role": "assistant", "content": "One."}
+    assert read.unsupervised == set() and read.notes == []
+
+
+def test_an_incomplete_response_without_output_is_its_prompt() -> None:
+    """A Responses call stopped before any output item (incomplete, e.g. by the content filter) has no reply to
+    leave out of the loss: its prompt alone, for regenerate to answer (no note of a cut reply)."""
+    stopped = {"request": {"input": "Q"}, "response": {"object": "response", "status": "incomplete",
+                                                       "incomplete_details": {"reason": "content_filter"}, "output": []}}
+    assert to_conversation(stopped).reason == "no_assistant_turn"
+    read = _read(stopped, require_assistant=False)
+    assert read.messages == [{"role": "user", "content": "Q"}] and read.notes == []
+
+
+def test_a_logged_requests_tools_may_be_legacy_functions_or_logged_beside_it() -> None:
+    """A request in OpenAI's older function-calling format sends `functions`; a proxy may log the call's tools
+    beside the request rather than in it: either way they are the conversation's tools."""
+    weather = {"name": "weather", "parameters": {"type": "object"}}
+    asked = {"messages": [{"role": "user", "content": "Weather?"}]}
+    response = {"choices": [_reply("Sunny.")]}
+    expected = [{"type": "function", "function": weather}]
+    assert _read({"request": {**asked, "functions": [weather]}, "response": response}).tools == expected
+    assert _read({"request": asked, "tools": [{"type": "function", "function": weather}],
+                  "response": response}).tools == expected
+
+
+def test_responses_api_items_as_clients_send_and_servers_return_them() -> None:
+    """Clients send Responses input as plain `{role, content}` messages (no `type`); a function_call item carries
+    both its item `id` (fc_...) and the `call_id` its output answers; gpt-oss may say a preamble, think again,
+    then call (the call is a turn of its own, with that reasoning), or think in several reasoning items (joined
+    by a blank line); blank `instructions` are no system turn."""
+    def call(**ids: str) -> dict[str, Any]:
+        return {"type": "function_call", "name": "weather", "arguments": "{}", **ids}
+
+    def thought(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "content": [{"type": "reasoning_text", "text": text}]}
+
+    answer = {"type": "message", "role": "assistant", "content": "Rain."}
+    plain = _read({"request": {"instructions": "  ", "input": [{"role": "user", "content": "Hi."}]},
+                   "response": {"output": [answer]}})
+    assert [(m["role"], m["content"]) for m in plain.messages] == [("user", "Hi."), ("assistant", "Rain.")]
+    assert plain.notes == []
+    ids = _read({"request": {"input": [{"role": "user", "content": "Weather?"}, call(id="fc_1", call_id="call_1"),
+                                       {"type": "function_call_output", "call_id": "call_1", "output": "rain"}]},
+                 "response": {"output": [answer]}})
+    assert ids.messages[1]["tool_calls"][0]["id"] == ids.messages[2]["tool_call_id"] == "call_1"
+    preamble = _read({"request": {"input": "Weather?"}, "response": {"output": [
+        {"type": "message", "role": "assistant", "content": "Let me look."}, thought("Call it."), call(call_id="c1")]}})
+    assert [m.get("reasoning_content") for m in preamble.messages] == [None, None, "Call it."]
+    assert "tool_calls" not in preamble.messages[1] and len(preamble.messages[2]["tool_calls"]) == 1
+    several = _read({"request": {"input": "Weather?"}, "response": {"output": [thought("First."), thought("Second."),
+                                                                                answer]}})
+    assert several.messages[-1]["reasoning_content"] == "First.\n\nSecond."
+
+
+def test_json_text_fields_and_replies_that_only_look_like_json() -> None:
+    """A logged request kept as JSON text may open with whitespace (pretty-printed); a Dolly-style reply that opens
+    with a brace but is no JSON (a code answer cut short, a set) is the reply, never an error."""
+    logged = {"request": "\n  " + json.dumps({"messages": [{"role": "user", "content": "Hi."}]}),
+              "response": {"choices": [_reply("Hello!")]}}
+    assert _said(logged) == [("user", "Hi."), ("assistant", "Hello!")]
+    for reply in ('{"a": 1, oops', "{1, 2} is a set."):
+        assert _said({"instruction": "Q", "response": reply}) == [("user", "Q"), ("assistant", reply)]
+
+
+def test_smoltalk2_kwargs_never_override_a_records_own_system_prompt_or_tools() -> None:
+    """`chat_template_kwargs` (also stored as JSON text) fill in a missing system prompt and tools; a record's own
+    top-level `system` and `tools` win over them."""
+    tool = {"name": "get_weather", "parameters": {"type": "object"}}
+    own = {"type": "function", "function": {"name": "own", "parameters": {}}}
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}]
+    kwargs = {"custom_instructions": "Be a weather bot.", "xml_tools": [json.dumps(tool)]}
+    read = _read({"messages": turns, "chat_template_kwargs": json.dumps(kwargs)})
+    assert read.messages[0] == {"role": "system", "content": "Be a weather bot."}
+    assert read.tools == [{"type": "function", "function": tool}]
+    mine = _read({"system": "Own.", "tools": [own], "messages": turns, "chat_template_kwargs": kwargs})
+    assert [m["content"] for m in mine.messages if m["role"] == "system"] == ["Own."] and mine.tools == [own]
+
+
+def test_preference_sides_at_the_edges_of_their_labels() -> None:
+    """OpenAI's DPO format sends tools with its input; HelpSteer3's overall_preference 0 (about the same) takes
+    response1, as a tied arena battle takes a's; PKU-SafeRLHF's better_response_id 0 is response_0; a row without a
+    preference or a better id (null in parquet) is a Conversation or a Drop, never an error."""
+    own = {"type": "function", "function": {"name": "own", "parameters": {}}}
+    dpo = {"input": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [own]},
+           "preferred_output": [{"role": "assistant", "content": "Sunny."}],
+           "non_preferred_output": [{"role": "assistant", "content": "WRONG."}]}
+    assert _read(dpo).tools == [own]
+    helpsteer3 = {"context": [{"role": "user", "content": "Name a tree."}], "response1": "An oak.",
+                  "response2": "A birch.", "overall_preference": 0}
+    assert _said(helpsteer3)[-1] == ("assistant", "An oak.")
+    pku = {"prompt": "How do I bake bread?", "response_0": "Knead, rise, bake.", "response_1": "WRONG.",
+           "better_response_id": 0}
+    assert _said(pku)[-1] == ("assistant", "Knead, rise, bake.")
+    for unlabelled in ({**helpsteer3, "overall_preference": None}, {**pku, "better_response_id": None}):
+        assert isinstance(to_conversation(unlabelled), Conversation | Drop)
+
+
+def test_ranked_and_listed_replies_pick_the_best_or_the_first() -> None:
+    """NeMo RL's completions may be plain strings (one assistant turn each) and an unranked one comes after the
+    ranked; natural_reasoning's `responses` are read by the first."""
+    nemo = {"context": [{"role": "user", "content": "Two plus two?"}],
+            "completions": [{"completion": "WRONG."}, {"rank": 1, "completion": "Also wrong."},
+                            {"rank": 0, "completion": "Four."}]}
+    assert _said(nemo) == [("user", "Two plus two?"), ("assistant", "Four.")]
+    natural = {"question": "Why do cats purr?", "responses": [{"response_model": "a", "response": "To signal calm."},
+                                                              {"response_model": "b", "response": "WRONG."}]}
+    assert _said(natural)[-1] == ("assistant", "To signal calm.")
+
+
+def test_reference_answers_beside_a_whole_conversation_are_not_turns() -> None:
+    """OpenR1-Math keeps the ground truth in `answer` beside `messages` that end on the model's reply: the answer
+    is no extra turn (only messages that end on the user's turn take it, as dolphin-r1's do); a `turns` list of
+    role/content objects is no benchmark's prompts; a placeholder prompt padded by a line break is still one."""
+    openr1 = {"problem": "2+2?", "answer": "4", "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\nIt is 4."}]}
+    read = _read(openr1)
+    assert read.messages[1:] == [{"role": "assistant", "content": "It is 4.", "reasoning_content": "Add."}]
+    turns = to_conversation({"turns": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}]},
+                            require_assistant=False)
+    assert isinstance(turns, Drop) and turns.reason == "wrong_schema"
+    placeholder = to_conversation({"input": "-\n", "output": "print(1)", "dataset": "taco"})
+    assert isinstance(placeholder, Drop) and "placeholder" in placeholder.detail
+
+
+def test_traced_generations_keep_their_tools() -> None:
+    """A Langfuse generation's tools sit in its `input` beside the messages, or beside a plain message list on the
+    record: they are the conversation's tools."""
+    own = {"type": "function", "function": {"name": "own", "parameters": {}}}
+    said = {"role": "assistant", "content": "Sunny."}
+    asked = [{"role": "user", "content": "Weather?"}]
+    assert _read({"input": {"messages": asked, "tools": [own]}, "output": said}).tools == [own]
+    assert _read({"input": asked, "tools": [own], "output": said}).tools == [own]
+
+
+def test_open_webui_reasoning_blocks_at_their_edges() -> None:
+    """Older Open WebUI versions quote the reasoning without HTML-escaping it, so an entity the model wrote stays as
+    written; a blank quoted line may be a bare '>'; a block after a leading newline is still the reasoning, and
+    the blank lines after </details> are not the answer's."""
+    def reply(content: str) -> dict[str, Any]:
+        return _read({"chat": {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}]}
+                      }).messages[1]
+
+    block = '<details type="reasoning" done="true" duration="2">\n<summary>Thought for 2 seconds</summary>\n'
+    assert reply(f"{block}> Write &lt;br&gt; for a break.\n>\n> Done.\n</details>\nUse a br tag.") == {
+        "role": "assistant", "content": "Use a br tag.", "reasoning_content": "Write &lt;br&gt; for a break.\n\nDone."}
+    assert reply(f"\n{block}> Think.\n</details>\n\nAnswer.") == {
+        "role": "assistant", "content": "Answer.", "reasoning_content": "Think."}
+
+
+def test_answer_tags_are_cut_only_when_they_wrap_the_whole_answer() -> None:
+    """a-m-team's <answer>...</answer> wraps the whole answer; an answer that only ends with a tagged part (prose
+    about the tags) keeps them."""
+    text = "<think>\nx\n</think>\nThe tags read <answer>4</answer>"
+    assert _read(_chat({"role": "assistant", "content": text})).messages[1]["content"] == \
+        "The tags read <answer>4</answer>"
+
+
+def test_a_class_label_of_zero_is_not_an_undesirable_reply() -> None:
+    """KTO's `label` is a boolean; a chat record with an integer class `label` of 0 (a classification set's
+    column) is trained on like any other."""
+    record = {"messages": [{"role": "user", "content": "Is it positive?"}, {"role": "assistant", "content": "No."}],
+              "label": 0}
+    assert _read(record).unsupervised == set()
+
+
+def test_a_prompt_that_mentions_a_nemo_marker_keeps_its_field_name() -> None:
+    """A prompt that only mentions '<extra_id_1>Assistant' in a sentence is no NeMo transcript: its turn is named
+    after its field, as any single-turn prompt's is."""
+    assert _read({"prompt": "What does <extra_id_1>Assistant mean?", "response": "A marker."}).sources == [
+        "prompt", "response"]
+
+
+def test_arena_hard_turns_that_are_not_prompts_are_refused_as_written() -> None:
+    """Arena-Hard writes each turn as {"content": ...}: an empty one is refused, the message showing the turns as
+    the file writes them."""
+    from dflash_core.model.instances import EvalDataError, to_instance
+
+    assert to_instance({"turns": [{"content": "Explain monads."}]}).turns == ("Explain monads.",)
+    with pytest.raises(EvalDataError, match='"content": ""'):
+        to_instance({"turns": [{"content": ""}]})
