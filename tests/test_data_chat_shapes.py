@@ -718,6 +718,12 @@ def test_ms_swift_agent_turns_and_openai_legacy_functions_are_tool_calls(tmp_pat
     supervised = _supervised(tmp_path, qwen3_tok)
     assert supervised[0][0].count("<tool_call>") == 2 and supervised[0][1] == "10 and 20.<|im_end|>"
     assert supervised[0] == supervised[1]
+    # ms-swift's thinking text before its parallel calls: one assistant turn, each result named by its call
+    thinking = {**swift, "messages": [swift["messages"][0], {"role": "assistant", "content": "<think>\nTwo.\n</think>\n"},
+                                      *swift["messages"][1:]]}
+    read = to_conversation(thinking)
+    assert [m["role"] for m in read.messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert len(read.messages[1]["tool_calls"]) == 2 and "name" not in read.messages[2]
     # LLaMA-Factory: gpt text, then its function_call, is still one assistant turn
     lf = to_conversation({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Calling."},
                                             {"from": "function_call", "value": '{"name": "f", "arguments": {}}'},

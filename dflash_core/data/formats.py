@@ -1170,8 +1170,10 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
     previous = conv.messages[-1] if conv.messages else None
     if source.lower() in CALL_ROLES and previous and previous["role"] == "assistant" and message["tool_calls"] \
             and (not previous.get("tool_calls") or conv.source(len(conv.messages) - 1).lower() in CALL_ROLES):
-        # gpt text, then its function_call; or a call after a call (ms-swift's parallel calls): one assistant message
+        # gpt text, then its function_call; or a call after a call (ms-swift's parallel calls, also after the
+        # turn's text): one assistant message, which then counts as written by the call turn
         previous["tool_calls"] = [*(previous.get("tool_calls") or []), *message["tool_calls"]]
+        conv.sources[-1] = source
         return None
     if role == "tool" and previous and previous.get("tool_calls") and "name" not in message:
         names = [c["function"]["name"] for c in previous["tool_calls"]]
