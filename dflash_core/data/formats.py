@@ -139,9 +139,10 @@ DEFAULT_ROLES = {  # developer: OpenAI's name for the system role since o1 (gpt-
     "tool_call": "assistant", "tool_response": "tool",  # ms-swift's agent format
     "prompter": "user", "bot": "assistant", "ai": "assistant",  # OpenAssistant's names; chatbot logs, Baize
 }
-# LLaMA-Factory's function_call and ms-swift's tool_call: the turn's value is the call JSON (consecutive ones are
-# parallel calls of one assistant turn)
+# LLaMA-Factory's function_call and ms-swift's tool_call: the turn's value is the call JSON (ms-swift's in a row
+# are parallel calls of one assistant turn)
 CALL_ROLES = frozenset({"function_call", "tool_call"})
+PARALLEL_CALL_ROLE = "tool_call"
 # the tools a record offers: `tools`, or `functions` (OpenAI's older function-calling format, flat definitions)
 TOOLS_KEYS = ("tools", "functions")
 # refusal: what OpenAI's API returns in place of an answer it refuses (a part, or the message's `refusal` field)
@@ -1169,9 +1170,11 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
         return trained
     previous = conv.messages[-1] if conv.messages else None
     if source.lower() in CALL_ROLES and previous and previous["role"] == "assistant" and message["tool_calls"] \
-            and (not previous.get("tool_calls") or conv.source(len(conv.messages) - 1).lower() in CALL_ROLES):
-        # gpt text, then its function_call; or a call after a call (ms-swift's parallel calls, also after the
-        # turn's text): one assistant message, which then counts as written by the call turn
+            and (not previous.get("tool_calls") or source.lower() == conv.source(len(conv.messages) - 1).lower()
+                 == PARALLEL_CALL_ROLE):
+        # gpt text, then its function_call; or ms-swift's tool_call after a tool_call (its parallel calls, also
+        # after the turn's text): one assistant message, which then counts as written by the call turn.
+        # (LLaMA-Factory alternates a call with its observation: a second function_call is a turn of its own.)
         previous["tool_calls"] = [*(previous.get("tool_calls") or []), *message["tool_calls"]]
         conv.sources[-1] = source
         return None
