@@ -248,12 +248,16 @@ _KEYS = ["messages", "conversations", "conversation", "prompt", "completion", "r
          "body", "choices", "message", "preferred_output", "conversation_a", "conversation_b", "winner", "label",
          "kto_tag", "chat_template_kwargs", "custom_instructions", "xml_tools", "content", "reasoning_content",
          "role", "from", "value", "text", "replies", "rank", "type", "items", "data", "url", "object", "call_id",
-         "arguments", "name", "instructions", "deleted", "review_result", "message_id", "weight", "loss"]
+         "arguments", "name", "instructions", "deleted", "review_result", "message_id", "weight", "loss",
+         "responses_create_params", "contents", "parts", "functionCall", "functionResponse", "systemInstruction",
+         "traj", "trajectory", "tool_use_id", "input_schema", "thinking", "stop_reason", "is_safe", "turns",
+         "Question", "Response", "chosen_response", "r1_solution_1", "reannotated_messages", "model_parameters"]
 _leaves = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.sampled_from(
     ["", "Hi", "user", "assistant", "human", "gpt", "prompter", "tool_call", "function_call", "model_b",
      "message", "reasoning", "function_call_output", "/v1/responses", "{}", "[]", '[["q", "a"]]',
      '{"messages": []}', "\n\nHuman: hi\n\nAssistant: yo", "<think>x</think><answer>y</answer>",
-     "a\n<extra_id_1>Assistant\nb"]))
+     "a\n<extra_id_1>Assistant\nb", "tool_use", "tool_result", "max_tokens", "model", "-",
+     '<details type="reasoning">\n> x\n</details>\ny']))
 _shapes = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                        st.dictionaries(st.sampled_from(_KEYS), inner, max_size=4)),
                        max_leaves=14)
