@@ -1112,8 +1112,11 @@ def test_anthropic_gemini_and_nemo_gym_calls_and_agent_trajectories(tmp_path: Pa
     assert to_conversation(nemo_gym).messages[-1]["reasoning_content"] == "Hit on twelve."
     assert to_conversation(medical).messages[-1]["reasoning_content"] == "Think of angina."
     assert to_conversation(deepmath).messages[-1]["reasoning_content"] == "Use the series."
-    # a record whose capitalised fields would collide in lower case is read as written
+    # a record whose capitalised fields would collide in lower case is read as written; a message key the config
+    # names (data.messages_key) is found as named
     assert to_conversation({"Prompt": "a", "prompt": "Hi.", "response": "Yo."}).messages[0]["content"] == "Hi."
+    dialog = {"Dialog": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Yo."}], "Topic": "x"}
+    assert len(to_conversation(dialog, Schema(key="Dialog")).messages) == 2
 
 
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:

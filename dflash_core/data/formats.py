@@ -379,7 +379,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
     logged = _logged_exchange(record)
     if isinstance(logged, Drop):
         return logged
-    record = _reshaped(logged or record)
+    record = _reshaped(logged or record, schema.key)
     if isinstance(record, Drop):
         return record
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
@@ -560,10 +560,11 @@ def _response_items(items: Any, where: str) -> list[dict[str, Any]] | Drop:
     return turns
 
 
-def _reshaped(record: dict[str, Any]) -> dict[str, Any] | Drop:
+def _reshaped(record: dict[str, Any], keep: str | None = None) -> dict[str, Any] | Drop:
     """A record in a shape that holds its conversation in fields of its own, as a shape the reader reads (see
-    RESHAPERS; the first that knows the record reshapes it); any other record as it is."""
-    record = _template_kwargs(_lower_keys(record))
+    RESHAPERS; the first that knows the record reshapes it); any other record as it is. `keep`: the field the
+    config names (data.messages_key), never renamed."""
+    record = _template_kwargs(_lower_keys(record, keep))
     for reshape in RESHAPERS:
         got = reshape(record)
         if got is not None:
@@ -571,12 +572,13 @@ def _reshaped(record: dict[str, Any]) -> dict[str, Any] | Drop:
     return record
 
 
-def _lower_keys(record: dict[str, Any]) -> dict[str, Any]:
+def _lower_keys(record: dict[str, Any], keep: str | None = None) -> dict[str, Any]:
     """A record whose field names are capitalised (medical-o1-reasoning-SFT's Question / Complex_CoT / Response)
-    with them in lower case, as the shapes name them, unless two would then collide; others as they are."""
-    if all(not isinstance(k, str) or k.islower() or not k.isascii() for k in record):
+    with them in lower case, as the shapes name them (`keep` as it is), unless two would then collide; others as
+    they are."""
+    if all(not isinstance(k, str) or k.islower() or not k.isascii() or k == keep for k in record):
         return record
-    lowered = {k.lower() if isinstance(k, str) else k: v for k, v in record.items()}
+    lowered = {k.lower() if isinstance(k, str) and k != keep else k: v for k, v in record.items()}
     return lowered if len(lowered) == len(record) else record
 
 
