@@ -506,3 +506,13 @@ def test_arena_hard_turns_that_are_not_prompts_are_refused_as_written() -> None:
     assert to_instance({"turns": [{"content": "Explain monads."}]}).turns == ("Explain monads.",)
     with pytest.raises(EvalDataError, match='"content": ""'):
         to_instance({"turns": [{"content": ""}]})
+
+
+def test_an_empty_answers_list_says_the_reply_calls_nothing() -> None:
+    """xlam-irrelevance writes `answers: "[]"` (no tool fits the query): nothing to learn, and the drop says why
+    rather than calling the turn empty; regenerate still answers the query."""
+    record = {"query": "Weather in Paris?", "answers": "[]",
+              "tools": json.dumps([{"name": "get_stock", "description": "A stock's price.", "parameters": {}}])}
+    drop = to_conversation(record)
+    assert drop.reason == "no_assistant_content" and "'answers' is an empty list" in drop.detail
+    assert [m["role"] for m in _read(record, require_assistant=False).messages] == ["user", "assistant"]

@@ -1032,6 +1032,9 @@ def _pair(record: dict[str, Any], roles: Mapping[str, str], require_assistant: b
         reasoning = next((record[k] for k in PAIR_REASONING_KEYS if isinstance(record.get(k), str)), None)
         turns.append(turn if reasoning is None else {**turn, "reasoning_content": reasoning})
     elif call_key is not None:
+        if _as_list(record[call_key]) == [] and require_assistant:  # xlam-irrelevance: the reply is "no call"
+            return Drop("no_assistant_content", f"'{call_key}' is an empty list: the reply calls no tool and says "
+                        "nothing, so there is nothing to learn")
         turns.append({"role": "assistant", "content": "", "tool_calls": record[call_key]})
         fmts.append("openai")
         reply_key = call_key
