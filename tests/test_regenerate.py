@@ -153,6 +153,43 @@ def test_odd_records_are_kept_or_dropped_with_a_reason(target_server, tmp_path):
         "file": b, "record": 2, "line": 3, "detail": manifest["drop_examples"]["unknown_role"][0]["detail"]}
 
 
+def test_logged_calls_api_blocks_and_benchmark_prompts_are_regenerated(target_server, tmp_path):
+    """The shapes the reader learnt from logs and benchmarks, through the real server: a gateway's logged call
+    (its logged reply replaced), Anthropic's blocks (the call its tool_result answers kept, the reply after it
+    the target's), Gemini's contents, and MT-Bench's turns (each answered in order, the second after the target's
+    own first reply)."""
+    u1, u2 = "Please work out 58 minus 34.", "Count from 1 to 9 in steps of 2."
+    source = write_jsonl(tmp_path / "logs.jsonl", [
+        {"request": {"model": "target", "messages": [{"role": "user", "content": u1}]},
+         "response": {"choices": [{"message": {"role": "assistant", "content": "LOGGED"}, "finish_reason": "stop"}]}},
+        {"request": {"system": "You are terse.", "messages": [
+            {"role": "user", "content": "Look up 3."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look_up", "input": {"n": 3}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3"}]}]},
+         "response": {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "LOGGED"}]}},
+        {"contents": [{"role": "user", "parts": [{"text": u2}]}, {"role": "model", "parts": [{"text": "LOGGED"}]}]},
+        {"question_id": 81, "category": "math", "turns": [u1, u2]},
+    ])
+    summary = regenerate_dataset(source, str(tmp_path / "out"), data_config(source, endpoints=[target_server.url]))
+    assert summary["read"] == 4
+    records = {r["source"]["record"]: r["messages"] for r in output_records(tmp_path / "out")}
+    assert "LOGGED" not in json.dumps(records)
+    url, model = target_server.url, target_server.model
+    first = direct_reply(url, model, [{"role": "user", "content": u1}], 24)
+    assert sorted(records) == [0, 1, 2, 3] and summary["dropped"] == {}
+    assert records[0] == [{"role": "user", "content": u1}, {"role": "assistant", "content": first}]
+    # the call its result answers is kept as written; the reply after the result is the target's
+    assert [m["role"] for m in records[1]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert records[1][2]["tool_calls"][0]["function"] == {"name": "look_up", "arguments": "{\"n\": 3}"}
+    assert records[1][3]["tool_call_id"] == "t1" and records[1][4]["content"] == direct_reply(
+        url, model, records[1][:4], 24)
+    assert records[2][-1] == {"role": "assistant", "content": direct_reply(
+        url, model, [{"role": "user", "content": u2}], 24)}
+    second = direct_reply(url, model, [{"role": "user", "content": u1}, {"role": "assistant", "content": first},
+                                       {"role": "user", "content": u2}], 24)
+    assert [m["content"] for m in records[3]] == [u1, first, u2, second]
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dflash_app.cli", "regenerate", *args]
 
