@@ -1119,6 +1119,37 @@ def test_anthropic_gemini_and_nemo_gym_calls_and_agent_trajectories(tmp_path: Pa
     assert len(to_conversation(dialog, Schema(key="Dialog")).messages) == 2
 
 
+def test_chatgpt_account_exports_are_read_along_the_thread_shown() -> None:
+    """ChatGPT's conversations.json: a tree of messages in `mapping`; the thread shown ends at `current_node`.
+    Read from its root: hidden and tool messages left out, an edited-away branch never read, an o-series
+    `thoughts` message the next reply's reasoning, an image part a non-text part."""
+    def node(key: str, parent: str | None, role: str | None = None, recipient: str | None = "all",
+             **content: object) -> dict:
+        message = None if role is None else {"author": {"role": role}, "content": content, "recipient": recipient,
+                                             "metadata": {}}
+        return {"id": key, "message": message, "parent": parent, "children": []}
+
+    hidden = node("n0", "root", "system", content_type="text", parts=[""])
+    hidden["message"]["metadata"]["is_visually_hidden_from_conversation"] = True
+    mapping = {n["id"]: n for n in (
+        node("root", None), hidden, node("n1", "n0", "user", content_type="text", parts=["What is 2+2?"]),
+        node("old", "n1", "assistant", content_type="text", parts=["AN EDITED-AWAY BRANCH"]),
+        node("n2", "n1", "assistant", content_type="thoughts", thoughts=[{"summary": "Sum", "content": "Two and two."}]),
+        node("n3", "n2", "assistant", "python", content_type="code", text="print(2 + 2)"),
+        node("n4", "n3", "tool", content_type="execution_output", text="4"),
+        node("n5", "n4", "assistant", None, content_type="text", parts=["It is 4."]))}
+    export = {"id": "c1", "title": "Sums", "current_node": "n5", "mapping": mapping}
+    read = to_conversation(export)
+    assert read.messages == [{"role": "user", "content": "What is 2+2?"},
+                             {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two and two."}]
+    assert record_id(export) == "c1"
+    pictured = {**export, "mapping": {**mapping, "n1": node("n1", "n0", "user", content_type="multimodal_text", parts=[
+        {"content_type": "image_asset_pointer", "asset_pointer": "file-1"}, "What is this?"])}}
+    assert to_conversation(pictured).reason == "non_text_content"
+    looped = {**export, "mapping": {**mapping, "root": {**mapping["root"], "parent": "n5"}}}  # a broken tree
+    assert isinstance(to_conversation(looped), Conversation | Drop)
+
+
 def test_turns_marked_not_to_train_are_rendered_but_not_supervised(tmp_path: Path, qwen3_tok: str) -> None:
     """SlimOrca's per-turn `weight` (0 = not trained on, null = the default) and axolotl's `training` flag: such
     assistant turns stay in the text as context; a record with no trained turn left is dropped, saying why."""

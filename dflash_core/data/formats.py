@@ -775,7 +775,45 @@ def _gemini(record: dict[str, Any]) -> dict[str, Any] | None:
             **({"tools": tools} if tools else {})}
 
 
-RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced, _chat_export, _gemini)
+def _chatgpt_export(record: dict[str, Any]) -> dict[str, Any] | None:
+    """ChatGPT's account export (conversations.json: each conversation a tree of messages in `mapping`, the thread
+    shown ending at `current_node`): the thread from its root, its user, assistant and system messages that
+    someone saw (text parts; an image part is a non-text part, dropped as such; an o-series `thoughts` message is
+    the reasoning of the reply after it). Messages to and from tools (browsing, code) and hidden ones are left
+    out."""
+    mapping, node = record.get("mapping"), record.get("current_node")
+    if _message_key(record) or not (isinstance(mapping, dict) and isinstance(node, str) and node in mapping):
+        return None
+    thread: list[dict[str, Any]] = []
+    while isinstance(node, str) and isinstance(mapping.get(node), dict) and len(thread) < len(mapping):
+        thread.append(mapping[node])
+        node = mapping[node].get("parent")
+    messages: list[dict[str, Any]] = []
+    thought: list[str] = []
+    for entry in reversed(thread):
+        said = entry.get("message")
+        if not isinstance(said, dict) or (said.get("metadata") or {}).get("is_visually_hidden_from_conversation"):
+            continue
+        role, content = (said.get("author") or {}).get("role"), said.get("content") or {}
+        if role not in ("user", "assistant", "system") or (said.get("recipient") or "all") != "all":
+            continue
+        if content.get("content_type") == "thoughts":
+            thought += [t["content"] for t in content.get("thoughts") or [] if isinstance(t, dict)
+                        and isinstance(t.get("content"), str)]
+            continue
+        if content.get("content_type") not in ("text", "multimodal_text"):
+            continue  # a reasoning recap, code or its output: not what the thread shows as said
+        parts = [{"type": "text", "text": p} if isinstance(p, str) else
+                 {"type": str(p.get("content_type") if isinstance(p, dict) else type(p).__name__)}
+                 for p in content.get("parts") or []]
+        message: dict[str, Any] = {"role": role, "content": parts}
+        if role == "assistant" and thought:
+            message["reasoning_content"], thought = "\n\n".join(thought), []
+        messages.append(message)
+    return {**_without(record, "mapping", "current_node"), "messages": messages}
+
+
+RESHAPERS = (_preferred, _ranked, _reply_fields, _benchmark_turns, _traced, _chat_export, _gemini, _chatgpt_export)
 
 
 def _rows(value: Any) -> Any:
