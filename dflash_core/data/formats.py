@@ -384,7 +384,7 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         return record
     # a null field is an absent one (parquet gives every column to every row): a row without the file's message
     # key is read by the fields it has
-    key = next((k for k in (schema.key, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
+    key = _message_key(record, schema.key)
     raw_turns: list[Any] | None
     if key is not None and (chosen := _chosen_conversation(record, roles)) is not None:
         key, raw_turns = "chosen", chosen  # a preference pair is read by its chosen side, not a list beside it
@@ -402,8 +402,8 @@ def to_conversation(record: Any, schema: Schema | None = None, roles: Mapping[st
         key, raw_turns = "prompt", thread
     elif key is None and {"message_id", "parent_id"} <= record.keys():
         return Drop("wrong_schema", "one message of a message tree (OpenAssistant's oasst1/oasst2 rows: message_id, "
-                    "parent_id): a record must hold a whole conversation; use its trees export (*.trees.jsonl.gz in the "
-                    "dataset's repository, read along each tree's best thread) or an export of its threads, e.g. "
+                    "parent_id): a record must hold a whole conversation; use its trees export (*.trees.jsonl.gz in "
+                    "the dataset's repository, read along each tree's best thread) or an export of its threads, e.g. "
                     "OpenAssistant/oasst_top1_2023-08-25 (ChatML text) or timdettmers/openassistant-guanaco")
     elif key is None:
         keys = "/".join(dict.fromkeys(k for k in (schema.key, *MESSAGE_KEYS) if k))
@@ -509,7 +509,7 @@ def _logged_exchange(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     flat["messages"] = [*turns, *replies]
     system = asked.get("system")  # Anthropic's request: the system prompt beside the messages (text or blocks)
     if isinstance(system, list):
-        system = "".join(b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str))
+        system = _block_text(system)
     if isinstance(system, str) and system and _first_set(flat, *SYSTEM_KEYS) is None:
         flat["system"] = system
     choice = response["choices"][0] if "choices" in response else {}
@@ -582,12 +582,20 @@ def _lower_keys(record: dict[str, Any], keep: str | None = None) -> dict[str, An
     return lowered if len(lowered) == len(record) else record
 
 
+def _block_text(blocks: list[Any]) -> str:
+    """The text of a list of content blocks or parts (Anthropic's text blocks, Gemini's parts): their `text`
+    fields joined, blocks without one (images) left out."""
+    return "".join(b["text"] for b in blocks if isinstance(b, dict) and isinstance(b.get("text"), str))
+
+
 def _without(record: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in keys}
 
 
-def _message_key(record: dict[str, Any]) -> str | None:
-    return next((k for k in MESSAGE_KEYS if record.get(k) is not None), None)
+def _message_key(record: dict[str, Any], named: str | None = None) -> str | None:
+    """The field holding the record's turns: the one the config names (data.messages_key), else the first of
+    MESSAGE_KEYS the record holds a value under (null = absent)."""
+    return next((k for k in (named, *MESSAGE_KEYS) if k and record.get(k) is not None), None)
 
 
 def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
@@ -607,9 +615,10 @@ def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
 def _preferred(record: dict[str, Any]) -> dict[str, Any] | None:
     """The preferred side of a preference record that does not call it `chosen`: OpenAI's DPO fine-tune format
     (`input.messages` + `preferred_output`), LLaMA-Factory's ShareGPT preference format and When2Call (a `chosen`
-    or `chosen_response` turn object after the turns), arena battles (`conversation_a`/`_b` + `winner`: a's on a tie), HelpSteer3 (`context` +
-    `response1`/`2` + `overall_preference`: negative prefers response1), SHP (the post in `history`,
-    `human_ref_A`/`_B`, `labels` 1 = A) and PKU-SafeRLHF (`response_0`/`_1`, `better_response_id`)."""
+    or `chosen_response` turn object after the turns), arena battles (`conversation_a`/`_b` + `winner`: a's on
+    a tie), HelpSteer3 (`context` + `response1`/`2` + `overall_preference`: negative prefers response1), SHP
+    (the post in `history`, `human_ref_A`/`_B`, `labels` 1 = A) and PKU-SafeRLHF (`response_0`/`_1`,
+    `better_response_id`)."""
     asked, key = _as_object(record.get("input")), _message_key(record)
     if isinstance(asked, dict) and "messages" in asked and record.get("preferred_output") is not None:
         return {**_without(record, "input", "preferred_output", "non_preferred_output"), "tools": asked.get("tools"),
@@ -660,13 +669,22 @@ def _ranked(record: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+# (reply, its reasoning) fields of distillations: s1K-1.1, s1K, GeneralThought, OpenCodeReasoning-2, DeepMath, and
+# last the DeepSeek-R1 distillations' `content`, read only with an `input` and `reasoning_content` beside it
+DISTILLED_REPLIES: tuple[tuple[str, str | None], ...] = (
+    ("deepseek_attempt", "deepseek_thinking_trajectory"), ("attempt", "thinking_trajectories"),
+    ("model_answer", "model_reasoning"), ("r1_generation", None), ("r1_solution_1", None),
+    ("content", "reasoning_content"))
+
+
 def _reply_fields(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
     """A reply and its reasoning in fields of a distillation's own: s1K's `attempt` and
     `thinking_trajectories` (s1K-1.1: `deepseek_attempt`, `deepseek_thinking_trajectory`; not the source's
     `solution`), GeneralThought's `model_answer` and `model_reasoning`, OpenCodeReasoning-2's `r1_generation` (not
-    the bare `solution`), DeepMath's first `r1_solution_1` (not the `final_answer`), DeepSeek-R1 distillations' `content` and `reasoning_content` beside an `input`,
-    dolphin-r1's `answer` and `reasoning` after `messages` that end on the user's turn; ServiceNow's R1-Distill-SFT
-    keeps the distilled conversation in `reannotated_messages` (`messages` is the original). A prompt that is a
+    the bare `solution`), DeepMath's first `r1_solution_1` (not the `final_answer`), DeepSeek-R1 distillations'
+    `content` and `reasoning_content` beside an `input` (DISTILLED_REPLIES), dolphin-r1's `answer` and `reasoning`
+    after `messages` that end on the user's turn; ServiceNow's R1-Distill-SFT keeps the distilled conversation in
+    `reannotated_messages` (`messages` is the original). A prompt that is a
     placeholder ("-": OpenCodeReasoning keeps the question in the source dataset) is refused, saying so."""
     key = _message_key(record)
     if (redone := _as_list(record.get("reannotated_messages"))) is not None:
@@ -677,12 +695,11 @@ def _reply_fields(record: dict[str, Any]) -> dict[str, Any] | Drop | None:
         return Drop("wrong_schema", f"'{prompt_key}' is a placeholder '-'" + (
             f": the question is row {source} of the source dataset (OpenCodeReasoning); put it in first"
             if source else ""))
-    for answer, reasoning in (("deepseek_attempt", "deepseek_thinking_trajectory"),
-                              ("attempt", "thinking_trajectories"), ("model_answer", "model_reasoning"),
-                              ("r1_generation", None), ("r1_solution_1", None), ("content", "reasoning_content")):
-        if key is None and isinstance(record.get(answer), str) and (answer != "content" or (
-                isinstance(record.get("input"), str) and isinstance(record.get(reasoning or ""), str)
-                and _reply_key(record) is None)):
+    # `content` is a reply only beside an `input` prompt and its `reasoning_content`, with no other reply field
+    r1_distill = isinstance(record.get("input"), str) and isinstance(record.get("reasoning_content"), str) \
+        and _reply_key(record) is None
+    for answer, reasoning in DISTILLED_REPLIES if r1_distill else DISTILLED_REPLIES[:-1]:
+        if key is None and isinstance(record.get(answer), str):
             thought = record.get(reasoning) if reasoning else None
             thought = thought[0] if isinstance(thought, list) and thought else thought
             rest = _without(record, answer, *([reasoning] if reasoning else []), *REPLY_KEYS)
@@ -766,8 +783,7 @@ def _gemini(record: dict[str, Any]) -> dict[str, Any] | None:
             messages.append(message)
     system = _as_object(_first_set(record, "systeminstruction", "systemInstruction", "system_instruction"))
     if isinstance(system, dict):
-        system = "".join(p["text"] for p in system.get("parts") or [] if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))
+        system = _block_text(system.get("parts") or [])
     tools = [f for t in _as_list(record.get("tools")) or [] if isinstance(t, dict)
              for f in t.get("functionDeclarations") or t.get("function_declarations") or [] if isinstance(f, dict)]
     rest = _without(record, "contents", "systeminstruction", "systemInstruction", "system_instruction", "tools")
@@ -915,7 +931,8 @@ def _best_thread(node: Any) -> list[dict[str, Any]] | None:
     first, an unranked one after the ranked; deleted replies and ones reviewers rejected never), as OpenAssistant's
     own top-1 exports pick it. None when `node` is not such a message."""
     # the export leaves `replies` out of a message without any (its writer drops null fields)
-    if not (isinstance(node, dict) and isinstance(node.get("text"), str) and ("replies" in node or "message_id" in node)):
+    if not (isinstance(node, dict) and isinstance(node.get("text"), str)
+            and ("replies" in node or "message_id" in node)):
         return None
     turns: list[dict[str, Any]] = []
     while node is not None:
@@ -1010,8 +1027,7 @@ def _tool_results_apart(turns: list[Any]) -> list[Any]:
         for block in blocks:
             if isinstance(block, dict) and block.get("type") == "tool_result":
                 said = block.get("content")
-                text = said if isinstance(said, str) else "".join(
-                    p["text"] for p in said or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+                text = said if isinstance(said, str) else _block_text(said or [])
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
         if rest:
             out.append({**turn, "content": rest})
@@ -1132,8 +1148,8 @@ def _finished(conv: Conversation, require_assistant: bool, record: dict[str, Any
     """The conversation as read, its empty system turns left out (Nemotron's post-training sets carry one in
     every record: a template would render an empty system block that serving never shows), its last reply not
     trained on when the record labels it undesirable (KTO's unpaired preference data: `label` or LLaMA-Factory's
-    `kto_tag` false; regenerate answers the prompt anew) or cut at the token limit (a logged call's), then checked for something to learn unless a prompt
-    alone will do."""
+    `kto_tag` false; regenerate answers the prompt anew) or cut at the token limit (a logged call's), then checked
+    for something to learn unless a prompt alone will do."""
     if any(record.get(key) is False for key in UNDESIRABLE_KEYS) or record.get(CUT_REPLY):
         replies = [j for j, m in enumerate(conv.messages) if m["role"] == "assistant"]
         conv.unsupervised.update(replies[-1:])
@@ -1234,7 +1250,8 @@ def _add_turn(conv: Conversation, raw: Any, i: int, fmt: str | None, roles: Mapp
 
 def _trained(raw: dict[str, Any], i: int) -> bool | Drop:
     """A turn's training switch: `weight` (SlimOrca, axolotl; 0 = not trained on), `training` (axolotl's bool)
-    or `loss` (AgentInstruct's bool); null or absent = trained. Any non-zero weight trains the turn fully (there is no partial loss)."""
+    or `loss` (AgentInstruct's bool); null or absent = trained. Any non-zero weight trains the turn fully (there
+    is no partial loss)."""
     for key in TRAIN_KEYS:
         value = raw.get(key)
         if value is None:
