@@ -287,6 +287,20 @@ def test_a_config_without_target_layers_gets_the_default_spread(tmp_path, target
         load_dflash(str(tmp_path / "d"), target)
 
 
+def test_top_level_target_layer_ids_are_the_ones_served(tmp_path, target):
+    """A config with `target_layer_ids` at the top level and none in dflash_config: SGLang
+    (dflash_utils.parse_dflash_draft_config) and vLLM (eagle3_utils.get_eagle3_aux_layers_from_config) capture
+    those layers, so loading and a warm start read them too, not the default spread ([0, 2] here)."""
+    drafter = tiny_drafter(target, layers=2, target_layer_ids=[1, 2])
+    save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["target_layer_ids"] = cfg["dflash_config"].pop("target_layer_ids")
+    del cfg["num_target_layers"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert load_dflash(str(tmp_path / "d"), target).target_layer_ids == [1, 2]
+    load_warm_start(tiny_drafter(target, layers=2, target_layer_ids=[1, 2], seed=9), str(tmp_path / "d"))
+
+
 def test_load_missing_folder_says_what_is_expected(tmp_path, target):
     with pytest.raises(ExportError, match="config.json"):
         load_dflash(str(tmp_path / "nothing"), target)

@@ -346,7 +346,7 @@ def _layer_ids(path: str, raw: dict[str, Any], num_target_layers: int | None) ->
     """config_layer_ids, faults as ExportError; with neither ids nor the target's depth, as many placeholders as
     the default spread gives (one per drafter layer): only the shapes of the drafter's own tensors need them."""
     try:
-        if num_target_layers is None and raw["dflash_config"].get("target_layer_ids") is None:
+        if num_target_layers is None and _given_layer_ids(raw) is None:
             return list(range(int(raw["num_hidden_layers"])))
         return config_layer_ids(raw, int(num_target_layers or 0)) or []  # never None: num_hidden_layers is there
     except (TypeError, ValueError) as exc:
@@ -403,11 +403,19 @@ def config_block_size(config: dict[str, Any]) -> Any:
     return config.get("block_size", dflash.get("block_size") if isinstance(dflash, dict) else None)
 
 
+def _given_layer_ids(config: dict[str, Any]) -> Any:
+    """The target layers a drafter config names: dflash_config.target_layer_ids, else a top-level
+    `target_layer_ids` (SGLang's parse_dflash_draft_config and vLLM's get_eagle3_aux_layers_from_config capture
+    those); None when it names none."""
+    layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    return config.get("target_layer_ids") if layer_ids is None else layer_ids
+
+
 def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int] | None:
-    """A drafter config's target layers: dflash_config.target_layer_ids, or, when a config leaves them out,
+    """A drafter config's target layers: the ones it names (_given_layer_ids), or, when a config leaves them out,
     the default spread over the target's layers for its number of drafter layers (as SGLang resolves them);
     None when it says neither."""
-    layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    layer_ids = _given_layer_ids(config)
     if layer_ids is None:
         if "num_hidden_layers" not in config:
             return None
