@@ -3,9 +3,10 @@
 import json
 import logging
 
+import fsspec
 import pytest
 import torch
-from common.models import MASK_ID, random_batch, tiny_drafter, tiny_qwen3, tiny_target
+from common.models import MASK_ID, random_batch, save_tiny_qwen3, tiny_drafter, tiny_qwen3, tiny_target
 from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
@@ -15,6 +16,7 @@ from dflash_core.model.drafter import DrafterError, build_drafter, default_targe
 from dflash_core.model.export import (
     ExportError,
     check_drafter_folder,
+    drafter_files,
     load_dflash,
     read_drafter_config,
     save_dflash,
@@ -429,3 +431,68 @@ def test_a_mistyped_local_drafter_path_says_it_was_read_from_the_hub(tmp_path, m
     with pytest.raises(ExportError, match=r"run/drafer/config.json: cannot be read: .*there is no local folder "
                                           r"run/drafer, so it was read as a Hugging Face hub repository"):
         read_drafter_config("run/drafer")
+
+
+def _with_mask_embedding(tmp_path, drafter, state) -> str:
+    return _save_and_edit(tmp_path, drafter, lambda d: torch.save(state, d / "mask_embedding.pt"))
+
+
+def test_a_shipped_mask_embedding_replaces_the_mask_row_as_vllm_embeds_it(tmp_path, target, drafter):
+    """vLLM's qwen3_dflash.py reads an optional mask_embedding.pt (MiMo's drafters ship one) and embeds the mask
+    slots with it instead of the target's row of mask_token_id: eval must measure that drafter, not another."""
+    vec = torch.randn(H, generator=torch.Generator().manual_seed(3))
+    folder = _with_mask_embedding(tmp_path, drafter, {"mask_token_id": MASK_ID, "embedding": vec})
+    loaded = load_dflash(folder, target)
+    assert torch.equal(loaded.mask_embedding, vec)
+    batch = random_batch(1, 20, seed=2)
+    feats = target.capture(batch["input_ids"], None, drafter.target_layer_ids)
+    anchors = torch.tensor([[3, 9]])
+    with_vec = loaded.block_logits(feats, batch["input_ids"], None, anchors)
+    row = target.embed_tokens.weight[MASK_ID].clone()
+    try:  # the same drafter on a target whose own mask row is that vector
+        with torch.no_grad():
+            target.embed_tokens.weight[MASK_ID] = vec
+        assert torch.equal(with_vec, drafter.block_logits(feats, batch["input_ids"], None, anchors))
+        assert torch.equal(loaded.draft_block(feats[:, :9], batch["input_ids"][0, 9], 9),
+                           drafter.draft_block(feats[:, :9], batch["input_ids"][0, 9], 9))
+    finally:
+        with torch.no_grad():
+            target.embed_tokens.weight[MASK_ID] = row
+    assert not torch.equal(with_vec, drafter.block_logits(feats, batch["input_ids"], None, anchors))
+    # a bare tensor (any shape of H values) is read too, as vLLM reshapes it
+    torch.save(vec[None], tmp_path / "d" / "mask_embedding.pt")
+    assert torch.equal(load_dflash(folder, target).mask_embedding, vec)
+    check_drafter_folder(folder, save_tiny_qwen3(tmp_path / "target"))  # the check before a warm start passes it
+
+
+@pytest.mark.parametrize("state, says", [
+    ({"mask_token_id": MASK_ID + 1, "embedding": torch.zeros(H)}, rf"mask_token_id {MASK_ID + 1}, but config.json's"),
+    ({"mask_token_id": MASK_ID, "embedding": torch.zeros(H + 1)}, rf"holds shape \({H + 1},\), not a mask embedding"),
+    ({"mask_token_id": MASK_ID}, r"holds NoneType, not a mask embedding"),
+    (torch.zeros(H, dtype=torch.long), r"holds shape \(64,\), not a mask embedding"),
+])
+def test_a_mask_embedding_that_does_not_fit_is_refused_before_training_and_at_load(tmp_path, target, drafter,
+                                                                                  state, says):
+    folder = _with_mask_embedding(tmp_path, drafter, state)
+    with pytest.raises(ExportError, match=r"mask_embedding\.pt: " + says):
+        check_drafter_folder(folder)
+    with pytest.raises(ExportError, match=says):
+        load_dflash(folder, target)
+
+
+def test_an_unreadable_mask_embedding_file_says_what_to_do(tmp_path, target, drafter):
+    folder = _save_and_edit(tmp_path, drafter, lambda d: (d / "mask_embedding.pt").write_bytes(b"not torch"))
+    with pytest.raises(ExportError, match=r"mask_embedding\.pt: not a readable torch file .*copy the drafter folder"):
+        load_dflash(folder, target)
+
+
+def test_a_drafter_with_its_own_mask_embedding_exports_it_and_its_files_list_it(tmp_path, target):
+    mine = tiny_drafter(target, layers=1)
+    mine.mask_embedding = torch.randn(H)
+    save_dflash(mine, str(tmp_path / "d"), dtype=torch.float32)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "mask_embedding.pt",
+                                                                  "model.safetensors"]
+    saved = torch.load(tmp_path / "d" / "mask_embedding.pt", weights_only=True)
+    assert saved["mask_token_id"] == MASK_ID and torch.equal(saved["embedding"], mine.mask_embedding)
+    assert drafter_files(fsspec.filesystem("file"), str(tmp_path / "d"))[-1] == "mask_embedding.pt"
+    assert torch.equal(load_dflash(str(tmp_path / "d"), target).mask_embedding, mine.mask_embedding)

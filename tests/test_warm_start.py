@@ -196,3 +196,22 @@ def test_a_config_json_that_leaves_head_dim_out_is_read_as_the_loader_reads_it(t
     config_path.write_text(json.dumps(config))
     check_init_from(str(tmp_path / "drafter"), str(tmp_path / "target"))
     load_warm_start(tiny_drafter(wide_target, seed=9), str(tmp_path / "drafter"))
+
+
+def test_a_drafter_that_ships_a_mask_embedding_passes_it_on_to_the_one_it_seeds_and_to_promotion(tmp_path, target):
+    """A warm start from a drafter with its own mask embedding (vLLM's mask_embedding.pt) keeps it: its weights
+    were trained on it, and the drafter this run exports and promotes is served with it."""
+    source = tiny_drafter(target, seed=5)
+    save_dflash(source, str(tmp_path / "drafter"), dtype=torch.float32)
+    vec = torch.randn(source.config.hidden_size)
+    torch.save({"mask_token_id": source.mask_token_id, "embedding": vec}, tmp_path / "drafter" / "mask_embedding.pt")
+    fresh = tiny_drafter(target, seed=9)
+    load_warm_start(fresh, str(tmp_path / "drafter"))
+    assert torch.equal(fresh.mask_embedding, vec) and "mask_embedding" not in fresh.state_dict()
+    save_dflash(fresh, str(tmp_path / "next"), dtype=torch.float32)
+    promote(str(tmp_path / "next"), str(tmp_path / "store"), {"run": "r1", "tau": 1.5}, None)
+    served = torch.load(f"{promoted_drafter(str(tmp_path / 'store'))}/mask_embedding.pt", weights_only=True)
+    assert torch.equal(served["embedding"], vec)
+    torch.save({"mask_token_id": source.mask_token_id + 1, "embedding": vec}, tmp_path / "drafter" / "mask_embedding.pt")
+    with pytest.raises(WarmStartError, match=r"train.init_from .*mask_embedding.pt: mask_token_id"):
+        load_warm_start(tiny_drafter(target, seed=9), str(tmp_path / "drafter"))

@@ -296,6 +296,10 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = [int(i) for i in config.dflash_config["target_layer_ids"]]
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.mask_token: str | None = config.dflash_config.get("mask_token")
+        # a drafter's own mask embedding (export.MASK_EMBEDDING_FILE), frozen: the mask slots take it instead of
+        # the target's row of mask_token_id, as vLLM embeds them; None for drafters this repo trains from scratch
+        self.mask_embedding: torch.Tensor | None
+        self.register_buffer("mask_embedding", None, persistent=False)
         # the target's final_logit_softcapping (Gemma): its head's logits are capped in training and in this
         # repo's drafts (the engines draft by argmax of uncapped logits, the same tokens)
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None) or None
@@ -348,6 +352,9 @@ class DFlashDrafter(nn.Module):
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             emb = self.embed_tokens(tokens.to(self.embed_tokens.weight.device))
+            if self.mask_embedding is not None:
+                is_mask = (tokens == self.mask_token_id).to(emb.device)[..., None]
+                emb = torch.where(is_mask, self.mask_embedding.to(emb), emb)
         return emb.to(self.fc.weight.device, self.fc.weight.dtype)
 
     def _run_layers(

@@ -1,7 +1,9 @@
-"""The serving-compatible checkpoint: config.json + model.safetensors, as vLLM and SGLang load it."""
+"""The serving-compatible checkpoint: config.json + model.safetensors (+ mask_embedding.pt where the drafter has
+one), as vLLM and SGLang load it."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint: its weight_map names each tensor's shard
+# vLLM's optional mask embedding: its vector replaces the embedding row of mask_token_id in the drafter's input
+# (qwen3_dflash.py _read_mask_embedding; MiMo's drafters ship one, trained apart from the target's embeddings)
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -114,7 +119,8 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def save_dflash(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write exactly config.json and model.safetensors (no embeddings, no lm_head) to a folder or URI."""
+    """Write config.json and model.safetensors (no embeddings, no lm_head) to a folder or URI, and
+    mask_embedding.pt when the drafter has its own mask embedding."""
     if dtype not in _DTYPE_NAMES:
         raise ExportError(f"save_dflash: dtype {dtype} is not one of {list(_DTYPE_NAMES)}")
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
@@ -122,6 +128,12 @@ def save_dflash(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype = torch
     fs.makedirs(root, exist_ok=True)
     with fs.open(posixpath.join(root, WEIGHTS_FILE), "wb") as fh:
         fh.write(save_safetensors(tensors, metadata={"format": "pt"}))
+    if drafter.mask_embedding is not None:  # carried from the drafter it was warm-started from
+        buffer = io.BytesIO()
+        torch.save({"mask_token_id": drafter.mask_token_id,
+                    "embedding": drafter.mask_embedding.detach().to("cpu", dtype).contiguous()}, buffer)
+        with fs.open(posixpath.join(root, MASK_EMBEDDING_FILE), "wb") as fh:
+            fh.write(buffer.getvalue())
     with fs.open(posixpath.join(root, CONFIG_FILE), "w") as fh:
         json.dump(export_config(drafter, dtype), fh, indent=2)
 
@@ -143,6 +155,7 @@ def load_dflash(
     _check_tensors(_weights_path(fs, root), {k: tuple(v.shape) for k, v in tensors.items()},
                    {k: tuple(v.shape) for k, v in drafter.state_dict().items()})
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    drafter.mask_embedding = read_mask_embedding(fs, root, drafter.mask_token_id, config.hidden_size)
     return drafter.to(device=target.device, dtype=dtype)
 
 
@@ -219,8 +232,37 @@ def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
 
 def drafter_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     """Every file of a drafter folder, as copying or comparing it needs them: config.json and model.safetensors,
-    or config.json, model.safetensors.index.json and the shards the index names."""
-    return [CONFIG_FILE, *([INDEX_FILE] if _sharded(fs, root) else []), *_weight_files(fs, root)]
+    or config.json, model.safetensors.index.json and the shards the index names; mask_embedding.pt too, where
+    there is one."""
+    mask = [MASK_EMBEDDING_FILE] if fs.exists(posixpath.join(root, MASK_EMBEDDING_FILE)) else []
+    return [CONFIG_FILE, *([INDEX_FILE] if _sharded(fs, root) else []), *_weight_files(fs, root), *mask]
+
+
+def read_mask_embedding(fs: fsspec.AbstractFileSystem, root: str, mask_token_id: int,
+                        hidden_size: int) -> torch.Tensor | None:
+    """A drafter folder's mask_embedding.pt as vLLM reads it: a tensor of hidden_size values, or
+    {"embedding": tensor, "mask_token_id": id} whose id is the config's; None when the folder has none. Loaded
+    with torch.load(weights_only=True): tensors and plain values only, no code."""
+    path = posixpath.join(root, MASK_EMBEDDING_FILE)
+    if not fs.exists(path):
+        return None
+    try:
+        with fs.open(path, "rb") as fh:
+            state = torch.load(io.BytesIO(fh.read()), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's unpickler raises many types for a damaged or foreign file
+        said = str(exc).split(". ")[0].splitlines()[0] if str(exc) else ""  # not torch's advice to unpickle code
+        raise ExportError(f"{path}: not a readable torch file ({type(exc).__name__}: {said}); copy the drafter "
+                          "folder again, or remove the file to embed the mask slots by the target's row") from None
+    if isinstance(state, dict):
+        if state.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise ExportError(f"{path}: mask_token_id {state['mask_token_id']}, but config.json's "
+                              f"dflash_config.mask_token_id is {mask_token_id} (vLLM refuses it too)")
+        state = state.get("embedding")
+    if not (isinstance(state, torch.Tensor) and state.is_floating_point() and state.numel() == hidden_size):
+        got = f"shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
+        raise ExportError(f"{path}: holds {got}, not a mask embedding of the drafter's {hidden_size} values (a "
+                          "float tensor, or {'embedding': tensor, 'mask_token_id': id}, as vLLM reads it)")
+    return state.reshape(-1)
 
 
 def _sharded(fs: fsspec.AbstractFileSystem, root: str) -> bool:
@@ -255,6 +297,7 @@ def check_drafter_folder(uri: str, target: str | None = None, trust_remote_code:
     dims = target_dims(target, trust_remote_code) if target is not None else None
     config = _checked_config(path, raw, dims)
     _check_tensors(_weights_path(fs, root), shapes, _expected_shapes(config))
+    read_mask_embedding(fs, root, int(config.dflash_config["mask_token_id"]), config.hidden_size)
     return raw
 
 

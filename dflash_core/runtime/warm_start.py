@@ -28,6 +28,7 @@ from dflash_core.model.export import (
     config_layout,
     drafter_location,
     read_config_json,
+    read_mask_embedding,
     read_weights,
 )
 from dflash_core.model.target import target_text_config
@@ -129,6 +130,12 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
         raise WarmStartError(f"train.init_from {uri}: tensor {extra[0]} is not in the configured drafter "
                              f"({len(extra)} extra); check model.num_draft_layers")
     drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=True)
+    try:  # its mask embedding, if it ships one, stays with the weights trained on it (and is exported with them)
+        mask_token_id = (config.get("dflash_config") or {}).get("mask_token_id", drafter.mask_token_id)
+        mask = read_mask_embedding(fs, root, mask_token_id, drafter.config.hidden_size)
+    except ExportError as exc:
+        raise WarmStartError(f"train.init_from {uri}: {exc}") from None
+    drafter.mask_embedding = None if mask is None else mask.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
 
 
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
