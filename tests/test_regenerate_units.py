@@ -330,18 +330,29 @@ def test_busy_answers_are_retried_and_refusals_are_not():
      "tokens and your request has 3000 input tokens (3072 > 4096 - 3000).", 1096),  # vLLM
     ("This model's maximum context length is 4096 tokens. However, you requested 6072 tokens (3000 in the "
      "messages, 3072 in the completion). Please reduce the length of the messages or completion.", 1096),  # vLLM
+    # SGLang refuses prompt + max_tokens equal to its context too (tokenizer_manager: total >= context_len)
     ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
-     "6072 tokens: 3000 tokens from the input messages and 3072 tokens for the completion.", 1096),  # SGLang
+     "6072 tokens: 3000 tokens from the input messages and 3072 tokens for the completion.", 1095),
+    # vLLM's renderer (renderers/params.py) counts the prompt only up to the limit (context - max_tokens + 1): the
+    # room is unknown, so max_tokens is left out and the server gives the reply what the context leaves
+    ("You passed 1025 input tokens and requested 3072 output tokens. However, the model's context length is "
+     "only 4096 tokens, resulting in a maximum input length of 1024 tokens. Please reduce the length of the "
+     "input prompt. (parameter=input_tokens, value=1025)", "unset"),
+    ("This model's maximum context length is 4096 tokens. However, you requested 3072 output tokens and your "
+     "prompt contains at least 1025 input tokens, for a total of at least 4097 tokens. Please reduce the length "
+     "of the input prompt or the number of requested output tokens. (parameter=input_tokens, value=1025)", "unset"),
     ("This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please "
      "reduce the length of the input messages.", None),  # the prompt alone is too long: no room
+    ("max_tokens=5000cannot be greater than max_model_len=max_total_tokens=4096. Please request fewer output "
+     "tokens.", None),  # vLLM: a reply budget beyond the context is a setting to fix, not a record's length
 ])
 def test_a_reply_budget_beyond_the_context_is_sent_again_with_the_room_left(message, room):
     """vLLM and SGLang refuse prompt + max_tokens beyond their context: with room left for a reply, the request
     is sent once more asking for that room; a prompt too long by itself stays a refusal, sent once."""
-    sent: list[int] = []
+    sent: list[int | str] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content)["max_tokens"])
+        sent.append(json.loads(request.content).get("max_tokens", "unset"))
         if len(sent) == 1 or room is None:
             return httpx.Response(400, json={"error": {"message": message, "type": "BadRequestError", "code": 400}})
         return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
@@ -349,7 +360,7 @@ def test_a_reply_budget_beyond_the_context_is_sent_again_with_the_room_left(mess
 
     endpoint = mock_endpoint(answer, retries=2, backoff_s=0.01)
     if room is None:
-        with pytest.raises(Rejected, match="5000 input tokens"):
+        with pytest.raises(Rejected, match="5000"):
             asyncio.run(endpoint.chat({"max_tokens": 3072}))
         assert sent == [3072]
     else:

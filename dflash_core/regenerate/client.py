@@ -29,13 +29,19 @@ TRANSIENT_4XX = frozenset({408, 429})
 # the server wants an API key (none sent, or the wrong one)
 AUTH_REFUSED = frozenset({401, 403})
 _RETRY_AFTER_MAX_S = 60.0
-# a refusal that says how much room the context leaves (vLLM's two wordings, SGLang's): (context, prompt tokens)
+# a refusal that says how much room the context leaves: (its pattern of (context, prompt tokens), the tokens the
+# server wants free besides): vLLM's two older wordings; SGLang's, which refuses prompt + max_tokens that equal
+# the context too (tokenizer_manager.py: total >= context_len)
 _NO_ROOM = (
-    re.compile(r"maximum context length is (\d+) tokens and your request has (\d+) input tokens"),
-    re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
-    re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens from the "
-               r"input messages"),
+    (re.compile(r"maximum context length is (\d+) tokens and your request has (\d+) input tokens"), 0),
+    (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
+     0),
+    (re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens from "
+                r"the input messages"), 1),
 )
+# vLLM's refusal since its renderer (vllm/renderers/params.py), both wordings: it counts the prompt only up to the
+# limit (context - max_tokens + 1 tokens), so the room is unknown; without max_tokens it gives the reply the room
+_ROOM_UNCOUNTED = re.compile(r"(?s)(?=.*context length).*requested [1-9]\d* output tokens")
 # finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
 ABORTED = frozenset({"abort", "error"})
 # the finish reason of a completion that gives none
@@ -156,16 +162,16 @@ class Endpoint:
     async def chat(self, body: dict[str, Any]) -> Reply:
         """POST /chat/completions with retries; Rejected on 4xx, Unavailable when every try failed. A refusal
         because prompt + max_tokens exceed the server's context, with room left for a reply, is sent once more
-        with max_tokens = that room (a reply longer than it could not be served either)."""
+        asking for that room (a reply longer than it could not be served either): `within_context`."""
         try:
             return await self._chat(body)
         except Rejected as exc:
-            room = context_room(exc.detail)
-            if room is None or not 0 < room < int(body.get("max_tokens") or 0):
+            fitted = within_context(body, exc.detail)
+            if fitted is None:
                 raise
-            log.debug("%s: max_tokens %s leaves no room in the context; sent again with %d", self.url,
-                      body.get("max_tokens"), room)
-            return await self._chat({**body, "max_tokens": room})
+            log.debug("%s: max_tokens %s leaves no room in the context; sent again with %s", self.url,
+                      body.get("max_tokens"), fitted.get("max_tokens", "none"))
+            return await self._chat(fitted)
 
     async def _chat(self, body: dict[str, Any]) -> Reply:
         wait, last = 0.0, ""
@@ -196,12 +202,25 @@ class Endpoint:
         raise Unavailable(f"endpoint {self.url}: {self.cfg.retries + 1} tries failed, last: {last}")
 
 
+def within_context(body: dict[str, Any], message: str) -> dict[str, Any] | None:
+    """The request to send again after a context-length refusal `message`: max_tokens = the room the refusal
+    says is left, or no max_tokens where it does not count the prompt (vLLM's renderer; the server then limits
+    the reply to the room itself); None when nothing is left to ask for or the message is no such refusal."""
+    asked = int(body.get("max_tokens") or 0)
+    room = context_room(message)
+    if room is not None:
+        return {**body, "max_tokens": room} if 0 < room < asked else None
+    if asked and _ROOM_UNCOUNTED.search(message):
+        return {k: v for k, v in body.items() if k != "max_tokens"}
+    return None
+
+
 def context_room(message: str) -> int | None:
-    """Tokens a server's context-length refusal says are left for the reply (context - prompt), None when the
-    message is not one that says so."""
-    for pattern in _NO_ROOM:
+    """Tokens a server's context-length refusal says are left for the reply (context - prompt, less what the
+    server keeps free), None when the message is not one that says so."""
+    for pattern, kept in _NO_ROOM:
         if found := pattern.search(message):
-            return int(found[1]) - int(found[2])
+            return int(found[1]) - int(found[2]) - kept
     return None
 
 
