@@ -333,14 +333,20 @@ def test_busy_answers_are_retried_and_refusals_are_not():
     # SGLang refuses prompt + max_tokens equal to its context too (tokenizer_manager: total >= context_len)
     ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
      "6072 tokens: 3000 tokens from the input messages and 3072 tokens for the completion.", 1095),
-    # vLLM's renderer (renderers/params.py) counts the prompt only up to the limit (context - max_tokens + 1): the
-    # room is unknown, so max_tokens is left out and the server gives the reply what the context leaves
+    ("This model's maximum context length is 4096 tokens. However, you requested 3072 output tokens and your "
+     "prompt contains 3000 input tokens, for a total of 6072 tokens.", 1096),  # vLLM, the prompt counted whole
+    # vLLM's renderer (renderers/params.py) counts the prompt only up to the limit (context - max_tokens + 1) or in
+    # characters: the room is unknown, so max_tokens is left out and the server gives the reply what the context
+    # leaves
     ("You passed 1025 input tokens and requested 3072 output tokens. However, the model's context length is "
      "only 4096 tokens, resulting in a maximum input length of 1024 tokens. Please reduce the length of the "
      "input prompt. (parameter=input_tokens, value=1025)", "unset"),
     ("This model's maximum context length is 4096 tokens. However, you requested 3072 output tokens and your "
      "prompt contains at least 1025 input tokens, for a total of at least 4097 tokens. Please reduce the length "
      "of the input prompt or the number of requested output tokens. (parameter=input_tokens, value=1025)", "unset"),
+    ("This model's maximum context length is 4096 tokens. However, you requested 3072 output tokens and your "
+     "prompt contains 9000 characters (more than 8192 characters, which is the upper bound for 1024 input "
+     "tokens).", "unset"),
     ("This model's maximum context length is 4096 tokens. However, your request has 5000 input tokens. Please "
      "reduce the length of the input messages.", None),  # the prompt alone is too long: no room
     ("max_tokens=5000cannot be greater than max_model_len=max_total_tokens=4096. Please request fewer output "

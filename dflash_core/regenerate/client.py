@@ -30,17 +30,20 @@ TRANSIENT_4XX = frozenset({408, 429})
 AUTH_REFUSED = frozenset({401, 403})
 _RETRY_AFTER_MAX_S = 60.0
 # a refusal that says how much room the context leaves: (its pattern of (context, prompt tokens), the tokens the
-# server wants free besides): vLLM's two older wordings; SGLang's, which refuses prompt + max_tokens that equal
+# server wants free besides): vLLM's wordings, old to new; SGLang's, which refuses prompt + max_tokens that equal
 # the context too (tokenizer_manager.py: total >= context_len)
 _NO_ROOM = (
     (re.compile(r"maximum context length is (\d+) tokens and your request has (\d+) input tokens"), 0),
     (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
      0),
+    (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ output tokens and your prompt "
+                r"contains (\d+) input tokens"), 0),
     (re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens from "
                 r"the input messages"), 1),
 )
-# vLLM's refusal since its renderer (vllm/renderers/params.py), both wordings: it counts the prompt only up to the
-# limit (context - max_tokens + 1 tokens), so the room is unknown; without max_tokens it gives the reply the room
+# vLLM's renderer (frontend/processing/renderers/params.py, before renderers/params.py) counts the prompt only up to
+# the limit ("at least" context - max_tokens + 1 tokens; "You passed" that many in its first wording) or in
+# characters, so the room is unknown; sent without max_tokens, it gives the reply the room the context leaves
 _ROOM_UNCOUNTED = re.compile(r"(?s)(?=.*context length).*requested [1-9]\d* output tokens")
 # finish reasons of a reply the server cut short on its side (shut down, paused, an engine error): tried again
 ABORTED = frozenset({"abort", "error"})
