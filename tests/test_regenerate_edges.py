@@ -107,6 +107,23 @@ def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkey
         asyncio.run(broken.chat({}))
 
 
+def test_a_reply_slower_than_timeout_s_says_which_setting_to_raise(monkeypatch):
+    """vLLM and SGLang send a non-streamed reply whole, at its end: a long reply (a reasoning trace at a large
+    max_tokens, a busy server) times out every try the same way. The failure names timeout_s and its value,
+    which a rerun would otherwise meet again ('ReadTimeout' alone said neither)."""
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=no_wait))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with pytest.raises(Unavailable, match=r"4 tries failed, last: no reply within data.regenerate.timeout_s "
+                                          r"\(600 s;.*raise timeout_s"):
+        asyncio.run(mock_endpoint(answer).chat({"max_tokens": 32768}))
+
+
 def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():
     """A prompt that fills the context exactly (room 0) cannot get a reply: a refusal, sent once."""
     sent: list[int] = []

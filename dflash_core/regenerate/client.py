@@ -185,6 +185,10 @@ class Endpoint:
             try:
                 async with self.slots:
                     resp = await self.http.post("/chat/completions", json=body)
+            except httpx.ReadTimeout:  # a reply comes whole at its end: a long one at a busy server takes long
+                last = (f"no reply within data.regenerate.timeout_s ({self.cfg.timeout_s:g} s; a reply of up to "
+                        f"max_tokens {body.get('max_tokens', '(none)')} tokens may take longer: raise timeout_s)")
+                continue
             except httpx.RequestError as exc:  # connect/read errors, timeouts, a body that does not decode
                 last = _describe(exc)
                 continue
