@@ -48,7 +48,9 @@ class RegenerateConfig(StrictModel):
         "sent as `Authorization: Bearer`; None = no key, except for a local server: the --api-key of serve_args, or "
         "VLLM_API_KEY from the environment a local vLLM server inherits")
     concurrency: PositiveInt = Field(16, description="requests in flight per endpoint")
-    timeout_s: PositiveFloat = Field(600.0, description="per request")
+    timeout_s: PositiveFloat = Field(600.0, description=(
+        "per request, the whole reply (it comes at its end, not streamed): raise it for long replies (reasoning "
+        "traces at a large `max_tokens`), which otherwise time out on every retry"))
     retries: NonNegativeInt = Field(
         3, description="retries of a request on 5xx, 408/429, connection errors and bodies "
                        "that do not decode (a proxy's corrupt gzip), with backoff")
