@@ -8,6 +8,7 @@ import pytest
 import torch
 from common.models import MASK_ID, random_batch, save_tiny_qwen3, tiny_drafter, tiny_qwen3, tiny_target
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from dflash_core.model.attention import LayerAttention
@@ -171,11 +172,21 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     ({"dflash_config": {"conv_kernel_size": 4}}, "DFlash 2 block convolutions"),
     ({"is_neox_style": False}, "interleaved"),
     ({"rope_is_neox_style": False}, "interleaved"),  # SGLang's other spelling
+    # read by vLLM or SGLang and changing what the drafter computes (MiMo's, speculators', quantized drafters)
+    ({"dflash_config": {"attention_value_scale": 0.707}}, r"scaled attention values \(attention_value_scale\)"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantized weights \(quantization_config\)"),
+    ({"dflash_config": {"sample_from_anchor": True}}, "drafts from the anchor slot"),
+    ({"dflash_config": {"use_aux_hidden_state": False}}, r"use_aux_hidden_state false"),
+    ({"use_aux_hidden_state": False}, r"use_aux_hidden_state false"),
+    ({"draft_vocab_size": 32}, r"a reduced draft vocabulary \(draft_vocab_size 32\)"),
+    # vLLM captures these, SGLang the dflash_config ones
+    ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"eagle_aux_hidden_state_layer_ids \[0, 1, 2\] \(what vLLM "
+     r"captures\) are not the target layers \[0, 1, 2\] \+ 1"),
 ])
 def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter, change, says):
     save_dflash(drafter, str(tmp_path / "d"))
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
-    cfg.update({k: {**cfg[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
+    cfg.update({k: {**cfg.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()})
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match=says) as err:
         load_dflash(str(tmp_path / "d"), target)
@@ -196,6 +207,7 @@ def test_a_layer_count_transformers_refuses_is_an_export_error_naming_the_file(t
     with pytest.raises(ExportError, match=says):
         load_dflash(str(tmp_path / "d"), target)
     del cfg["layer_types"], cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
+    del cfg["eagle_aux_hidden_state_layer_ids"]  # vLLM's copy of the ids (they would disagree with the default)
     (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ExportError, match=r"model.safetensors: tensor names do not match the config: missing "
                                           r"\['layers.2.input_layernorm.weight'"):
@@ -496,3 +508,22 @@ def test_a_drafter_with_its_own_mask_embedding_exports_it_and_its_files_list_it(
     assert saved["mask_token_id"] == MASK_ID and torch.equal(saved["embedding"], mine.mask_embedding)
     assert drafter_files(fsspec.filesystem("file"), str(tmp_path / "d"))[-1] == "mask_embedding.pt"
     assert torch.equal(load_dflash(str(tmp_path / "d"), target).mask_embedding, mine.mask_embedding)
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("lm_head.weight", r"its own vocab head \(lm_head\)"),
+    ("model.embed_tokens.weight", r"its own input embeddings \(embed_tokens\)"),
+    ("d2t", r"a reduced draft vocabulary \(d2t\)"),
+])
+def test_a_drafter_shipping_tensors_vllm_would_use_instead_of_the_targets_is_refused_by_name(tmp_path, target,
+                                                                                          drafter, name, says):
+    """vLLM's load_weights takes a drafter's own embed_tokens / lm_head, and d2t for a reduced draft vocabulary:
+    eval with the target's would measure another drafter than the one served."""
+    def add(folder):
+        tensors = load_file(folder / "model.safetensors")
+        save_file({**tensors, name: torch.zeros(4, 2)}, folder / "model.safetensors")
+    folder = _save_and_edit(tmp_path, drafter, add)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=rf"model.safetensors: this drafter ships {says}, which this "
+                                              "implementation does not run"):
+            read()

@@ -361,6 +361,8 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
     layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
+    if _given_layer_ids(raw) is not None or dims or "num_target_layers" in raw:  # else placeholders
+        _check_aux_layers(path, raw, layer_ids)
     raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": layer_ids}
     # without the target: the depth its ids need (only the drafter's own tensors are checked then)
     raw.setdefault("num_target_layers", dims[2] if dims else max(layer_ids, default=0) + 1)
@@ -423,10 +425,23 @@ def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:
 
 # drafter variants whose extra weights or rules this implementation does not have: refused by name rather
 # than mis-run (or refused later by a tensor-name mismatch that does not say why)
+# config keys (in dflash_config or at the top level, as vLLM and SGLang read them) of what this implementation does
+# not run: a drafter that sets one would be measured as another drafter than the one served
 _UNSUPPORTED = {
     "conv_kernel_size": "DFlash 2 block convolutions", "selector_rank": "a DFlash 2 candidate selector",
     "attention_sink_bias": "attention sink biases", "add_swa_attention_sink_bias": "attention sink biases",
+    "attention_value_scale": "scaled attention values (attention_value_scale)",
+    "quantization_config": "quantized weights (quantization_config)",
+    # speculators' flag for drafting from the anchor slot's own output, which DFlash does not do
+    "sample_from_anchor": "drafts from the anchor slot (sample_from_anchor)",
 }
+# tensors vLLM loads besides the ones the config makes (qwen3_dflash.py load_weights)
+_UNSUPPORTED_TENSORS = {
+    "embed_tokens.": "its own input embeddings (embed_tokens)", "lm_head.": "its own vocab head (lm_head)",
+    "d2t": "a reduced draft vocabulary (d2t)", "t2d": "a reduced draft vocabulary (t2d)",
+    ".weight_packed": "quantized weights",
+}
+_RUN_ELSEWHERE = "which this implementation does not run; evaluate it with the serving engine instead"
 
 
 def _check_supported(path: str, raw: dict[str, Any]) -> None:
@@ -434,9 +449,23 @@ def _check_supported(path: str, raw: dict[str, Any]) -> None:
     extras = [what for key, what in _UNSUPPORTED.items() if dflash.get(key) or raw.get(key)]
     if raw.get("is_neox_style") is False or raw.get("rope_is_neox_style") is False:
         extras.append("interleaved (non-NeoX) RoPE")
+    if dflash.get("use_aux_hidden_state", raw.get("use_aux_hidden_state")) is False:
+        extras.append("no projection of the target's features (use_aux_hidden_state false)")
+    if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size")):
+        extras.append(f"a reduced draft vocabulary (draft_vocab_size {raw['draft_vocab_size']})")
     if extras:
-        raise ExportError(f"{path}: this drafter has {', '.join(sorted(set(extras)))}, which this implementation "
-                          "does not run; evaluate it with the serving engine instead")
+        raise ExportError(f"{path}: this drafter has {', '.join(sorted(set(extras)))}, {_RUN_ELSEWHERE}")
+
+
+def _check_aux_layers(path: str, raw: dict[str, Any], layer_ids: list[int]) -> None:
+    """vLLM captures the layers eagle_aux_hidden_state_layer_ids names (its numbering: DFlash's + 1) before it
+    reads dflash_config; SGLang reads only dflash_config (or its default spread): a config whose two disagree is
+    served two ways, and measured here as SGLang serves it."""
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    if isinstance(aux, list) and aux and [i + 1 for i in layer_ids] != aux:
+        raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} (what vLLM captures) are not the "
+                          f"target layers {layer_ids} + 1 (what SGLang and this implementation feed the drafter): "
+                          "it would be served two ways; make them agree with the layers it was trained on")
 
 
 def config_block_size(config: dict[str, Any]) -> Any:
@@ -471,6 +500,8 @@ def _check_tensors(path: str, shapes: dict[str, tuple[int, ...]], expected: dict
     """The tensors' names and shapes (from the file or its header) against those the config makes."""
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
+    if extras := sorted({what for name in unexpected for part, what in _UNSUPPORTED_TENSORS.items() if part in name}):
+        raise ExportError(f"{path}: this drafter ships {', '.join(extras)}, {_RUN_ELSEWHERE}")
     if missing or unexpected:
         raise ExportError(
             f"{path}: tensor names do not match the config: missing {missing}, unexpected {unexpected}"
