@@ -2,6 +2,7 @@
 
 import json
 import logging
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -13,10 +14,15 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from dflash_core.model.attention import LayerAttention
 from dflash_core.model.config import ModelConfig
-from dflash_core.model.drafter import DrafterError, build_drafter, default_target_layer_ids
+from dflash_core.model.drafter import DFlashDrafter, DrafterError, build_drafter, default_target_layer_ids
 from dflash_core.model.export import (
     ExportError,
+    _checked_config,
     check_drafter_folder,
+    config_block_size,
+    config_layer_attention,
+    config_layer_ids,
+    config_layout,
     drafter_files,
     load_dflash,
     read_drafter_config,
@@ -527,3 +533,89 @@ def test_a_drafter_shipping_tensors_vllm_would_use_instead_of_the_targets_is_ref
         with pytest.raises(ExportError, match=rf"model.safetensors: this drafter ships {says}, which this "
                                               "implementation does not run"):
             read()
+
+
+PUBLISHED = Path(__file__).parent / "fixtures" / "drafter_configs"  # SOURCES.md there says where each is from
+DFLASH2 = r"DFlash 2's block convolutions and candidate selector \(architectures \['DFlash2DraftModel'\]\)"
+
+
+def published_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors vLLM's qwen3_dflash.py loads for a config (q/k/v/o, q/k norms, SwiGLU MLP per layer; fc over
+    the target layers the config names), written from the config here, not by the loader under test."""
+    h, heads, kv, dim = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    ffn, k = cfg["intermediate_size"], len(cfg["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (heads * dim, h), p + "self_attn.k_proj.weight": (kv * dim, h),
+                   p + "self_attn.v_proj.weight": (kv * dim, h), p + "self_attn.o_proj.weight": (h, heads * dim),
+                   p + "self_attn.q_norm.weight": (dim,), p + "self_attn.k_norm.weight": (dim,),
+                   p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                   p + "mlp.down_proj.weight": (h, ffn)}
+    return shapes
+
+
+def header_only_folder(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> str:
+    """config.json + a model.safetensors whose header lists `shapes` (bf16) and whose data is a hole of the size
+    the header gives: the folder check reads headers and sizes only, and a published drafter's GBs stay sparse."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(folder / "model.safetensors", "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little") + text)
+        fh.truncate(8 + len(text) + offset)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("name", "num_target_layers", "served"), [
+    ("qwen3_5_122b_a10b_dflash_trimmed", 48, {
+        "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45], "block_size": 16, "mask_token_id": 248077,
+        "layer_attention": [LayerAttention()] * 6,
+        "layout": {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9216},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000}}),
+    # vLLM serves both with a per-head attention sink and values scaled by 0.612
+    ("mimo_v2_5_pro_fp4_dflash", None, r"attention sink biases, scaled attention values \(attention_value_scale\)"),
+    # served by vLLM's and SGLang's DFlash 2 paths, under an architecture of its own
+    ("qwen3_8_27b_dflash2", None, DFLASH2),
+    ("muse_glimmer_30b_dflash2", None, DFLASH2),
+])
+def test_a_published_drafter_config_is_read_as_served_or_refused_by_name(tmp_path, name, num_target_layers, served):
+    """Every published config.json collected (tests/fixtures/drafter_configs): read with the target layers, block
+    size, mask id, per-layer attention, head layout and RoPE vLLM serves it with, or refused by name with what
+    this implementation does not run, before a tensor is read. Before, the DFlash 2 drafters were refused as a
+    folder that is no DFlash drafter ("architectures must include 'DFlashDraftModel'")."""
+    cfg = json.loads((PUBLISHED / f"{name}.json").read_text())
+    layers = num_target_layers or cfg["num_target_layers"]
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"], "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1024}))
+    if isinstance(served, str):
+        folder = header_only_folder(tmp_path / "d", cfg, {"fc.weight": (1, 1)})
+        for given in (None, str(target)):
+            with pytest.raises(ExportError, match=served + ", which this implementation does not run") as err:
+                check_drafter_folder(folder, given)
+            assert str(tmp_path / "d" / "config.json") in str(err.value)
+        return
+    folder = header_only_folder(tmp_path / "d", cfg, published_shapes(cfg))
+    assert check_drafter_folder(folder, str(target)) == cfg
+    assert check_drafter_folder(folder) == cfg
+    assert config_layer_ids(cfg, layers) == served["target_layer_ids"]
+    assert config_block_size(cfg) == served["block_size"]
+    assert cfg["dflash_config"]["mask_token_id"] == served["mask_token_id"]
+    assert config_layer_attention(cfg) == served["layer_attention"]
+    assert config_layout(cfg) == served["layout"]
+    with torch.device("meta"):  # the loader's own drafter for it, no memory
+        built = DFlashDrafter(_checked_config("config.json", cfg, (cfg["hidden_size"], cfg["vocab_size"], layers)),
+                              torch.nn.Embedding(1, 1), torch.nn.Linear(1, 1, bias=False))
+    assert {k: tuple(v.shape) for k, v in built.state_dict().items()} == published_shapes(cfg)
+    assert built.config.rope_parameters == served["rope_parameters"]

@@ -168,6 +168,9 @@ def read_drafter_config(uri: str) -> dict[str, Any]:
 
 def _drafter_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     raw = read_config_json(fs, path)
+    if variants := [what for name, what in _OTHER_DRAFTERS.items() if name in (raw.get("architectures") or [])]:
+        raise ExportError(f"{path}: this drafter has {', '.join(variants)} (architectures {raw['architectures']}), "
+                          f"{_RUN_ELSEWHERE}")
     if ARCHITECTURE not in raw.get("architectures", []):
         raise ExportError(f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}")
     return raw
@@ -442,6 +445,10 @@ _UNSUPPORTED_TENSORS = {
     ".weight_packed": "quantized weights",
 }
 _RUN_ELSEWHERE = "which this implementation does not run; evaluate it with the serving engine instead"
+# DFlash variants the serving engines load under an architecture of their own (vLLM's qwen3_dflash2.py, SGLang's
+# DFlash 2 path): refused by name, as the same features under DFlashDraftModel are (_UNSUPPORTED), not as a folder
+# that is no drafter (the published z-lab/Qwen3.8-27B-DFlash2 and z-lab/Muse-Glimmer-30B-DFlash2 are these)
+_OTHER_DRAFTERS = {"DFlash2DraftModel": "DFlash 2's block convolutions and candidate selector"}
 
 
 def _check_supported(path: str, raw: dict[str, Any]) -> None:
