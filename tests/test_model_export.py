@@ -182,6 +182,7 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     ({"dflash_config": {"attention_value_scale": 0.707}}, r"scaled attention values \(attention_value_scale\)"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantized weights \(quantization_config\)"),
     ({"dflash_config": {"sample_from_anchor": True}}, "drafts from the anchor slot"),
+    ({"dflash_config": {"projector_type": "domino"}}, r"a domino projector \(projector_type 'domino'\)"),
     ({"dflash_config": {"use_aux_hidden_state": False}}, r"use_aux_hidden_state false"),
     ({"use_aux_hidden_state": False}, r"use_aux_hidden_state false"),
     ({"draft_vocab_size": 32}, r"a reduced draft vocabulary \(draft_vocab_size 32\)"),

@@ -458,6 +458,9 @@ def _check_supported(path: str, raw: dict[str, Any]) -> None:
         extras.append("interleaved (non-NeoX) RoPE")
     if dflash.get("use_aux_hidden_state", raw.get("use_aux_hidden_state")) is False:
         extras.append("no projection of the target's features (use_aux_hidden_state false)")
+    # SGLang's and speculators' Domino drafters: a prefix GRU and a correction head over the DFlash block
+    if (projector := dflash.get("projector_type", raw.get("projector_type"))) not in (None, "dflash"):
+        extras.append(f"a {projector} projector (projector_type {projector!r})")
     if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size")):
         extras.append(f"a reduced draft vocabulary (draft_vocab_size {raw['draft_vocab_size']})")
     if extras:
