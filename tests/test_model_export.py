@@ -186,6 +186,8 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     ({"dflash_config": {"use_aux_hidden_state": False}}, r"use_aux_hidden_state false"),
     ({"use_aux_hidden_state": False}, r"use_aux_hidden_state false"),
     ({"draft_vocab_size": 32}, r"a reduced draft vocabulary \(draft_vocab_size 32\)"),
+    ({"attention_bias": True}, r"attention projection biases \(attention_bias\)"),
+    ({"target_hidden_size": 128}, r"a projection from a target of another width \(target_hidden_size 128\)"),
     # vLLM captures these, SGLang the dflash_config ones
     ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"eagle_aux_hidden_state_layer_ids \[0, 1, 2\] \(what vLLM "
      r"captures\) are not the target layers \[0, 1, 2\] \+ 1"),
@@ -620,3 +622,32 @@ def test_a_published_drafter_config_is_read_as_served_or_refused_by_name(tmp_pat
                               torch.nn.Embedding(1, 1), torch.nn.Linear(1, 1, bias=False))
     assert {k: tuple(v.shape) for k, v in built.state_dict().items()} == published_shapes(cfg)
     assert built.config.rope_parameters == served["rope_parameters"]
+
+
+def test_a_config_naming_its_mask_id_at_the_top_level_is_read_as_vllm_and_sglang_read_it(tmp_path, target, drafter):
+    """vLLM's qwen3_dflash.py takes dflash_config.mask_token_id, else the top-level mask_token_id; SGLang too."""
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["mask_token_id"] = cfg["dflash_config"].pop("mask_token_id")
+        (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _save_and_edit(tmp_path, drafter, edit)
+    check_drafter_folder(folder)
+    assert load_dflash(folder, target).mask_token_id == MASK_ID
+
+
+def test_tensor_names_vllm_renames_are_read_under_its_names(tmp_path, target):
+    """vLLM's loader maps EAGLE-3's `midlayer.` to `layers.0.` and `encoder.fc.` / `encoder.output_norm_enc.` to
+    `fc.` / `hidden_norm.` (qwen3_dflash.py hf_to_vllm_mapper): a drafter saved so loads as vLLM serves it."""
+    one = tiny_drafter(target, layers=1)
+
+    def rename(folder):
+        tensors = load_file(folder / "model.safetensors")
+        names = {"layers.0.": "midlayer.", "fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+        renamed = {next((new + k[len(old):] for old, new in names.items() if k.startswith(old)), k): v
+                   for k, v in tensors.items()}
+        assert "midlayer.mlp.up_proj.weight" in renamed and "encoder.fc.weight" in renamed
+        save_file(renamed, folder / "model.safetensors")
+    folder = _save_and_edit(tmp_path, one, rename)
+    check_drafter_folder(folder)
+    loaded = load_dflash(folder, target)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in one.state_dict().items())

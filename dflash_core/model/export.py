@@ -214,12 +214,25 @@ def read_weights(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, torch.Te
         path = posixpath.join(root, name)
         try:
             with fs.open(path, "rb") as fh:
-                tensors.update(load_safetensors(fh.read()))
+                tensors.update({_tensor_name(k): v for k, v in load_safetensors(fh.read()).items()})
         except FileNotFoundError:
             raise _missing_weights(path) from None
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise ExportError(f"{path}: not a readable safetensors file: {exc}") from None
     return tensors
+
+
+# tensor names vLLM's DFlash loader renames (qwen3_dflash.py hf_to_vllm_mapper): EAGLE-3's name of a one-layer
+# drafter's layer, and the encoder names some published drafters give fc and hidden_norm
+_RENAMED = (("midlayer.", "layers.0."), ("encoder.output_norm_enc.", "hidden_norm."), ("encoder.fc.", "fc."))
+
+
+def _tensor_name(name: str) -> str:
+    """A drafter tensor's name as this implementation (and vLLM, after its renames) calls it."""
+    for old, new in _RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
@@ -331,7 +344,7 @@ def _check_whole(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, tuple[in
     try:
         tensors = {k: t for k, t in header.items() if k != "__metadata__"}
         end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
-        shapes = {k: tuple(int(d) for d in t["shape"]) for k, t in tensors.items()}
+        shapes = {_tensor_name(k): tuple(int(d) for d in t["shape"]) for k, t in tensors.items()}
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         raise ExportError(f"{path}: not a safetensors file (its header lists no tensors as safetensors does)") from None
     if size != 8 + length + end:
@@ -355,27 +368,30 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     vocab size and layers), the features this implementation runs, transformers' own validation and each layer's
     attention. ExportError names `path` and the fault."""
     raw = dict(raw)
-    dflash: Any = raw.get("dflash_config")
+    dflash: Any = raw.get("dflash_config", {})
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
     missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
-    if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+    if not isinstance(dflash, dict):
+        raise ExportError(f"{path}: dflash_config must be a JSON object, got {dflash!r}")
+    if (mask_token_id := config_mask_token_id(raw)) is None:
         missing.append("dflash_config.mask_token_id")
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
+    dflash = {**dflash, "mask_token_id": mask_token_id}
     layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
     if _given_layer_ids(raw) is not None or dims or "num_target_layers" in raw:  # else placeholders
         _check_aux_layers(path, raw, layer_ids)
     raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": layer_ids}
     # without the target: the depth its ids need (only the drafter's own tensors are checked then)
     raw.setdefault("num_target_layers", dims[2] if dims else max(layer_ids, default=0) + 1)
+    _check_supported(path, raw)  # before the fit: a drafter narrower than its target is refused by that name
     if dims:
         _check_fits(path, raw, *dims)
         try:
             check_layer_ids(layer_ids, dims[2], served=False)  # published drafters load as they are
         except ValueError as exc:
             raise ExportError(f"{path}: dflash_config.{exc}") from None
-    _check_supported(path, raw)
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
     config = _qwen3_config(raw, path)
@@ -437,6 +453,7 @@ _UNSUPPORTED = {
     "quantization_config": "quantized weights (quantization_config)",
     # speculators' flag for drafting from the anchor slot's own output, which DFlash does not do
     "sample_from_anchor": "drafts from the anchor slot (sample_from_anchor)",
+    "attention_bias": "attention projection biases (attention_bias)",
 }
 # tensors vLLM loads besides the ones the config makes (qwen3_dflash.py load_weights)
 _UNSUPPORTED_TENSORS = {
@@ -461,6 +478,8 @@ def _check_supported(path: str, raw: dict[str, Any]) -> None:
     # SGLang's and speculators' Domino drafters: a prefix GRU and a correction head over the DFlash block
     if (projector := dflash.get("projector_type", raw.get("projector_type"))) not in (None, "dflash"):
         extras.append(f"a {projector} projector (projector_type {projector!r})")
+    if raw.get("target_hidden_size") not in (None, raw.get("hidden_size")):
+        extras.append(f"a projection from a target of another width (target_hidden_size {raw['target_hidden_size']})")
     if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size")):
         extras.append(f"a reduced draft vocabulary (draft_vocab_size {raw['draft_vocab_size']})")
     if extras:
@@ -476,6 +495,14 @@ def _check_aux_layers(path: str, raw: dict[str, Any], layer_ids: list[int]) -> N
         raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} (what vLLM captures) are not the "
                           f"target layers {layer_ids} + 1 (what SGLang and this implementation feed the drafter): "
                           "it would be served two ways; make them agree with the layers it was trained on")
+
+
+def config_mask_token_id(config: dict[str, Any]) -> Any:
+    """A drafter config's mask token id: dflash_config.mask_token_id, else a top-level `mask_token_id` (vLLM and
+    SGLang read it there too); None when it says neither."""
+    dflash = config.get("dflash_config")
+    mask_token_id = dflash.get("mask_token_id") if isinstance(dflash, dict) else None
+    return config.get("mask_token_id") if mask_token_id is None else mask_token_id
 
 
 def config_block_size(config: dict[str, Any]) -> Any:

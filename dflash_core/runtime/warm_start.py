@@ -26,6 +26,7 @@ from dflash_core.model.export import (
     config_layer_attention,
     config_layer_ids,
     config_layout,
+    config_mask_token_id,
     drafter_location,
     read_config_json,
     read_mask_embedding,
@@ -131,8 +132,9 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
                              f"({len(extra)} extra); check model.num_draft_layers")
     drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=True)
     try:  # its mask embedding, if it ships one, stays with the weights trained on it (and is exported with them)
-        mask_token_id = (config.get("dflash_config") or {}).get("mask_token_id", drafter.mask_token_id)
-        mask = read_mask_embedding(fs, root, mask_token_id, drafter.config.hidden_size)
+        mask_token_id = config_mask_token_id(config)
+        mask = read_mask_embedding(fs, root, drafter.mask_token_id if mask_token_id is None else mask_token_id,
+                                   drafter.config.hidden_size)
     except ExportError as exc:
         raise WarmStartError(f"train.init_from {uri}: {exc}") from None
     drafter.mask_embedding = None if mask is None else mask.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
