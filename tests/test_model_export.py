@@ -635,6 +635,18 @@ def test_a_config_naming_its_mask_id_at_the_top_level_is_read_as_vllm_and_sglang
     assert load_dflash(folder, target).mask_token_id == MASK_ID
 
 
+def test_a_config_with_the_target_depth_and_softcap_in_dflash_config_is_read_as_sglang_reads_it(tmp_path, target,
+                                                                                               drafter):
+    def edit(folder, deeper=0):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["dflash_config"] |= {"num_target_layers": cfg.pop("num_target_layers") + deeper,
+                                 "final_logit_softcapping": 30.0}
+        (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_dflash(_save_and_edit(tmp_path, drafter, edit), target).softcap == 30.0
+    with pytest.raises(ExportError, match=r"trained for another target: num_target_layers=5 but the target has 4"):
+        load_dflash(_save_and_edit(tmp_path, drafter, lambda folder: edit(folder, deeper=1)), target)
+
+
 def test_tensor_names_vllm_renames_are_read_under_its_names(tmp_path, target):
     """vLLM's loader maps EAGLE-3's `midlayer.` to `layers.0.` and `encoder.fc.` / `encoder.output_norm_enc.` to
     `fc.` / `hidden_norm.` (qwen3_dflash.py hf_to_vllm_mapper): a drafter saved so loads as vLLM serves it."""

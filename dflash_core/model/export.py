@@ -376,6 +376,9 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
         raise ExportError(f"{path}: dflash_config must be a JSON object, got {dflash!r}")
     if (mask_token_id := config_mask_token_id(raw)) is None:
         missing.append("dflash_config.mask_token_id")
+    for key in ("num_target_layers", "final_logit_softcapping"):  # SGLang reads these in dflash_config too
+        if key not in raw and dflash.get(key) is not None:
+            raw[key] = dflash[key]
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
     dflash = {**dflash, "mask_token_id": mask_token_id}
