@@ -368,7 +368,7 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     vocab size and layers), the features this implementation runs, transformers' own validation and each layer's
     attention. ExportError names `path` and the fault."""
     raw = dict(raw)
-    dflash: Any = raw.get("dflash_config", {})
+    dflash: Any = {} if raw.get("dflash_config") is None else raw["dflash_config"]
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
     missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
