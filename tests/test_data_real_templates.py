@@ -20,6 +20,8 @@ from dflash_core.data.tokenize import preview_samples
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"
 MISTRAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]", "[TOOL_CALLS]"]
+QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+        "<tool_response>", "</tool_response>"]
 # template file, its special tokens (the first is the pad), bos, eos
 SPECS = {
     "qwen3": ("Qwen-Qwen3-0.6B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
@@ -67,6 +69,31 @@ SPECS = {
                                              "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                                              "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"],
              "[BOS]", "[EOS]"),
+    "qwen35": ("Qwen-Qwen3.5-4B", QWEN, None, "<|im_end|>"),
+    "qwen3coder": ("Qwen-Qwen3-Coder-30B-A3B-Instruct", QWEN, None, "<|im_end|>"),
+    "glm47": ("zai-org-GLM-4.7-Flash", ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                       "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
+                                       "</tool_response>"], None, "<|endoftext|>"),
+    "seedoss": ("ByteDance-Seed-Seed-OSS-36B-Instruct", ["<seed:pad>", "<seed:bos>", "<seed:eos>", "<seed:think>",
+                                                         "</seed:think>", "<seed:tool_call>", "</seed:tool_call>",
+                                                         "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"],
+                "<seed:bos>", "<seed:eos>"),
+    "granite4": ("ibm-granite-granite-4.0", ["<|pad|>", "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>",
+                                              "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+                 None, "<|end_of_text|>"),
+    "nemotron3": ("nvidia-NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", ["<unk>", "<|im_start|>", "<|im_end|>", "<think>",
+                                                                "</think>", "<tool_call>", "</tool_call>",
+                                                                "<tool_response>", "</tool_response>"], None,
+                  "<|im_end|>"),
+    "apertus": ("swiss-ai-Apertus-8B-Instruct", ["<pad>", "<s>", "</s>", "<|system_start|>", "<|system_end|>",
+                                                 "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
+                                                 "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                                                 "<|inner_prefix|>", "<|inner_suffix|>", "<|tools_prefix|>",
+                                                 "<|tools_suffix|>"], "<s>", "<|assistant_end|>"),
+    "ministral3": ("mistralai-Ministral-3-14B-Reasoning-2512", [
+        *MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[CALL_ID]", "[ARGS]", "[THINK]", "[/THINK]", "[IMG]"],
+        "<s>", "</s>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -155,7 +182,7 @@ def _supervised(record: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_only_replies_are_supervised_under_real_templates(name: str, thinking: str) -> None:
     records = _preview(name, thinking)
-    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>", "gemma4": "<turn|>", "kimi": "<|im_end|>"}.get(
+    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>", "glm47": "<|user|>", "gemma4": "<turn|>", "kimi": "<|im_end|>"}.get(
         name, SPECS[name][3])  # what ends a reply
     for rid, record in records.items():
         if not record["kept"]:
@@ -165,6 +192,10 @@ def test_only_replies_are_supervised_under_real_templates(name: str, thinking: s
         assert spans and LAST_REPLY[rid] in spans[-1], (name, thinking, rid, spans)
         assert spans[-1].rstrip("\n").endswith(eos), (name, thinking, rid, spans[-1])
         assert not any(text in span for span in spans for text in USER_TEXTS), (name, thinking, rid, spans)
+        if rid in ("tools", "parallel"):  # the turn of calls is learnt too, without the tool's result
+            calls = spans[:-1]
+            assert calls and "get_weather" in calls[0] and "Paris" in calls[0], (name, thinking, rid, spans)
+            assert not any("temp" in span for span in calls), (name, thinking, rid, spans)
     assert records["single"]["kept"] and records["multi"]["kept"]
 
 
@@ -330,7 +361,7 @@ CUT_AT_TAG = {"r1distill": ("mentions-tag", "mentions-tag-earlier"), "dsv31": ("
 
 @pytest.mark.parametrize("thinking", ["strip", "keep"])
 @pytest.mark.parametrize("name", ["qwen3", "llama31", "glm45", "r1distill", "dsv31", "qwq", "nemotron", "gemma4",
-                                  "minimax", "kimi"])
+                                  "minimax", "kimi", "qwen35", "glm47", "nemotron3", "seedoss", "ministral3"])
 def test_inline_reasoning_is_read_once_and_a_reply_that_mentions_the_tag_is_text(name: str, thinking: str) -> None:
     """Reasoning given as a field and again inline in the content was left in the content: under strip Qwen3's
     template re-read it as reasoning and supervised it, Llama's trained it as text, under keep it came twice. A
@@ -408,7 +439,8 @@ def test_kimi_calls_are_named_by_ids_of_the_shape_its_model_writes() -> None:
     assert identity["tool_call_ids"].startswith("functions.<name>:<n>") and identity["renders_tools"], identity
 
 
-@pytest.mark.parametrize("name", ["gemma4", "minimax", "kimi", "qwen3", "glm45"])
+@pytest.mark.parametrize("name", ["gemma4", "minimax", "kimi", "qwen3", "glm45", "qwen35", "glm47", "nemotron3",
+                                  "seedoss", "ministral3"])
 def test_reasoning_of_the_turn_in_progress_is_kept_or_the_record_dropped(name: str) -> None:
     """Under thinking keep, a turn of tool calls after the last user turn is the model's own turn in progress: its
     reasoning must be learnt with it. Kimi K2's template renders reasoning only after the last reply without calls
@@ -427,7 +459,13 @@ def test_reasoning_of_the_turn_in_progress_is_kept_or_the_record_dropped(name: s
     opener = {"gemma4": "<|channel>thought\nR need the weather<channel|><|tool_call>call:get_weather{",
               "minimax": "R need the weather\n</think>\n\n\n<minimax:tool_call>\n<invoke name=\"get_weather\">",
               "qwen3": "<think>\nR need the weather\n</think>\n\n<tool_call>",
-              "glm45": "\n<think>R need the weather</think>\n<tool_call>get_weather"}[name]
+              "glm45": "\n<think>R need the weather</think>\n<tool_call>get_weather",
+              # the generation prompt pre-fills the opener (<think>\n, <think>): the calls follow the reasoning
+              "qwen35": "R need the weather\n</think>\n\n<tool_call>\n<function=get_weather>",
+              "glm47": "R need the weather</think><tool_call>get_weather",
+              "nemotron3": "R need the weather\n</think>\n<tool_call>\n<function=get_weather>",
+              "seedoss": "<seed:think>R need the weather</seed:think>\n<seed:tool_call>\n<function=get_weather>",
+              "ministral3": "[THINK]R need the weather[/THINK][TOOL_CALLS]get_weather[ARGS]"}[name]
     for rid in ("reasoned", "open", "answered"):
         if rid == "answered" and name == "gemma4":  # a reply's thought channel is cut from its content
             assert not out[rid]["kept"] and out[rid]["reason"] == "reasoning_dropped_by_template", out[rid]
@@ -439,8 +477,8 @@ def test_reasoning_of_the_turn_in_progress_is_kept_or_the_record_dropped(name: s
         assert "Weather in Paris?" not in "".join(_supervised(out[rid])) and "temp" not in calls
     if name != "gemma4":
         answer = _supervised(out["answered"])[-1]
-        assert "R it is mild" in answer and answer.rstrip("\n").endswith(SPECS[name][3] if name != "glm45" else
-                                                                          "<|user|>"), answer
+        assert "R it is mild" in answer and answer.rstrip("\n").endswith(
+            SPECS[name][3] if name not in ("glm45", "glm47") else "<|user|>"), answer
 
 
 def test_gemma4_writes_a_turns_text_after_its_calls_so_such_a_turn_is_a_policy_drop() -> None:
@@ -455,7 +493,7 @@ def test_gemma4_writes_a_turns_text_after_its_calls_so_such_a_turn_is_a_policy_d
         assert record["reason"] in POLICY_REASONS
     think = json.loads(json.dumps(_tool_variants()["text"]))  # a tool named like a special token's word
     think[2]["tool_calls"][0]["function"]["name"] = think[3]["name"] = "think"
-    for name in ("qwen3", "glm45", "minimax", "kimi", "dsv31"):
+    for name in ("qwen3", "glm45", "minimax", "kimi", "dsv31", "qwen35", "apertus", "ministral3"):
         for thinking in ("strip", "keep"):
             records = _preview(name, thinking, {**_tool_variants(), "think": think})
             for rid in ("text", "think"):
@@ -515,3 +553,35 @@ def test_kimi_call_ids_count_the_calls_of_the_whole_conversation() -> None:
     assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in text, text
     assert "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>" in text, text
     assert "## Return of functions.get_time:1\n{\"time\": \"9:00\"}" in text
+
+
+def test_apertus_calls_whose_results_follow_in_the_same_turn_are_learnt_through_their_closing_token() -> None:
+    """Apertus writes a turn of calls, their results and the reply after them as one assistant turn
+    ('<|tools_prefix|>[...]<|tools_suffix|>[results]reply<|assistant_end|>'): no end-of-turn and no header follows
+    the calls, so a turn of calls only was an empty span: the record was kept and its calls never learnt. The
+    calls now run through the last special token before the result; the result is never learnt."""
+    for thinking in ("strip", "keep"):
+        records = _preview("apertus", thinking, {**RECORDS, "open": RECORDS["tools"][:4]})
+        for rid in ("tools", "parallel", "open"):
+            assert records[rid]["kept"], (thinking, rid, records[rid])
+            spans = _supervised(records[rid])
+            assert spans[0].startswith('<|tools_prefix|>[{"get_weather": {"city": "Paris"}}') and spans[0].endswith(
+                "]<|tools_suffix|>"), (thinking, rid, spans)
+            assert not any("temp" in span or "9:00\"" in span for span in spans), (thinking, rid, spans)
+        assert _supervised(records["tools"])[1] == "It is 18 degrees.<|assistant_end|>"
+
+
+def test_reasoning_read_as_a_thinking_chunk_is_written_as_the_template_writes_it() -> None:
+    """Ministral 3 Reasoning's template reads reasoning only from a content chunk {'type': 'thinking'} and writes it
+    as '[THINK]...[/THINK]'; it was taken for gpt-oss's `thinking` field, which it never reads, so under thinking
+    keep every reasoned record was dropped as reasoning_dropped_by_template. The reasoning now goes inline between
+    the marks the template writes a thinking chunk with; after a pre-filled nothing the model writes [THINK]."""
+    reason = _preview("ministral3", "keep")["reason"]
+    assert reason["kept"], reason
+    assert _supervised(reason) == ["[THINK]R1 think one[/THINK]A1 three</s>", "[THINK]R2 think two[/THINK]A2 six</s>"]
+    assert "<think>" not in "".join(t for t, _ in reason["segments"])
+    strip = _preview("ministral3", "strip")["reason"]
+    assert _supervised(strip) == ["A1 three</s>", "A2 six</s>"], strip
+    from dflash_core.data.template import reasoning_field
+    assert reasoning_field((FIXTURES / "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text()) is None
+    assert reasoning_field((FIXTURES / "openai-gpt-oss-120b.jinja").read_text()) == "thinking"

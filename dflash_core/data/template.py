@@ -129,14 +129,18 @@ def for_template(tokenizer: Any, messages: Messages) -> Messages:
     return (system_folded(messages) or messages) if fold else messages
 
 
-def chat_template_inputs(conv: Conversation, thinking: str = "strip",
-                         template: str | None = None) -> tuple[Messages, dict[str, Any]]:
+_INLINE = ("<think>\n", "\n</think>\n\n")  # what an inline reasoning block is written between, by default
+
+
+def chat_template_inputs(conv: Conversation, thinking: str = "strip", template: str | None = None,
+                         inline: tuple[str, str] = _INLINE) -> tuple[Messages, dict[str, Any]]:
     """(messages, kwargs) for tokenizer.apply_chat_template(messages, **kwargs), per data.thinking.
 
     strip: reasoning is removed and the template is told enable_thinking=False (Qwen3 then writes the empty
     think block its thinking-off prompts end with). keep: reasoning goes in the field the template reads
-    (reasoning_field: `reasoning_content`, gpt-oss's `thinking`) or else inline as a `<think>` block before the
-    content; enable_thinking=True. The record's tools go in as tools=."""
+    (reasoning_field: `reasoning_content`, gpt-oss's `thinking`) or else inline before the content, between the
+    `inline` pair (a `<think>` block; a template that reads reasoning as a content chunk writes it between its own
+    marks: ChatEncoder learns them); enable_thinking=True. The record's tools go in as tools=."""
     keep = thinking == "keep"
     field = reasoning_field(template)
     messages = []
@@ -144,7 +148,7 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
         m = dict(m)
         reasoning = m.pop("reasoning_content", None)
         if keep and reasoning and field is None:
-            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
+            m["content"] = f"{inline[0]}{reasoning}{inline[1]}{m['content'] or ''}"
         elif keep and reasoning and field is not None:
             m[field] = reasoning
         elif field == "reasoning_content" and m["role"] == "assistant" and "</think>" in (m.get("content") or ""):
@@ -159,15 +163,17 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip",
 
 
 _THINKING_FIELD = re.compile(r"""\.thinking\b|\[\s*["']thinking["']\s*\]|["']thinking["']\s+in\s""")
+# a content chunk of type thinking (Ministral 3 Reasoning's {'type': 'thinking', 'thinking': ...}): not a field
+_THINKING_CHUNK = re.compile(r"""(\[\s*["']type["']\s*\]|\.type)\s*==\s*["']thinking["']""")
 
 
 def reasoning_field(template: str | None) -> str | None:
     """The message field a chat template reads reasoning from: reasoning_content (Qwen3, DeepSeek; also when the
-    template is not known), thinking (gpt-oss), or None when it reads neither (the reasoning goes inline as a
-    <think> block)."""
+    template is not known), thinking (gpt-oss), or None when it reads neither (the reasoning goes inline: as a
+    <think> block, or as the template writes a thinking content chunk where it reads those)."""
     if template is None or "reasoning_content" in template:
         return "reasoning_content"
-    return "thinking" if _THINKING_FIELD.search(template) else None
+    return "thinking" if _THINKING_FIELD.search(template) and not _THINKING_CHUNK.search(template) else None
 
 
 class ChatEncoder:
@@ -189,6 +195,7 @@ class ChatEncoder:
         # set by _renders_tools: the ids the template's calls need: "" (as in the data), _SHORT_IDS (it refuses
         # calls without a 9-character id: Mistral's) or _NAMED_IDS (it writes a call's id, not its name: Kimi K2's)
         self.call_ids = ""
+        self.inline = self._learn_inline()
         self.eot = self._learn_eot()
         self.prompts = self._learn_prompts()
         self.headers = self._learn_headers()
@@ -231,7 +238,7 @@ class ChatEncoder:
     def inputs(self, conv: Conversation) -> tuple[Messages, dict[str, Any]]:
         """This encoder's chat_template_inputs of a conversation (tool call arguments as the JSON text a
         template that joins them into its text needs, or as objects)."""
-        messages, kwargs = chat_template_inputs(conv, self.thinking, self.template)
+        messages, kwargs = chat_template_inputs(conv, self.thinking, self.template, self.inline)
         if self.call_ids:
             messages = _with_call_ids(messages, named=self.call_ids == _NAMED_IDS)
         if self.string_arguments:
@@ -264,6 +271,27 @@ class ChatEncoder:
     def _plain(self, *turns: tuple[str, str]) -> tuple[Messages, dict[str, Any]]:
         return self.inputs(Conversation([{"role": r, "content": c} for r, c in turns]))
 
+    def _learn_inline(self) -> tuple[str, str]:
+        """What inline reasoning is written between: a template that reads reasoning from a content chunk of type
+        thinking and from no message field (Ministral 3 Reasoning's '[THINK]...[/THINK]') writes it so; it renders a
+        reply given as [thinking chunk, text chunk] as the same reply given as text with the reasoning inline between
+        these marks. Else a <think> block. (Given in a field it read nothing, the reasoning of every reply was lost
+        and each record dropped as reasoning_dropped_by_template.)"""
+        if reasoning_field(self.template) is not None or not _THINKING_CHUNK.search(self.template):
+            return _INLINE
+        user = {"role": "user", "content": _MARK.format(0)}
+        reply, answer = _MARK.format(2), _MARK.format(3)
+        plain = self._render_one([user, {"role": "assistant", "content": answer}], {})
+        chunked = self._render_one([user, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": reply}, {"type": "text", "text": answer}]}], {})
+        if not isinstance(plain, str) or not isinstance(chunked, str) or answer not in plain:
+            return _INLINE
+        before, after = plain.split(answer, 1)
+        if not (chunked.startswith(before) and chunked.endswith(answer + after) and reply in chunked):
+            return _INLINE
+        opener, rest = chunked[len(before):len(chunked) - len(answer + after)].split(reply, 1)
+        return (opener, rest) if opener.strip() and rest.strip() else _INLINE
+
     def _learn_eot(self) -> str:
         """The end-of-turn text the template writes right after an assistant's content (e.g. <|im_end|>)."""
         probes = ([("user", "u"), ("assistant", "a")], [("system", "s"), ("user", "u"), ("assistant", "a")])
@@ -278,10 +306,13 @@ class ChatEncoder:
 
     def _learn_prompts(self) -> list[str]:
         """What add_generation_prompt appends (e.g. '<|im_start|>assistant\\n'): the model writes what follows;
-        with this thinking setting first, then with thinking on (Qwen3's plain header, for earlier turns)."""
+        with this thinking setting first, then with thinking on (Qwen3's plain header, for earlier turns), then off:
+        a template renders a turn without reasoning as its thinking-off prompt pre-fills it (GLM-4.7's
+        '<|assistant|></think>', Nemotron 3's '<think></think>'), so under thinking keep a turn of tool calls only
+        is anchored on that too, as its text would be."""
         messages, kwargs = self._plain(("user", "u"))
         prompts = []
-        for thinking in (kwargs["enable_thinking"], True):
+        for thinking in (kwargs["enable_thinking"], True, False):
             bare, prompted = (self._render_one(messages, {**kwargs, "enable_thinking": thinking,
                                                           "add_generation_prompt": gen}) for gen in (False, True))
             if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
@@ -572,7 +603,13 @@ class ChatEncoder:
             if hi == len(text):
                 return start, hi
             header = text.rfind(self.opener, end, hi) if self.opener else -1
-            return start, header if header >= 0 else end
+            if header >= 0:
+                return start, header
+            # no header either: the results follow inside the same turn (Apertus' '<|tools_prefix|>[...]<|tools_suffix|>'
+            # then '[result]'), so the calls end with the last special token before the result (else the turn of
+            # calls only was an empty span, kept and never learnt)
+            closing = max((at + len(s) for s in self._specials if (at := text.rfind(s, end, hi)) >= 0), default=end)
+            return start, closing
         if self.eot:
             return start, end + len(self.eot) if text.startswith(self.eot, end) else end
         stop = next((s for s in self.stops.values() if text.startswith(s, end)), "")
