@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from common.models import MASK_ID, random_batch, save_tiny_qwen3, tiny_drafter, tiny_target
+from common.models import MASK_ID, VOCAB, random_batch, save_tiny_qwen3, tiny_drafter, tiny_target
 
 from dflash_core.model.config import ModelConfig
 from dflash_core.model.drafter import DrafterError, build_drafter, check_target_fit, default_target_layer_ids
@@ -494,3 +494,28 @@ def test_an_anchor_whose_block_would_reach_the_padding_is_no_candidate(target):
     anchors, valid = d.sample_anchors(loss_mask, attention, torch.Generator().manual_seed(0))
     assert anchors[1][valid[1]].tolist() == [0, 1, 2, 3]
     assert anchors[0][valid[0]].max() <= 12 - B  # row 0, no padding: a + B <= S
+
+
+def test_a_longrope_target_rotating_part_of_each_head_gives_factors_for_the_drafters_whole_heads():
+    """Phi-4-mini rotates 3/4 of each head with LongRoPE, one factor per rotated frequency: the drafter's whole
+    heads have more frequencies, and copying the factors as they were crashed its RoPE ("size of tensor a (4)
+    must match the size of tensor b (8)") on the first step. Each drafter frequency takes the factor the target
+    gives the same wavelength, so the wavelengths they share rotate alike."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from dflash_core.model.target import TargetModel
+
+    torch.manual_seed(0)
+    phi = Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, partial_rotary_factor=0.5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5, 2.0, 4.0],
+                         "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 256})).eval()
+    drafter = build_drafter(TargetModel(phi), ModelConfig(target="x"), MASK_ID)
+    rope = drafter.config.rope_parameters
+    assert rope["short_factor"] == [1.0, 1.25, 1.5, 1.75, 2.0, 3.0, 4.0, 4.0]
+    assert rope["long_factor"] == [2.0, 2.5, 3.0, 4.0, 5.0, 7.0, 9.0, 9.0]
+    assert "partial_rotary_factor" not in rope
+    torch.testing.assert_close(drafter.rotary_emb.inv_freq[::2], phi.model.rotary_emb.inv_freq)
+    logits = drafter.draft_block(torch.zeros(1, 5, 64), anchor_token=7, position=5)
+    assert logits.shape == (drafter.block_size, VOCAB) and torch.isfinite(logits).all()

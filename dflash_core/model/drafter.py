@@ -97,7 +97,7 @@ def drafter_config(
     shape = drafter_layout(target_config, layout)
     target_rope = config_value(target_config, "rope_parameters") or {
         "rope_type": "default", "rope_theta": float(config_value(target_config, "rope_theta", 10000.0))}
-    rope = drafter_rope(target_rope, kind)
+    rope = drafter_rope(target_rope, kind, shape["head_dim"])
     # DFlash's own fields: PretrainedConfig keeps unknown keyword arguments as attributes (and in config.json)
     dflash_fields: dict[str, Any] = {"block_size": block_size, "num_target_layers": num_target_layers,
                                      "dflash_config": dflash_section(mask_token_id, target_layer_ids, mask_token)}
@@ -179,8 +179,9 @@ def dflash_section(mask_token_id: int, target_layer_ids: Sequence[int], mask_tok
 _PARTIAL, _MROPE = "partial_rotary_factor", ("mrope_section", "mrope_interleaved")
 
 
-def drafter_rope(target_rope: dict[str, Any], kind: str = "target") -> dict[str, Any]:
-    """A new drafter's rope_parameters: the target's type, theta and scaling; whole heads, no M-RoPE sections.
+def drafter_rope(target_rope: dict[str, Any], kind: str = "target", head_dim: int | None = None) -> dict[str, Any]:
+    """A new drafter's rope_parameters: the target's type, theta and scaling; whole heads of `head_dim`, no M-RoPE
+    sections.
 
     Copying a Qwen3.5 target's `partial_rotary_factor: 0.25` would have the engines rotate a quarter of each
     head, which the drafter was never trained with. A target whose RoPE differs by layer type (Gemma 3 and 4:
@@ -188,7 +189,9 @@ def drafter_rope(target_rope: dict[str, Any], kind: str = "target") -> dict[str,
     layers see the whole context, as those do. The drafter's RoPE is its own (the engines build it from its
     config.json), so any one RoPE is served as trained; this one keeps the target's long-range wavelengths.
     Gemma 4's "proportional" RoPE on whole heads is linear scaling by its factor (plain RoPE at factor 1): written
-    so, a type every engine's Qwen3 layers know."""
+    so, a type every engine's Qwen3 layers know. LongRoPE's per-frequency factors (Phi-3/4) are resampled to the
+    drafter's head_dim / 2 frequencies where the count differs (Phi-4-mini rotates 3/4 of each head: 48 factors
+    for a 64-frequency drafter head): each drafter frequency takes the factor the target gives that wavelength."""
     if any(isinstance(v, dict) for v in target_rope.values()):
         by_type = {name: v for name, v in target_rope.items() if isinstance(v, dict)}
         if FULL not in by_type:
@@ -200,7 +203,23 @@ def drafter_rope(target_rope: dict[str, Any], kind: str = "target") -> dict[str,
     if rope.get("rope_type") == "proportional":
         factor = float(rope.pop("factor", 1.0))
         rope = {**rope, "rope_type": "default"} if factor == 1.0 else {**rope, "rope_type": "linear", "factor": factor}
+    if rope.get("rope_type") == "longrope" and head_dim is not None:
+        rope.update({key: resample_factors(rope[key], head_dim // 2)
+                     for key in ("short_factor", "long_factor") if isinstance(rope.get(key), list)})
     return rope
+
+
+def resample_factors(factors: Sequence[float], count: int) -> list[float]:
+    """LongRoPE factors, one per frequency, for `count` frequencies: frequency j of n rotates by theta^(-j/n)
+    whatever the head width, so j takes the (linearly interpolated) factor of the target's frequency j * m / n
+    of m, the same wavelength. Unchanged when the counts agree."""
+    if len(factors) == count:
+        return [float(f) for f in factors]
+    old = torch.tensor(factors, dtype=torch.float64)
+    at = torch.arange(count, dtype=torch.float64) * len(factors) / count
+    low = at.floor().long().clamp(max=len(factors) - 1)
+    high = (low + 1).clamp(max=len(factors) - 1)
+    return [float(f) for f in torch.lerp(old[low], old[high], at - low)]
 
 
 def rotary_embedding(config: Qwen3Config) -> Qwen3RotaryEmbedding:
