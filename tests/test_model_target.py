@@ -210,3 +210,52 @@ def test_a_multimodal_checkpoint_with_no_causal_lm_class_is_a_target(tmp_path):
     out.weighted_loss_sum.backward()
     assert torch.isfinite(out.weighted_loss_sum)
     assert drafter.draft_block(target.capture(ids[:1, :6], None, drafter.target_layer_ids), 3, 6).shape == (4, 96)
+
+
+def _tiny_gemma3n_config():
+    from transformers import Gemma3nTextConfig
+
+    return Gemma3nTextConfig(vocab_size=100, vocab_size_per_layer_input=100, hidden_size=64, hidden_size_per_layer_input=16,
+                             intermediate_size=[128] * 4, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                             num_kv_shared_layers=0, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4)
+
+
+def test_a_gemma_3n_target_is_refused_by_name_before_any_work(tmp_path):
+    """Gemma 3n's layers output four AltUp streams ([4, batch, seq, hidden]): captured as they were they made
+    [4, 1, S, K*H] features, and the drafter's head layout read its per-layer MLP widths as a crash on the rank
+    after tokenize and plan. Refused from config.json alone (check_target_fit, before tokenize and torchrun) and
+    when loaded (dflash eval), saying what and what to do."""
+    from transformers import Gemma3nForCausalLM
+
+    from dflash_core.model.config import ModelConfig
+    from dflash_core.model.drafter import check_target_fit
+
+    config = _tiny_gemma3n_config()
+    with pytest.raises(TargetError, match=r"'gemma3n_text' \(Gemma 3n\) is not supported: its decoder layers carry "
+                                          r"4 AltUp streams.*Gemma 3 or 4"):
+        TargetModel(Gemma3nForCausalLM(config))
+    config.save_pretrained(tmp_path / "gemma3n")
+    with pytest.raises(TargetError, match=r"\(Gemma 3n\) is not supported"):
+        check_target_fit(ModelConfig(target=str(tmp_path / "gemma3n")))
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "falcon_h1"])
+def test_the_last_layer_of_a_target_whose_final_norm_is_not_called_norm_is_captured_normed(kind):
+    """A published drafter evaluated as it is may name the target's last layer, whose output transformers gives
+    after the final norm: LFM2 calls it `embedding_norm`, Falcon-H1 `final_layernorm`, and `base.norm` was an
+    AttributeError with a traceback."""
+    from transformers import AutoModelForCausalLM, FalconH1Config, Lfm2Config
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2}
+    config = (Lfm2Config(**shape, block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"] * 2)
+              if kind == "lfm2" else FalconH1Config(**shape, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                                                    mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                                                    mamba_chunk_size=16))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    reference = model.model(ids, output_hidden_states=True).hidden_states
+    got = TargetModel(model).capture(ids, None, [1, 3])
+    torch.testing.assert_close(got, torch.cat([reference[2], reference[4]], dim=-1), rtol=1e-5, atol=1e-5)

@@ -43,7 +43,14 @@ from dflash_core.model.loss import (
     soft_cap,
     weighted_sum,
 )
-from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
+from dflash_core.model.target import (
+    TargetError,
+    TargetModel,
+    check_layer_ids,
+    target_dims,
+    target_text_config,
+    unsupported_target,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -583,9 +590,13 @@ class DFlashDrafter(nn.Module):
 
 
 def check_target_fit(cfg: ModelConfig) -> None:
-    """The drafter settings against the target's config alone (no weights read), before any data work: the layer
-    ids (given, or the default spread for its depth) and a given mask id; DrafterError. Nothing when the config
+    """The drafter settings against the target's config alone (no weights read), before any data work: an
+    architecture that cannot be a target (TargetError), the layer ids (given, or the default spread for its depth)
+    and a given mask id; DrafterError. Nothing when the config
     cannot be read here (loading the target then says why)."""
+    if (config := target_text_config(cfg.target, cfg.trust_remote_code)) is not None and (
+            why := unsupported_target(config)) is not None:
+        raise TargetError(why)
     dims = target_dims(cfg.target, cfg.trust_remote_code)
     if dims is None:
         return

@@ -30,6 +30,8 @@ class TargetModel:
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval().requires_grad_(False)
         self.config = model.config.get_text_config()  # a multimodal checkpoint's (Gemma 3/4) nests it
+        if (why := unsupported_target(self.config)) is not None:
+            raise TargetError(why)
         self.embed_tokens = cast(nn.Embedding, model.get_input_embeddings())
         self.lm_head = cast(nn.Linear, model.get_output_embeddings())
         self._layers = _decoder_layers(model)
@@ -105,7 +107,29 @@ class TargetModel:
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        return base.norm(hidden)
+        norm = next((getattr(base, name) for name in _FINAL_NORMS if hasattr(base, name)), None)
+        if norm is None:
+            raise TargetError(f"{type(base).__name__}: no final norm found (looked for {', '.join(_FINAL_NORMS)}), "
+                              "so the last layer's output cannot be given as transformers' hidden_states has it; "
+                              "use a drafter whose target_layer_ids leave out the last layer")
+        return norm(hidden)
+
+
+# the final norm's name in transformers' decoders: most, Falcon-H1 and the like, LFM2
+_FINAL_NORMS = ("norm", "final_layernorm", "embedding_norm")
+
+
+def unsupported_target(config: PretrainedConfig) -> str | None:
+    """Why a target's text config cannot feed a drafter, None when it can (read from the config alone: said before
+    any data work). Gemma 3n's layers carry `altup_num_inputs` AltUp streams ([streams, batch, seq, hidden]), not
+    one hidden state per token."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if streams := getattr(config, "altup_num_inputs", None):
+        return (f"target model_type {kind!r} (Gemma 3n) is not supported: its decoder layers carry {streams} AltUp "
+                "streams per token rather than one hidden state, which neither this pipeline nor the serving "
+                "engines' DFlash capture; train the drafter for a target whose layers give one (Gemma 3 or 4, "
+                "Qwen3, Llama, ...)")
+    return None
 
 
 def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
