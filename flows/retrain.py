@@ -54,6 +54,9 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
         tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards,
                              records=unmapped(records)).result()
     summary = tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
+    from dflash_core.regenerate.stage import check_kept
+
+    check_kept(summary)  # else tokenize fails on an empty output without saying why it is empty
     counts = {key: summary.get(key) for key in ("read", "kept", "dropped", "tokens_generated", "out")}
     return config.model_copy(update={"data": config.data.model_copy(update={"source": out})}), counts
 

@@ -1201,3 +1201,18 @@ def test_tools_are_not_sent_unless_send_tools_and_a_model_the_server_lacks_is_na
         assert all(r["tools"] == tools for r in output_records(tmp_path / "out"))
         with pytest.raises(EndpointError, match=r"serves \['m'\], not 'other'"):
             regenerate_dataset(source, str(tmp_path / "other"), data_config(source, endpoints=[url], model="other"))
+
+
+def test_a_regenerate_that_kept_nothing_is_refused_with_its_drops_and_the_settings_to_change():
+    """A target that never stops (a fresh or random checkpoint) has every reply cut at max_tokens: the flow went on
+    to tokenize and failed there with "no records in its 1 file(s) (empty, blank lines only, or an empty array)",
+    which names neither regenerate nor why."""
+    from dflash_core.regenerate.errors import RegenerateError
+    from dflash_core.regenerate.stage import check_kept
+
+    check_kept({"read": 16, "kept": 1, "dropped": {"truncated": 15}, "out": "/r"})
+    check_kept({"read": 0, "kept": 0, "dropped": {}, "out": "/r"})  # nothing read: the input's own error says so
+    with pytest.raises(RegenerateError, match=r"kept none of the 16 records it read, dropped \{'truncated': 16\} "
+                                              r"\(replies cut at max_tokens: raise data.regenerate.max_tokens, or set "
+                                              r"data.regenerate.keep_truncated: true .*\); examples in /r/manifest.json"):
+        check_kept({"read": 16, "kept": 0, "dropped": {"truncated": 16}, "out": "/r"})

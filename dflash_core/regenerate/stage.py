@@ -77,6 +77,18 @@ class Item:
     chat: Chat | Drop
 
 
+def check_kept(summary: dict[str, Any]) -> None:
+    """RegenerateError when the stage kept no record of those it read: tokenize would only find an empty output.
+    Names the drops and, for replies cut at max_tokens (a target that never stops), the settings to change."""
+    if summary.get("kept") or not summary.get("read"):
+        return
+    dropped = summary.get("dropped") or {}
+    hint = (" (replies cut at max_tokens: raise data.regenerate.max_tokens, or set data.regenerate.keep_truncated: "
+            "true to train on them)" if "truncated" in dropped else "")
+    raise RegenerateError(f"regenerate kept none of the {summary['read']} records it read, dropped {dropped}{hint}; "
+                          f"examples in {summary.get('out')}/manifest.json")
+
+
 def thinking_enabled(data: DataConfig) -> bool:
     """The reasoning switch, shared with tokenize and eval: `data.thinking: keep` turns it on."""
     return data.thinking == "keep"
