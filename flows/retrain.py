@@ -16,6 +16,7 @@ from dflash_core.errors import UsageError
 from dflash_core.model.drafter import check_target_fit
 from dflash_core.model.instances import read_instances
 from dflash_core.promotion.store import check_incumbent
+from dflash_core.regenerate.stage import check_kept
 from dflash_core.runtime.warm_start import check_init_from
 from flows import storage, tasks, unchanged
 from flows.artifacts import md_text, publish_summary, stop_reason
@@ -54,8 +55,6 @@ def _regenerated(config: PipelineConfig, root: str) -> tuple[PipelineConfig, dic
         tasks.regenerate.map(unmapped(config), unmapped(fingerprint), unmapped(out), shards,
                              records=unmapped(records)).result()
     summary = tasks.cached(tasks.regenerate, out, "manifest.json")(config, fingerprint, out)
-    from dflash_core.regenerate.stage import check_kept
-
     check_kept(summary)  # else tokenize fails on an empty output without saying why it is empty
     counts = {key: summary.get(key) for key in ("read", "kept", "dropped", "tokens_generated", "out")}
     return config.model_copy(update={"data": config.data.model_copy(update={"source": out})}), counts
