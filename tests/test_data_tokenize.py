@@ -270,6 +270,27 @@ def test_a_tokenizers_named_chat_templates_are_part_of_its_fingerprint(tmp_path:
     assert tokenizer_digest(str(folder)) != digest
 
 
+def test_the_model_type_a_tokenizer_is_loaded_as_is_part_of_its_fingerprint(tmp_path: Path) -> None:
+    """A tokenizer_config.json naming transformers 5's generic TokenizersBackend is loaded as the class of the
+    config.json beside it (Qwen2Tokenizer beside a qwen2 config): the same files beside another model type are
+    another tokenizer, so their tokens are not reused."""
+    from dflash_core.data.fingerprint import tokenizer_digest
+
+    folder = tmp_path / "tok"
+    AutoTokenizer.from_pretrained(tokenizer_dir("chatml")).save_pretrained(folder)
+    alone = tokenizer_digest(str(folder))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
+    as_qwen2 = tokenizer_digest(str(folder))
+    assert type(AutoTokenizer.from_pretrained(folder)).__name__ == "Qwen2Tokenizer" and as_qwen2 != alone
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 16}))
+    assert tokenizer_digest(str(folder)) == as_qwen2  # the rest of the model's config does not tokenize
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
+    assert tokenizer_digest(str(folder)) != as_qwen2
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert tokenizer_digest("org/model", AutoTokenizer.from_pretrained(folder)) != tokenizer_digest(
+        "org/model", AutoTokenizer.from_pretrained(tokenizer_dir("chatml")))  # by hub id: the class loaded counts
+
+
 def test_a_tokenizer_named_by_hub_id_is_fingerprinted_by_what_it_loads(tmp_path: Path) -> None:
     """A hub id has no local files to hash: the digest is over the loaded tokenizer (its vocabulary and merges, its
     chat template, its special tokens), the same for the same tokenizer loaded again, another when the template or

@@ -56,14 +56,28 @@ def tokenizer_digest(path: str, tokenizer: Any | None = None) -> str:
         for name in names + named_templates(path):
             with open(os.path.join(path, name), "rb") as fh:
                 h.update(f"{name}\0".encode() + fh.read())
+        h.update(f"model_type\0{_model_type(path)}".encode())
         return h.hexdigest()
     if tokenizer is None:
         from dflash_core.data.template import load_tokenizer
 
         tokenizer = load_tokenizer(path)
-    state = [tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map]
+    state = [tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map,
+             type(tokenizer).__name__]
     h.update(json.dumps(state, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def _model_type(folder: str) -> str | None:
+    """config.json's model_type beside a tokenizer: a tokenizer_config.json naming the generic TokenizersBackend
+    (what transformers 5 saves) is loaded as the model type's own tokenizer class, which may tokenize otherwise
+    (Qwen2Tokenizer splits digits), so the same tokenizer files beside another config are another tokenizer."""
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 _SAMPLE = 1 << 20  # bytes of each end of a weight file a model digest reads
