@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 PIP_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: demo test test-fast lint example-assets bench clean-example constraints
+.PHONY: demo test test-fast lint example-assets bench constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
