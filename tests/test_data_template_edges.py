@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from common.chat import CHATML, tokenizer_dir
 
 from dflash_core.data.formats import Conversation, to_conversation
@@ -91,3 +92,36 @@ def test_a_reply_ending_in_a_character_split_over_tokens_is_supervised_whole() -
     assert len(tok.encode("🦜", add_special_tokens=False)) > 1  # the case under test
     assert tok.decode(enc.ids[enc.mask == 1]).lstrip() == "the first 🦜"  # (the token " the" holds the prompt's space)
     assert int(np.flatnonzero(enc.mask)[-1]) == len(enc.ids) - 2  # through the emoji, not its "\n"
+
+
+def _chunked(open_: str, close: str, before: str = "", reverse: bool = False) -> str:
+    """CHATML that reads reasoning only as a content chunk of type thinking, written between open_ and close
+    (`before` written ahead of a message given in chunks; `reverse`: its chunks written last first)."""
+    chunks = "m['content'] | reverse" if reverse else "m['content']"
+    return ("{% for m in messages %}{% if m['content'] is not string %}" + before + "{% endif %}<|im_start|>"
+            "{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in " + chunks
+            + " %}{% if c.type == 'thinking' %}" + open_ + "{{ c['thinking'] }}" + close + "{% else %}"
+            "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize(("template", "inline"), [
+    (_chunked("<reason>\n", "\n</reason>\n"), ("<reason>\n", "\n</reason>\n")),  # its marks, spaces and all
+    (_chunked("", ""), ("<think>\n", "\n</think>\n\n")),  # no marks: a <think> block
+    (_chunked("[THINK]", ""), ("<think>\n", "\n</think>\n\n")),  # one mark only
+    (_chunked("[THINK]", "[/THINK]", reverse=True), ("<think>\n", "\n</think>\n\n")),  # after the text
+    (_chunked("[THINK]", "[/THINK]", before="X"), ("<think>\n", "\n</think>\n\n")),  # another turn around it
+])
+def test_inline_reasoning_is_written_between_the_marks_a_thinking_chunk_is_rendered_with(template, inline) -> None:
+    """A template that reads reasoning only from a content chunk of type thinking (`c.type == 'thinking'`,
+    Ministral 3's other spelling) gets it inline between the marks it writes such a chunk with, as learnt from a
+    reply given both ways; where those are not one pair around the reasoning before the text, a <think> block.
+    Reasoning over a reply with no content (a turn of calls) is written with no 'None' after it."""
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.chat_template = template
+    assert reasoning_field(template) is None
+    encoder = ChatEncoder(tok, "chunked", thinking="keep")
+    assert encoder.inline == inline
+    messages, _ = encoder.inputs(Conversation([{"role": "user", "content": "Q"},
+                                               {"role": "assistant", "content": None, "reasoning_content": "R"}]))
+    assert messages[-1]["content"] == f"{inline[0]}R{inline[1]}"

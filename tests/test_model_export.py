@@ -183,6 +183,7 @@ def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantized weights \(quantization_config\)"),
     ({"dflash_config": {"sample_from_anchor": True}}, "drafts from the anchor slot"),
     ({"dflash_config": {"projector_type": "domino"}}, r"a domino projector \(projector_type 'domino'\)"),
+    ({"projector_type": "domino"}, r"a domino projector \(projector_type 'domino'\)"),  # speculators' place
     ({"dflash_config": {"use_aux_hidden_state": False}}, r"use_aux_hidden_state false"),
     ({"use_aux_hidden_state": False}, r"use_aux_hidden_state false"),
     ({"draft_vocab_size": 32}, r"a reduced draft vocabulary \(draft_vocab_size 32\)"),
@@ -200,6 +201,46 @@ def test_a_drafter_this_cannot_run_is_refused_by_name(tmp_path, target, drafter,
     with pytest.raises(ExportError, match=says) as err:
         load_dflash(str(tmp_path / "d"), target)
     assert str(tmp_path / "d" / "config.json") in str(err.value)
+
+
+@pytest.mark.parametrize("change", [
+    {"dflash_config": {"projector_type": "dflash"}}, {"use_aux_hidden_state": True}, {"target_hidden_size": H},
+    {"draft_vocab_size": "vocab_size"}, {"eagle_aux_hidden_state_layer_ids": []},
+    {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},  # vLLM's numbering of target layers [0, 1, 2]
+])
+def test_a_drafter_whose_settings_name_what_this_runs_loads(tmp_path, target, drafter, change):
+    """The settings refused by name above, set to the plain DFlash drafter's values (the projector it has, the
+    target's width and vocabulary, the layers it feeds on), are no reason to refuse it."""
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg.update({k: {**cfg[k], **v} if isinstance(v, dict) else cfg[v] if v == "vocab_size" else v
+                for k, v in change.items()})
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    check_drafter_folder(str(tmp_path / "d"))
+    assert load_dflash(str(tmp_path / "d"), target).target_layer_ids == [0, 1, 2]
+
+
+def test_layers_vllm_captures_are_checked_whichever_way_the_config_gives_the_target_layers(tmp_path, target):
+    """eagle_aux_hidden_state_layer_ids against the layers SGLang feeds: the ids the config names (in
+    dflash_config or at the top level), else the default spread over the target's depth (given by the target or
+    by num_target_layers); a config with neither has no layers to compare and is read (its tensors checked)."""
+    one = tiny_drafter(target, layers=1)  # default spread: [2] of 4 target layers
+    save_dflash(one, str(tmp_path / "d"), dtype=torch.float32)
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+
+    def write(*drop: str, aux: int = 1) -> str:
+        cfg = json.loads(json.dumps(saved)) | {"eagle_aux_hidden_state_layer_ids": [aux]}
+        for key in drop:
+            cfg.pop(key, None), cfg["dflash_config"].pop(key, None)
+        (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / "d")
+
+    for given in (lambda: check_drafter_folder(write("num_target_layers")),  # ids named, no depth
+                  lambda: check_drafter_folder(write("target_layer_ids")),  # the spread over num_target_layers
+                  lambda: load_dflash(write("target_layer_ids", "num_target_layers"), target)):  # the target's
+        with pytest.raises(ExportError, match=r"eagle_aux_hidden_state_layer_ids \[1\] .* target layers \[2\]"):
+            given()
+    check_drafter_folder(write("target_layer_ids", "num_target_layers", aux=2))  # not against placeholder [0]
 
 
 def test_a_layer_count_transformers_refuses_is_an_export_error_naming_the_file(tmp_path, target, drafter):
@@ -313,15 +354,20 @@ def test_a_config_without_target_layers_gets_the_default_spread(tmp_path, target
 def test_top_level_target_layer_ids_are_the_ones_served(tmp_path, target):
     """A config with `target_layer_ids` at the top level and none in dflash_config: SGLang
     (dflash_utils.parse_dflash_draft_config) and vLLM (eagle3_utils.get_eagle3_aux_layers_from_config) capture
-    those layers, so loading and a warm start read them too, not the default spread ([0, 2] here)."""
-    drafter = tiny_drafter(target, layers=2, target_layer_ids=[1, 2])
+    those layers, so loading and a warm start read them too, not the default spread ([2] here)."""
+    drafter = tiny_drafter(target, layers=1, target_layer_ids=[1, 2])
     save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float32)
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     cfg["target_layer_ids"] = cfg["dflash_config"].pop("target_layer_ids")
     del cfg["num_target_layers"]
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     assert load_dflash(str(tmp_path / "d"), target).target_layer_ids == [1, 2]
-    load_warm_start(tiny_drafter(target, layers=2, target_layer_ids=[1, 2], seed=9), str(tmp_path / "d"))
+    check_drafter_folder(str(tmp_path / "d"))  # without the target too: fc over the 2 layers named
+    load_warm_start(tiny_drafter(target, layers=1, target_layer_ids=[1, 2], seed=9), str(tmp_path / "d"))
+    # named in both places: dflash_config's, which both engines read first
+    cfg["dflash_config"]["target_layer_ids"], cfg["target_layer_ids"] = [1, 2], [0, 3]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert load_dflash(str(tmp_path / "d"), target).target_layer_ids == [1, 2]
 
 
 def test_load_missing_folder_says_what_is_expected(tmp_path, target):
@@ -483,6 +529,8 @@ def test_a_shipped_mask_embedding_replaces_the_mask_row_as_vllm_embeds_it(tmp_pa
     # a bare tensor (any shape of H values) is read too, as vLLM reshapes it
     torch.save(vec[None], tmp_path / "d" / "mask_embedding.pt")
     assert torch.equal(load_dflash(folder, target).mask_embedding, vec)
+    torch.save({"embedding": vec}, tmp_path / "d" / "mask_embedding.pt")  # and a dict that names no id
+    assert torch.equal(load_dflash(folder, target).mask_embedding, vec)
     check_drafter_folder(folder, save_tiny_qwen3(tmp_path / "target"))  # the check before a warm start passes it
 
 
@@ -501,9 +549,16 @@ def test_a_mask_embedding_that_does_not_fit_is_refused_before_training_and_at_lo
         load_dflash(folder, target)
 
 
+class Pickled:
+    """An object no weights-only load unpickles (its class is code)."""
+
+
 def test_an_unreadable_mask_embedding_file_says_what_to_do(tmp_path, target, drafter):
     folder = _save_and_edit(tmp_path, drafter, lambda d: (d / "mask_embedding.pt").write_bytes(b"not torch"))
     with pytest.raises(ExportError, match=r"mask_embedding\.pt: not a readable torch file .*copy the drafter folder"):
+        load_dflash(folder, target)
+    torch.save(Pickled(), tmp_path / "d" / "mask_embedding.pt")  # read with weights_only: no class is run
+    with pytest.raises(ExportError, match=r"mask_embedding\.pt: not a readable torch file \(UnpicklingError"):
         load_dflash(folder, target)
 
 
@@ -517,12 +572,17 @@ def test_a_drafter_with_its_own_mask_embedding_exports_it_and_its_files_list_it(
     assert saved["mask_token_id"] == MASK_ID and torch.equal(saved["embedding"], mine.mask_embedding)
     assert drafter_files(fsspec.filesystem("file"), str(tmp_path / "d"))[-1] == "mask_embedding.pt"
     assert torch.equal(load_dflash(str(tmp_path / "d"), target).mask_embedding, mine.mask_embedding)
+    save_dflash(mine, str(tmp_path / "bf16"))  # in the dtype of the export, as the weights are
+    saved = torch.load(tmp_path / "bf16" / "mask_embedding.pt", weights_only=True)
+    assert saved["embedding"].dtype == torch.bfloat16 and torch.equal(saved["embedding"], mine.mask_embedding.bfloat16())
 
 
 @pytest.mark.parametrize(("name", "says"), [
     ("lm_head.weight", r"its own vocab head \(lm_head\)"),
     ("model.embed_tokens.weight", r"its own input embeddings \(embed_tokens\)"),
     ("d2t", r"a reduced draft vocabulary \(d2t\)"),
+    ("t2d", r"a reduced draft vocabulary \(t2d\)"),
+    ("layers.0.mlp.up_proj.weight_packed", "quantized weights"),  # compressed-tensors' packed int4
 ])
 def test_a_drafter_shipping_tensors_vllm_would_use_instead_of_the_targets_is_refused_by_name(tmp_path, target,
                                                                                           drafter, name, says):
@@ -633,6 +693,20 @@ def test_a_config_naming_its_mask_id_at_the_top_level_is_read_as_vllm_and_sglang
     folder = _save_and_edit(tmp_path, drafter, edit)
     check_drafter_folder(folder)
     assert load_dflash(folder, target).mask_token_id == MASK_ID
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    # a null dflash_config reads as none (the ids at the top level); one that is no object is refused
+    for dflash, ok in ((None, True), ([], False)):
+        (tmp_path / "d" / "config.json").write_text(json.dumps(cfg | {
+            "dflash_config": dflash, "target_layer_ids": drafter.target_layer_ids}))
+        if ok:
+            assert load_dflash(folder, target).mask_token_id == MASK_ID
+        else:
+            with pytest.raises(ExportError, match=r"dflash_config must be a JSON object, got \[\]"):
+                load_dflash(folder, target)
+    # given in both places: dflash_config's, which both engines read first
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg | {
+        "mask_token_id": MASK_ID + 1, "dflash_config": {**cfg["dflash_config"], "mask_token_id": MASK_ID}}))
+    assert load_dflash(folder, target).mask_token_id == MASK_ID
 
 
 def test_a_config_with_the_target_depth_and_softcap_in_dflash_config_is_read_as_sglang_reads_it(tmp_path, target,
@@ -643,6 +717,9 @@ def test_a_config_with_the_target_depth_and_softcap_in_dflash_config_is_read_as_
                                  "final_logit_softcapping": 30.0}
         (folder / "config.json").write_text(json.dumps(cfg))
     assert load_dflash(_save_and_edit(tmp_path, drafter, edit), target).softcap == 30.0
+    config = tmp_path / "d" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"final_logit_softcapping": 20.0}))
+    assert load_dflash(str(tmp_path / "d"), target).softcap == 20.0  # the top-level one, where there is one
     with pytest.raises(ExportError, match=r"trained for another target: num_target_layers=5 but the target has 4"):
         load_dflash(_save_and_edit(tmp_path, drafter, lambda folder: edit(folder, deeper=1)), target)
 

@@ -116,12 +116,16 @@ def test_a_reply_slower_than_timeout_s_says_which_setting_to_raise(monkeypatch):
 
     monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=no_wait))
 
+    sent: list[int] = []
+
     def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
         raise httpx.ReadTimeout("timed out", request=request)
 
     with pytest.raises(Unavailable, match=r"4 tries failed, last: no reply within data.regenerate.timeout_s "
                                           r"\(600 s;.*raise timeout_s"):
         asyncio.run(mock_endpoint(answer).chat({"max_tokens": 32768}))
+    assert len(sent) == 4  # a timeout is retried as the other transport errors are
 
 
 def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():
@@ -136,6 +140,31 @@ def test_a_context_refusal_that_leaves_no_room_is_not_sent_again():
     with pytest.raises(Rejected, match="4096 input tokens"):
         asyncio.run(mock_endpoint(answer).chat({"max_tokens": 512}))
     assert sent == [512]
+
+
+_UNCOUNTED = ("This model's maximum context length is 4096 tokens. However, you requested 3072 output tokens and "
+              "your prompt contains at least 1025 input tokens")
+
+
+@pytest.mark.parametrize(("body", "message", "again"), [
+    ({"max_tokens": 3072}, _UNCOUNTED, {}),  # the prompt not counted: the server gives the reply the room
+    ({"max_tokens": 3072}, _UNCOUNTED.replace(". However", ".\nHowever"), {}),  # over lines
+    ({}, _UNCOUNTED, None),  # no max_tokens to leave out: the same request would be refused again
+    ({"max_tokens": 3072}, _UNCOUNTED.replace("3072 output", "0 output"), None),
+    ({"max_tokens": 3072}, "Rate limit: you requested 3072 output tokens, more than this key's 2048 per request",
+     None),  # not about the context
+    # the room counted: asked for only where it is less than the budget sent
+    ({"max_tokens": 1000}, "maximum context length is 4096 tokens and your request has 3096 input tokens", None),
+    ({"max_tokens": 900}, "maximum context length is 4096 tokens and your request has 3096 input tokens", None),
+    ({}, "maximum context length is 4096 tokens and your request has 3096 input tokens", None),
+    ({"max_tokens": 1001}, "maximum context length is 4096 tokens and your request has 3096 input tokens",
+     {"max_tokens": 1000}),
+])
+def test_a_context_refusal_is_sent_again_only_asking_for_less(body, message, again):
+    """within_context: the request sent once more after a context-length refusal asks for less than the one
+    refused (max_tokens = the room, or none where the server limits the reply itself), or is not sent."""
+    assert client.within_context({"messages": [], **body}, message) == (None if again is None else
+                                                                        {"messages": [], **again})
 
 
 # --- odd completions --------------------------------------------------------------------------------------------------

@@ -215,3 +215,10 @@ def test_a_drafter_that_ships_a_mask_embedding_passes_it_on_to_the_one_it_seeds_
     torch.save({"mask_token_id": source.mask_token_id + 1, "embedding": vec}, tmp_path / "drafter" / "mask_embedding.pt")
     with pytest.raises(WarmStartError, match=r"train.init_from .*mask_embedding.pt: mask_token_id"):
         load_warm_start(tiny_drafter(target, seed=9), str(tmp_path / "drafter"))
+    # the file's id is checked against its own config's (as vLLM checks it), not against the seeded drafter's
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    config["dflash_config"]["mask_token_id"] = source.mask_token_id + 1
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(config))
+    fresh = tiny_drafter(target, seed=9)
+    load_warm_start(fresh, str(tmp_path / "drafter"))
+    assert torch.equal(fresh.mask_embedding, vec)
