@@ -85,14 +85,19 @@ def test_the_backoff_doubles_and_retry_after_is_honoured_within_bounds(monkeypat
     assert _waits(monkeypatch, [503], {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) == [1.0]
 
 
-def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkeypatch):
-    """A proxy's corrupt gzip body (httpx.DecodingError, a RequestError but no TransportError) is a failed try,
-    retried, and after the last one the endpoint is unavailable; before, it escaped the retries and the worker's
-    catch-all stopped the whole run."""
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """Retries without their backoff sleeps."""
     async def no_wait(seconds: float) -> None:
         return None
 
     monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=no_wait))
+
+
+def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(no_backoff):
+    """A proxy's corrupt gzip body (httpx.DecodingError, a RequestError but no TransportError) is a failed try,
+    retried, and after the last one the endpoint is unavailable; before, it escaped the retries and the worker's
+    catch-all stopped the whole run."""
     sent: list[int] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -107,15 +112,10 @@ def test_a_body_that_does_not_decode_is_retried_like_a_dropped_connection(monkey
         asyncio.run(broken.chat({}))
 
 
-def test_a_reply_slower_than_timeout_s_says_which_setting_to_raise(monkeypatch):
+def test_a_reply_slower_than_timeout_s_says_which_setting_to_raise(no_backoff):
     """vLLM and SGLang send a non-streamed reply whole, at its end: a long reply (a reasoning trace at a large
     max_tokens, a busy server) times out every try the same way. The failure names timeout_s and its value,
     which a rerun would otherwise meet again ('ReadTimeout' alone said neither)."""
-    async def no_wait(seconds: float) -> None:
-        return None
-
-    monkeypatch.setattr(client, "asyncio", ModuleWith(asyncio, sleep=no_wait))
-
     sent: list[int] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
