@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import fsspec
@@ -373,6 +374,24 @@ def test_top_level_target_layer_ids_are_the_ones_served(tmp_path, target):
 def test_load_missing_folder_says_what_is_expected(tmp_path, target):
     with pytest.raises(ExportError, match="config.json"):
         load_dflash(str(tmp_path / "nothing"), target)
+
+
+def _with_config(tmp_path, drafter, **changes) -> str:
+    """The drafter saved with config.json's top-level fields changed as given."""
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return _save_and_edit(tmp_path, drafter, edit)
+
+
+@pytest.mark.parametrize("architectures", [None, 0.5, "DFlashDraftModel"])
+def test_architectures_that_are_no_list_are_refused_naming_the_file(tmp_path, target, drafter, architectures):
+    """architectures null or a number raised TypeError (`in` on it); a string would pass by a substring."""
+    folder = _with_config(tmp_path, drafter, architectures=architectures)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: architectures must include 'DFlashDraftModel' \(a "
+                                              rf"JSON list of class names\), got {re.escape(repr(architectures))}"):
+            read()
 
 
 def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):

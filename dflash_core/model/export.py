@@ -168,11 +168,15 @@ def read_drafter_config(uri: str) -> dict[str, Any]:
 
 def _drafter_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     raw = read_config_json(fs, path)
-    if variants := [what for name, what in _OTHER_DRAFTERS.items() if name in (raw.get("architectures") or [])]:
-        raise ExportError(f"{path}: this drafter has {', '.join(variants)} (architectures {raw['architectures']}), "
+    architectures = raw.get("architectures")
+    if not isinstance(architectures, list):  # a string would pass `in` by a substring; None, a number, not at all
+        raise ExportError(f"{path}: architectures must include '{ARCHITECTURE}' (a JSON list of class names), got "
+                          f"{architectures!r}")
+    if variants := [what for name, what in _OTHER_DRAFTERS.items() if name in architectures]:
+        raise ExportError(f"{path}: this drafter has {', '.join(variants)} (architectures {architectures}), "
                           f"{_RUN_ELSEWHERE}")
-    if ARCHITECTURE not in raw.get("architectures", []):
-        raise ExportError(f"{path}: architectures must include '{ARCHITECTURE}', got {raw.get('architectures')}")
+    if ARCHITECTURE not in architectures:
+        raise ExportError(f"{path}: architectures must include '{ARCHITECTURE}', got {architectures}")
     return raw
 
 
