@@ -394,6 +394,23 @@ def test_architectures_that_are_no_list_are_refused_naming_the_file(tmp_path, ta
             read()
 
 
+@pytest.mark.parametrize("change", [
+    {"block_size": []},  # TypeError from int() in DFlashDrafter
+    {"num_target_layers": [4]},  # the same
+    {"head_dim": -5},  # torch's RuntimeError: a tensor of negative dimension
+    {"intermediate_size": 10**30},  # torch's TypeError: overflow unpacking the size
+    {"block_size": "16"}, {"num_hidden_layers": 0}, {"head_dim": 0}, {"vocab_size": True}, {"hidden_size": None},
+])
+def test_a_size_that_is_no_positive_whole_number_is_refused_naming_it(tmp_path, target, drafter, change):
+    folder = _with_config(tmp_path, drafter, **change)
+    (key, value), = change.items()
+    says = (rf"d/config.json: {key} {re.escape(repr(value))}: each size must be a whole number from 1 to "
+            f"{2**31 - 1}")
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=says):
+            read()
+
+
 def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):
     torch.manual_seed(0)
     named = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=1, block_size=4), MASK_ID, "<|mask|>")

@@ -375,7 +375,7 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     dflash: Any = {} if raw.get("dflash_config") is None else raw["dflash_config"]
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
-    missing = [k for k in ("block_size", "num_hidden_layers", "hidden_size", "vocab_size") if k not in raw]
+    missing = [k for k in _REQUIRED if k not in raw]
     if not isinstance(dflash, dict):
         raise ExportError(f"{path}: dflash_config must be a JSON object, got {dflash!r}")
     if (mask_token_id := config_mask_token_id(raw)) is None:
@@ -385,6 +385,7 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
             raw[key] = dflash[key]
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
+    _check_sizes(path, raw)
     dflash = {**dflash, "mask_token_id": mask_token_id}
     layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
     if _given_layer_ids(raw) is not None or dims or "num_target_layers" in raw:  # else placeholders
@@ -411,6 +412,22 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if not all(layer.plain for layer in layers):
         log.info("%s: layer attention %s", path, ", ".join(f"{i}: {x}" for i, x in enumerate(layers)))
     return config
+
+
+# the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out or
+# null (transformers' defaults then); a string, a list or a negative number reached torch or int() deep inside
+_REQUIRED = ("block_size", "num_hidden_layers", "hidden_size", "vocab_size")
+_SIZES = (*_REQUIRED, "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "max_position_embeddings", "num_target_layers")
+_MAX_SIZE = 2**31 - 1  # a tensor dimension the engines index with 32-bit integers
+
+
+def _check_sizes(path: str, raw: dict[str, Any]) -> None:
+    """Every size config.json gives is a whole number 1..2**31-1 (the four required ones present and not null)."""
+    bad = [f"{key} {raw[key]!r}" for key in _SIZES if key in raw and (raw[key] is not None or key in _REQUIRED)
+           and not (type(raw[key]) is int and 0 < raw[key] <= _MAX_SIZE)]
+    if bad:
+        raise ExportError(f"{path}: {', '.join(bad)}: each size must be a whole number from 1 to {_MAX_SIZE}")
 
 
 def _layer_ids(path: str, raw: dict[str, Any], num_target_layers: int | None) -> list[int]:
