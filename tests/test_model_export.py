@@ -411,6 +411,15 @@ def test_a_size_that_is_no_positive_whole_number_is_refused_naming_it(tmp_path, 
             read()
 
 
+def test_sizes_far_larger_than_the_weights_are_refused_before_the_drafter_is_built(tmp_path, target, drafter):
+    """load_dflash built the drafter before comparing the config's shapes with the file's: intermediate_size 2**30
+    asked the allocator for 1.5 TB (a RuntimeError, or on a host that overcommits, the OOM killer)."""
+    folder = _with_config(tmp_path, drafter, intermediate_size=2**30)
+    with pytest.raises(ExportError, match=r"d/model.safetensors: tensor shapes do not match the config: "
+                                          r"layers.0.mlp.gate_proj.weight \(128, 64\) != \(1073741824, 64\)"):
+        load_dflash(folder, target)
+
+
 def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):
     torch.manual_seed(0)
     named = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=1, block_size=4), MASK_ID, "<|mask|>")

@@ -150,10 +150,11 @@ def load_dflash(
     path = posixpath.join(root, CONFIG_FILE)
     config = _checked_config(path, _drafter_config_json(fs, path),
                              (target.hidden_size, target.vocab_size, target.num_layers))
-    drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, num_anchors, gamma)
     tensors = read_weights(fs, root)
-    _check_tensors(_weights_path(fs, root), {k: tuple(v.shape) for k, v in tensors.items()},
-                   {k: tuple(v.shape) for k, v in drafter.state_dict().items()})
+    # against the shapes the config makes before the drafter is built: a config's sizes may be far larger than its
+    # weights (intermediate_size 2**30 would allocate TBs), a file's tensors never are
+    _check_tensors(_weights_path(fs, root), {k: tuple(v.shape) for k, v in tensors.items()}, _expected_shapes(config))
+    drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, num_anchors, gamma)
     drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     drafter.mask_embedding = read_mask_embedding(fs, root, drafter.mask_token_id, config.hidden_size)
     return drafter.to(device=target.device, dtype=dtype)
