@@ -581,6 +581,10 @@ def test_a_shipped_mask_embedding_replaces_the_mask_row_as_vllm_embeds_it(tmp_pa
 
 @pytest.mark.parametrize("state, says", [
     ({"mask_token_id": MASK_ID + 1, "embedding": torch.zeros(H)}, rf"mask_token_id {MASK_ID + 1}, but config.json's"),
+    # an id that is no int: a tensor of two was a RuntimeError (its != is no bool), its text passed as unequal
+    ({"mask_token_id": torch.tensor([MASK_ID] * 2), "embedding": torch.zeros(H)},
+     rf"mask_token_id tensor\(\[{MASK_ID}, {MASK_ID}\]\), but config.json's"),
+    ({"mask_token_id": str(MASK_ID), "embedding": torch.zeros(H)}, rf"mask_token_id '{MASK_ID}', but config.json's"),
     ({"mask_token_id": MASK_ID, "embedding": torch.zeros(H + 1)}, rf"holds shape \({H + 1},\), not a mask embedding"),
     ({"mask_token_id": MASK_ID}, r"holds NoneType, not a mask embedding"),
     (torch.zeros(H, dtype=torch.long), r"holds shape \(64,\), not a mask embedding"),
