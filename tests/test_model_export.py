@@ -686,6 +686,15 @@ def header_only_folder(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...
     return str(folder)
 
 
+@pytest.mark.parametrize("layer_types", [0.5, 3, "sliding_attention"])
+def test_layer_types_that_are_no_list_are_refused_naming_the_field(tmp_path, target, drafter, layer_types):
+    """layer_types 0.5 was a TypeError (`in` on a float) before transformers' own check could name it."""
+    folder = _with_config(tmp_path, drafter, layer_types=layer_types)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: .*layer_types"):
+            read()
+
+
 @pytest.mark.parametrize(("name", "num_target_layers", "served"), [
     ("qwen3_5_122b_a10b_dflash_trimmed", 48, {
         "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45], "block_size": 16, "mask_token_id": 248077,

@@ -445,7 +445,8 @@ def _layer_ids(path: str, raw: dict[str, Any], num_target_layers: int | None) ->
 
 def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
     """Qwen3Config from a drafter's config.json; ExportError (naming `path`) for what transformers refuses."""
-    if SLIDING in (raw.get("layer_types") or []) and raw.get("sliding_window") and not raw.get("use_sliding_window"):
+    types = raw.get("layer_types")  # not a list: transformers' own check refuses it, naming the field
+    if isinstance(types, list) and SLIDING in types and raw.get("sliding_window") and not raw.get("use_sliding_window"):
         raw = {**raw, "use_sliding_window": True}  # transformers would drop the window the layers name
     # every rope field as written: transformers turns a 4.x-style rope_theta + rope_scaling (the published
     # drafters' spelling) into rope_parameters; without rope_theta it would fall back to 10000
