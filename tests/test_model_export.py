@@ -695,6 +695,21 @@ def test_layer_types_that_are_no_list_are_refused_naming_the_field(tmp_path, tar
             read()
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"dtype": [None]}, r"IndexError: list index out of range\); check the fields it reads itself \(dtype \[None\]\)"),
+    ({"quantization_config": []}, r"AttributeError: 'list' object has no attribute 'to_dict'\); check the fields it "
+                                  r"reads itself \(dtype .float32., quantization_config \[\]\)"),
+    ({"id2label": [1]}, r"AttributeError: .*, id2label \[1\]\): a value of the wrong type"),
+])
+def test_a_generic_field_transformers_cannot_read_is_refused_naming_it(tmp_path, target, drafter, change, says):
+    """transformers' PretrainedConfig reads dtype, quantization_config, id2label itself, without the strict
+    type check of the Qwen3 fields: a wrong type was its IndexError or AttributeError, past every except."""
+    folder = _with_config(tmp_path, drafter, **change)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: transformers cannot read it \(" + says):
+            read()
+
+
 @pytest.mark.parametrize(("name", "num_target_layers", "served"), [
     ("qwen3_5_122b_a10b_dflash_trimmed", 48, {
         "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45], "block_size": 16, "mask_token_id": 248077,

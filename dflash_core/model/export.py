@@ -455,6 +455,15 @@ def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
     except (StrictDataclassError, TypeError, ValueError) as exc:  # its strict dataclass validation, e.g.
         # `num_hidden_layers` (3) must be equal to the number of `layer_types` (2)
         raise ExportError(f"{path}: {exc.__cause__ or exc}") from None
+    except (AttributeError, IndexError, KeyError) as exc:  # PretrainedConfig's own reading of its generic fields
+        given = ", ".join(f"{key} {raw[key]!r}" for key in _GENERIC_FIELDS if key in raw)
+        raise ExportError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc}); check the fields it "
+                          f"reads itself ({given or ', '.join(_GENERIC_FIELDS)}): a value of the wrong type") from None
+
+
+# fields PretrainedConfig reads itself, not type-checked as the Qwen3 ones are: dtype [None] is an IndexError,
+# quantization_config [] an AttributeError inside transformers
+_GENERIC_FIELDS = ("dtype", "torch_dtype", "quantization_config", "id2label", "label2id", "num_labels")
 
 
 def config_layout(raw: dict[str, Any]) -> dict[str, int]:
