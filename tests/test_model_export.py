@@ -148,6 +148,27 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     assert "layer attention 0: causal, window 2048, 1: full" in caplog.text
 
 
+@pytest.mark.parametrize("change, says", [
+    # each was an error from building the drafter's rotary embedding: KeyError, TypeError (unhashable; ** None;
+    # float() of a list)
+    ({"rope_parameters": {"rope_type": None, "rope_theta": 1e4}}, r"rope_type None \(rope_parameters or rope_scaling\) "
+                                                                  r"must be one of \['default', 'linear'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": []}}, r"rope_type \[\] \(rope_parameters or rope_scaling\)"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "default", "rope_theta": None}},
+     r"rope_theta None \(rope_parameters, rope_scaling or the top level\) must be a positive number"),
+    ({"rope_parameters": None, "rope_theta": "x"}, r"rope_theta 'x' \(.*\) must be a positive number"),
+    ({"partial_rotary_factor": []}, r"partial_rotary_factor \[\] must be a number in \(0, 1\]"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
+     r"rope_parameters \{.*'factor': 'x'\} make no linear RoPE \(TypeError: .*\); give the fields transformers' "
+     r"linear RoPE takes"),
+])
+def test_a_rope_the_layers_cannot_build_is_refused_naming_the_field(tmp_path, target, drafter, change, says):
+    folder = _with_config(tmp_path, drafter, **change)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: " + says):
+            read()
+
+
 def test_layer_attention_round_trips_as_vllm_reads_it(tmp_path, target):
     """A drafter with a causal sliding-window layer exports layer_types + sliding_window (vLLM reads causal from
     the sliding type); one with windowed but not causal layers (use_swa) also writes is_causal and dflash_config.causal."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import posixpath
 import re
@@ -19,6 +20,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_core.errors import InputError
 from dflash_core.io import protocols
@@ -30,7 +32,7 @@ from dflash_core.model.attention import (
     layer_spelling,
 )
 from dflash_core.model.config import DRAFT_SETTINGS
-from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
+from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids, rotary_embedding
 from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
 
 log = logging.getLogger(__name__)
@@ -405,6 +407,7 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
     config = _qwen3_config(raw, path)
+    _check_rope(path, config)
     if not (isinstance(dflash["mask_token_id"], int) and 0 <= dflash["mask_token_id"] < config.vocab_size):
         raise ExportError(f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab")
     try:
@@ -464,6 +467,34 @@ def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
 # fields PretrainedConfig reads itself, not type-checked as the Qwen3 ones are: dtype [None] is an IndexError,
 # quantization_config [] an AttributeError inside transformers
 _GENERIC_FIELDS = ("dtype", "torch_dtype", "quantization_config", "id2label", "label2id", "num_labels")
+
+
+def _check_rope(path: str, config: Qwen3Config) -> None:
+    """The RoPE the drafter's layers build (drafter.rotary_embedding) from config.json's rope_parameters, or its
+    rope_theta + rope_scaling: transformers only warns about most wrong values, which then failed as a KeyError
+    (rope_type null), a TypeError (rope_theta null) or the like when the drafter was built."""
+    rope = config.rope_parameters or {}
+    kinds = ["default", *ROPE_INIT_FUNCTIONS]
+    rope_type, theta = rope.get("rope_type", "default"), rope.get("rope_theta", 10000.0)
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if not isinstance(rope_type, str) or rope_type not in kinds:
+        raise ExportError(f"{path}: rope_type {rope_type!r} (rope_parameters or rope_scaling) must be one of {kinds}")
+    if not (_number(theta) and 0 < theta < math.inf):
+        raise ExportError(f"{path}: rope_theta {theta!r} (rope_parameters, rope_scaling or the top level) must be a "
+                          "positive number")
+    if not (_number(partial) and 0 < partial <= 1):
+        raise ExportError(f"{path}: partial_rotary_factor {partial!r} must be a number in (0, 1]: the share of each "
+                          "head that rotates")
+    try:
+        with torch.device("meta"):  # the scaling's own fields (factor, beta_fast, ...): no memory
+            rotary_embedding(config)
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, OverflowError) as exc:
+        raise ExportError(f"{path}: rope_parameters {rope} make no {rope_type} RoPE ({type(exc).__name__}: {exc}); "
+                          f"give the fields transformers' {rope_type} RoPE takes") from None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def config_layout(raw: dict[str, Any]) -> dict[str, int]:
