@@ -707,6 +707,14 @@ def header_only_folder(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...
     return str(folder)
 
 
+def test_an_unknown_mlp_activation_is_refused_naming_it(tmp_path, target, drafter):
+    """hidden_act "nope" was a KeyError from transformers' ACT2FN when the drafter's MLP was built."""
+    folder = _with_config(tmp_path, drafter, hidden_act="nope")
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: hidden_act 'nope' is no activation transformers knows"):
+            read()
+
+
 @pytest.mark.parametrize("layer_types", [0.5, 3, "sliding_attention"])
 def test_layer_types_that_are_no_list_are_refused_naming_the_field(tmp_path, target, drafter, layer_types):
     """layer_types 0.5 was a TypeError (`in` on a float) before transformers' own check could name it."""

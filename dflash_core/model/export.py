@@ -20,6 +20,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 from transformers import Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_core.errors import InputError
@@ -407,6 +408,9 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
     config = _qwen3_config(raw, path)
+    if config.hidden_act not in ACT2FN:  # the MLP looks it up when the drafter is built: a KeyError there
+        raise ExportError(f"{path}: hidden_act {config.hidden_act!r} is no activation transformers knows (DFlash "
+                          "drafters are SwiGLU: 'silu')")
     _check_rope(path, config)
     if not (isinstance(dflash["mask_token_id"], int) and 0 <= dflash["mask_token_id"] < config.vocab_size):
         raise ExportError(f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab")
