@@ -715,6 +715,27 @@ def test_an_unknown_mlp_activation_is_refused_naming_it(tmp_path, target, drafte
             read()
 
 
+@pytest.mark.parametrize("section, change, says", [
+    # int() read these as layer numbers: the text "02" as the layers [0, 2]
+    ("dflash_config", {"target_layer_ids": [0, "2"]}, r"dflash_config.target_layer_ids: must be a list of target "
+                                                      r"layer numbers, got \[0, '2'\]"),
+    ("dflash_config", {"target_layer_ids": "02"}, r".*target_layer_ids: must be a list of target layer numbers, got '02'"),
+    ("dflash_config", {"mask_token_id": True}, r"dflash_config.mask_token_id True is outside the vocab"),
+    (None, {"final_logit_softcapping": "x"}, r"final_logit_softcapping 'x' must be a positive number"),
+])
+def test_a_dflash_field_of_another_type_is_refused_not_coerced(tmp_path, target, drafter, section, change, says):
+    """Values int() or bool() once read without complaint (a softcap "x" loaded, to fail in the first draft)."""
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        (cfg[section] if section else cfg).update(change)
+        cfg.pop("eagle_aux_hidden_state_layer_ids")  # vLLM's copy of the ids: compared with them
+        (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _save_and_edit(tmp_path, drafter, edit)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: " + says):
+            read()
+
+
 @pytest.mark.parametrize("layer_types", [0.5, 3, "sliding_attention"])
 def test_layer_types_that_are_no_list_are_refused_naming_the_field(tmp_path, target, drafter, layer_types):
     """layer_types 0.5 was a TypeError (`in` on a float) before transformers' own check could name it."""

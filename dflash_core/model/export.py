@@ -412,7 +412,10 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
         raise ExportError(f"{path}: hidden_act {config.hidden_act!r} is no activation transformers knows (DFlash "
                           "drafters are SwiGLU: 'silu')")
     _check_rope(path, config)
-    if not (isinstance(dflash["mask_token_id"], int) and 0 <= dflash["mask_token_id"] < config.vocab_size):
+    if (softcap := raw.get("final_logit_softcapping")) is not None and not (_number(softcap) and softcap > 0):
+        raise ExportError(f"{path}: final_logit_softcapping {softcap!r} must be a positive number (the target head's "
+                          "logit cap) or null")
+    if not (type(dflash["mask_token_id"]) is int and 0 <= dflash["mask_token_id"] < config.vocab_size):
         raise ExportError(f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab")
     try:
         layers = layer_attention(config)
@@ -601,7 +604,9 @@ def config_layer_ids(config: dict[str, Any], num_target_layers: int) -> list[int
             return None
         layer_ids = default_target_layer_ids(num_target_layers, int(config["num_hidden_layers"]))
         log.info("config.json has no dflash_config.target_layer_ids: using the default %s", layer_ids)
-    return [int(i) for i in layer_ids]
+    if not (isinstance(layer_ids, list) and all(type(i) is int for i in layer_ids)):  # int() read "2" and "02"
+        raise ValueError(f"must be a list of target layer numbers, got {layer_ids!r}")
+    return layer_ids
 
 
 def _check_tensors(path: str, shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
