@@ -417,7 +417,7 @@ def test_architectures_that_are_no_list_are_refused_naming_the_file(tmp_path, ta
 
 @pytest.mark.parametrize("change", [
     {"block_size": []},  # TypeError from int() in DFlashDrafter
-    {"num_target_layers": [4]},  # the same
+    {"num_target_layers": [4]}, {"num_target_layers": None},  # the same
     {"head_dim": -5},  # torch's RuntimeError: a tensor of negative dimension
     {"intermediate_size": 10**30},  # torch's TypeError: overflow unpacking the size
     {"block_size": "16"}, {"num_hidden_layers": 0}, {"head_dim": 0}, {"vocab_size": True}, {"hidden_size": None},

@@ -426,17 +426,18 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     return config
 
 
-# the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out or
-# null (transformers' defaults then); a string, a list or a negative number reached torch or int() deep inside
+# the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out (or,
+# the head layout, null: transformers' defaults then); a string, a list or a negative number reached torch or int()
 _REQUIRED = ("block_size", "num_hidden_layers", "hidden_size", "vocab_size")
 _SIZES = (*_REQUIRED, "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
           "max_position_embeddings", "num_target_layers")
+_NULLABLE = ("num_key_value_heads", "head_dim")
 _MAX_SIZE = 2**31 - 1  # a tensor dimension the engines index with 32-bit integers
 
 
 def _check_sizes(path: str, raw: dict[str, Any]) -> None:
-    """Every size config.json gives is a whole number 1..2**31-1 (the four required ones present and not null)."""
-    bad = [f"{key} {raw[key]!r}" for key in _SIZES if key in raw and (raw[key] is not None or key in _REQUIRED)
+    """Every size config.json gives is a whole number 1..2**31-1 (the head layout's may be null)."""
+    bad = [f"{key} {raw[key]!r}" for key in _SIZES if key in raw and (raw[key] is not None or key not in _NULLABLE)
            and not (type(raw[key]) is int and 0 < raw[key] <= _MAX_SIZE)]
     if bad:
         raise ExportError(f"{path}: {', '.join(bad)}: each size must be a whole number from 1 to {_MAX_SIZE}")
