@@ -222,3 +222,14 @@ def test_a_drafter_that_ships_a_mask_embedding_passes_it_on_to_the_one_it_seeds_
     fresh = tiny_drafter(target, seed=9)
     load_warm_start(fresh, str(tmp_path / "drafter"))
     assert torch.equal(fresh.mask_embedding, vec)
+
+
+def test_target_layer_ids_that_are_no_list_of_numbers_are_a_warm_start_error(tmp_path, target):
+    """load_warm_start reads the ids itself (a promoted drafter is checked at the flow's start, not by
+    check_init_from): text ids are refused, not read by int() nor raised as a bare ValueError."""
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = ["1", "2"]
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WarmStartError, match=r"target_layer_ids must be a list of target layer numbers, got \['1'"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))

@@ -143,9 +143,12 @@ def load_warm_start(drafter: DFlashDrafter, uri: str) -> None:
 def _check_layers(uri: str, config: dict, drafter: DFlashDrafter) -> None:
     """Same shapes are not enough: the block size, the target layers fed in and what each layer attends to must
     match too."""
+    try:
+        layer_ids = config_layer_ids(config, drafter.num_target_layers)
+    except (TypeError, ValueError) as exc:
+        raise WarmStartError(f"train.init_from {uri}: config.json: target_layer_ids {exc}") from None
     for key, got, want in (("block_size", config_block_size(config), drafter.block_size),
-                           ("target_layer_ids", config_layer_ids(config, drafter.num_target_layers),
-                            drafter.target_layer_ids)):
+                           ("target_layer_ids", layer_ids, drafter.target_layer_ids)):
         if got != want:
             raise WarmStartError(f"train.init_from {uri}: config.json has {key} {got}, the configured drafter "
                                  f"{want}; set model.{key} to match or train from scratch")
