@@ -863,3 +863,22 @@ def test_tensor_names_vllm_renames_are_read_under_its_names(tmp_path, target):
     check_drafter_folder(folder)
     loaded = load_dflash(folder, target)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in one.state_dict().items())
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"is_causal": "false"}, r"is_causal must be true, false or null, got 'false'"),
+    ({"dflash_config": {"causal": "false"}}, r"dflash_config.causal must be true, false or null"),
+    ({"dflash_config": {"use_swa": "yes", "swa_window_size": 4}}, r"dflash_config.use_swa must be true, false or null"),
+    ({"dflash_config": {"use_swa": True, "swa_window_size": True}}, r"its size is True"),
+    ({"eagle_aux_hidden_state_layer_ids": "1,2,3"}, r"eagle_aux_hidden_state_layer_ids must be a list"),
+])
+def test_switches_and_layer_lists_of_another_type_are_refused_not_read_as_truthy(tmp_path, target, drafter, change,
+                                                                                 says):
+    """bool("false") is True: a switch written as text would have turned causality or windows on; an
+    eagle_aux list written as text is ignored by vLLM, which then captures other layers."""
+    save_dflash(drafter, str(tmp_path / "d"))
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg.update({k: {**cfg.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()})
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=says):
+        check_drafter_folder(str(tmp_path / "d"))

@@ -100,19 +100,26 @@ def layer_attention(config: Any) -> list[LayerAttention]:
         raise AttentionError(
             f"layer_types {types} must name {n} layers, each {FULL!r} or {SLIDING!r}"
             + (f" ({unknown} are not DFlash drafter layers this implementation runs)" if unknown else ""))
-    use_swa = bool(dflash.get("use_swa", False))
+    use_swa = bool(_flag("dflash_config.use_swa", dflash.get("use_swa", False)))
     sliding = [use_swa] * n if use_swa and SLIDING not in types else [t == SLIDING for t in types]
     window = dflash.get("swa_window_size", getattr(config, "sliding_window", None))
-    if any(sliding) and not (isinstance(window, int) and window > 0):
+    if any(sliding) and not (type(window) is int and window > 0):  # not True, which is an int
         raise AttentionError(
             f"layers {[i for i, s in enumerate(sliding) if s]} attend through a sliding window but "
             f"its size is {window!r}; set sliding_window (with use_sliding_window: true) or "
             "dflash_config.swa_window_size to a positive number of tokens")
-    forced = getattr(config, "is_causal", None)
+    forced = _flag("is_causal", getattr(config, "is_causal", None))
     if forced is None:
-        forced = dflash.get("causal")
+        forced = _flag("dflash_config.causal", dflash.get("causal"))
     return [LayerAttention(window if s else None, bool(forced) if forced is not None else t == SLIDING)
             for s, t in zip(sliding, types, strict=True)]
+
+
+def _flag(name: str, value: Any) -> bool | None:
+    """A config switch as JSON writes it (true, false or null): the text "false" would read as True."""
+    if value is not None and not isinstance(value, bool):
+        raise AttentionError(f"{name} must be true, false or null, got {value!r}")
+    return value
 
 
 def resolve_attention(kind: AttentionKind, device: torch.device) -> Literal["flex", "sdpa"]:

@@ -566,7 +566,9 @@ def _check_aux_layers(path: str, raw: dict[str, Any], layer_ids: list[int]) -> N
     reads dflash_config; SGLang reads only dflash_config (or its default spread): a config whose two disagree is
     served two ways, and measured here as SGLang serves it."""
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
-    if isinstance(aux, list) and aux and [i + 1 for i in layer_ids] != aux:
+    if aux is not None and not isinstance(aux, list):  # vLLM ignores it then, and captures other layers
+        raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids must be a list of layer numbers, got {aux!r}")
+    if aux and [i + 1 for i in layer_ids] != aux:
         raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {aux} (what vLLM captures) are not the "
                           f"target layers {layer_ids} + 1 (what SGLang and this implementation feed the drafter): "
                           "it would be served two ways; make them agree with the layers it was trained on")
