@@ -233,3 +233,15 @@ def test_target_layer_ids_that_are_no_list_of_numbers_are_a_warm_start_error(tmp
     (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WarmStartError, match=r"target_layer_ids must be a list of target layer numbers, got \['1'"):
         load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))
+
+
+@pytest.mark.parametrize("section", [[1], "x", 5])
+def test_a_dflash_config_that_is_no_object_is_a_warm_start_error(tmp_path, target, section):
+    """load_warm_start reads config.json itself (a promoted drafter skips check_init_from): a dflash_config that
+    is no JSON object was an AttributeError ('list' object has no attribute 'get') from its readers."""
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    cfg["dflash_config"] = section
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WarmStartError, match=r"config.json: dflash_config must be a JSON object"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))

@@ -211,6 +211,8 @@ def read_config_json(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]
         raise ExportError(f"{path}: cannot be read: {type(exc).__name__}: {exc}{also}") from None
     if not isinstance(raw, dict):
         raise ExportError(f"{path}: not a JSON object")
+    if raw.get("dflash_config") is not None and not isinstance(raw["dflash_config"], dict):  # null reads as absent
+        raise ExportError(f"{path}: dflash_config must be a JSON object, got {raw['dflash_config']!r}")
     return raw
 
 
@@ -377,12 +379,10 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     vocab size and layers), the features this implementation runs, transformers' own validation and each layer's
     attention. ExportError names `path` and the fault."""
     raw = dict(raw)
-    dflash: Any = {} if raw.get("dflash_config") is None else raw["dflash_config"]
+    dflash = _dflash_section(raw)
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
     missing = [k for k in _REQUIRED if k not in raw]
-    if not isinstance(dflash, dict):
-        raise ExportError(f"{path}: dflash_config must be a JSON object, got {dflash!r}")
     if (mask_token_id := config_mask_token_id(raw)) is None:
         missing.append("dflash_config.mask_token_id")
     for key in ("num_target_layers", "final_logit_softcapping"):  # SGLang reads these in dflash_config too
@@ -544,7 +544,9 @@ _OTHER_DRAFTERS = {"DFlash2DraftModel": "DFlash 2's block convolutions and candi
 
 
 def _check_supported(path: str, raw: dict[str, Any]) -> None:
-    dflash = raw.get("dflash_config") or {}
+    """ExportError naming each feature `raw` sets (in dflash_config or at the top level) that this implementation
+    does not run."""
+    dflash = _dflash_section(raw)
     extras = [what for key, what in _UNSUPPORTED.items() if dflash.get(key) or raw.get(key)]
     if raw.get("is_neox_style") is False or raw.get("rope_is_neox_style") is False:
         extras.append("interleaved (non-NeoX) RoPE")
@@ -577,23 +579,28 @@ def _check_aux_layers(path: str, raw: dict[str, Any], layer_ids: list[int]) -> N
 def config_mask_token_id(config: dict[str, Any]) -> Any:
     """A drafter config's mask token id: dflash_config.mask_token_id, else a top-level `mask_token_id` (vLLM and
     SGLang read it there too); None when it says neither."""
-    dflash = config.get("dflash_config")
-    mask_token_id = dflash.get("mask_token_id") if isinstance(dflash, dict) else None
+    mask_token_id = _dflash_section(config).get("mask_token_id")
     return config.get("mask_token_id") if mask_token_id is None else mask_token_id
 
 
 def config_block_size(config: dict[str, Any]) -> Any:
     """A drafter config's block size: top-level `block_size`, else `dflash_config.block_size` (newer published
     drafters keep it there alone); None when it says neither."""
+    return config.get("block_size", _dflash_section(config).get("block_size"))
+
+
+def _dflash_section(config: dict[str, Any]) -> dict[str, Any]:
+    """A drafter config's dflash_config object; {} where it has none (read_config_json refuses one of another type,
+    which reads as none here)."""
     dflash = config.get("dflash_config")
-    return config.get("block_size", dflash.get("block_size") if isinstance(dflash, dict) else None)
+    return dflash if isinstance(dflash, dict) else {}
 
 
 def _given_layer_ids(config: dict[str, Any]) -> Any:
     """The target layers a drafter config names: dflash_config.target_layer_ids, else a top-level
     `target_layer_ids` (SGLang's parse_dflash_draft_config and vLLM's get_eagle3_aux_layers_from_config capture
     those); None when it names none."""
-    layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    layer_ids = _dflash_section(config).get("target_layer_ids")
     return config.get("target_layer_ids") if layer_ids is None else layer_ids
 
 
