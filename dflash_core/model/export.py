@@ -10,7 +10,7 @@ import math
 import os
 import posixpath
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 import fsspec
 import torch
@@ -324,7 +324,7 @@ def check_drafter_folder(uri: str, target: str | None = None, trust_remote_code:
     dims = target_dims(target, trust_remote_code) if target is not None else None
     config = _checked_config(path, raw, dims)
     _check_tensors(_weights_path(fs, root), shapes, _expected_shapes(config))
-    read_mask_embedding(fs, root, int(config.dflash_config["mask_token_id"]), config.hidden_size)
+    read_mask_embedding(fs, root, config.dflash_config["mask_token_id"], config.hidden_size)  # an int: checked
     return raw
 
 
@@ -393,8 +393,6 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     _check_sizes(path, raw)
     dflash = {**dflash, "mask_token_id": mask_token_id}
     layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
-    if _given_layer_ids(raw) is not None or dims or "num_target_layers" in raw:  # else placeholders
-        _check_aux_layers(path, raw, layer_ids)
     raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": layer_ids}
     # without the target: the depth its ids need (only the drafter's own tensors are checked then)
     raw.setdefault("num_target_layers", dims[2] if dims else max(layer_ids, default=0) + 1)
@@ -444,14 +442,17 @@ def _check_sizes(path: str, raw: dict[str, Any]) -> None:
 
 
 def _layer_ids(path: str, raw: dict[str, Any], num_target_layers: int | None) -> list[int]:
-    """config_layer_ids, faults as ExportError; with neither ids nor the target's depth, as many placeholders as
-    the default spread gives (one per drafter layer): only the shapes of the drafter's own tensors need them."""
+    """config_layer_ids (its sizes checked: _check_sizes), faults as ExportError, and as the aux layers vLLM reads
+    (_check_aux_layers); with neither ids nor the target's depth, as many placeholders as the default spread gives
+    (one per drafter layer): only the shapes of the drafter's own tensors need them."""
+    if num_target_layers is None and _given_layer_ids(raw) is None:
+        return list(range(raw["num_hidden_layers"]))
     try:
-        if num_target_layers is None and _given_layer_ids(raw) is None:
-            return list(range(int(raw["num_hidden_layers"])))
-        return config_layer_ids(raw, int(num_target_layers or 0)) or []  # never None: num_hidden_layers is there
+        layer_ids = config_layer_ids(raw, num_target_layers or 0) or []  # never None: num_hidden_layers is there
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{path}: dflash_config.target_layer_ids: {exc}") from None
+    _check_aux_layers(path, raw, layer_ids)
+    return layer_ids
 
 
 def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
@@ -501,7 +502,8 @@ def _check_rope(path: str, config: Qwen3Config) -> None:
                           f"give the fields transformers' {rope_type} RoPE takes") from None
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -517,10 +519,9 @@ def config_layer_attention(raw: dict[str, Any]) -> list[LayerAttention]:
     return layer_attention(_qwen3_config(raw))
 
 
-# drafter variants whose extra weights or rules this implementation does not have: refused by name rather
-# than mis-run (or refused later by a tensor-name mismatch that does not say why)
-# config keys (in dflash_config or at the top level, as vLLM and SGLang read them) of what this implementation does
-# not run: a drafter that sets one would be measured as another drafter than the one served
+# config keys (in dflash_config or at the top level, as vLLM and SGLang read them) of drafter variants whose extra
+# weights or rules this implementation does not have: refused by name rather than measured as another drafter than
+# the one served (or refused later by a tensor-name mismatch that does not say why)
 _UNSUPPORTED = {
     "conv_kernel_size": "DFlash 2 block convolutions", "selector_rank": "a DFlash 2 candidate selector",
     "attention_sink_bias": "attention sink biases", "add_swa_attention_sink_bias": "attention sink biases",
