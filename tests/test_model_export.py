@@ -720,7 +720,7 @@ def test_an_unknown_mlp_activation_is_refused_naming_it(tmp_path, target, drafte
     ("dflash_config", {"target_layer_ids": [0, "2"]}, r"dflash_config.target_layer_ids: must be a list of target "
                                                       r"layer numbers, got \[0, '2'\]"),
     ("dflash_config", {"target_layer_ids": "02"}, r".*target_layer_ids: must be a list of target layer numbers, got '02'"),
-    ("dflash_config", {"mask_token_id": True}, r"dflash_config.mask_token_id True is outside the vocab"),
+    ("dflash_config", {"mask_token_id": True}, r"dflash_config.mask_token_id True must be a token id in the vocab"),
     (None, {"final_logit_softcapping": "x"}, r"final_logit_softcapping 'x' must be a positive number"),
 ])
 def test_a_dflash_field_of_another_type_is_refused_not_coerced(tmp_path, target, drafter, section, change, says):

@@ -378,6 +378,26 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     tensor is read: the fields it needs, the target it was trained for (given `dims`: the target's hidden size,
     vocab size and layers), the features this implementation runs, transformers' own validation and each layer's
     attention. ExportError names `path` and the fault."""
+    raw = _resolved_fields(path, raw, dims)
+    dflash = raw["dflash_config"]
+    _check_supported(path, raw)  # before the fit: a drafter narrower than its target is refused by that name
+    if dims:
+        _check_fits(path, raw, *dims)
+        try:
+            check_layer_ids(dflash["target_layer_ids"], dims[2], served=False)  # published drafters load as they are
+        except ValueError as exc:
+            raise ExportError(f"{path}: dflash_config.{exc}") from None
+    if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
+        raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
+    config = _qwen3_config(raw, path)
+    _check_built(path, raw, config)
+    return config
+
+
+def _resolved_fields(path: str, raw: dict[str, Any], dims: tuple[int, int, int] | None) -> dict[str, Any]:
+    """A copy of config.json `raw` with the fields the loader reads where the engines read them: block_size,
+    num_target_layers and final_logit_softcapping at the top level, the mask id and the target layers (resolved:
+    _layer_ids) in dflash_config; ExportError for a required field missing or a size that is none."""
     raw = dict(raw)
     dflash = _dflash_section(raw)
     if (block_size := config_block_size(raw)) is not None:
@@ -391,21 +411,17 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if missing:
         raise ExportError(f"{path}: missing fields {missing}")
     _check_sizes(path, raw)
-    dflash = {**dflash, "mask_token_id": mask_token_id}
     layer_ids = _layer_ids(path, raw, dims[2] if dims else raw.get("num_target_layers"))
-    raw["dflash_config"] = dflash = {**dflash, "target_layer_ids": layer_ids}
+    raw["dflash_config"] = {**dflash, "mask_token_id": mask_token_id, "target_layer_ids": layer_ids}
     # without the target: the depth its ids need (only the drafter's own tensors are checked then)
     raw.setdefault("num_target_layers", dims[2] if dims else max(layer_ids, default=0) + 1)
-    _check_supported(path, raw)  # before the fit: a drafter narrower than its target is refused by that name
-    if dims:
-        _check_fits(path, raw, *dims)
-        try:
-            check_layer_ids(layer_ids, dims[2], served=False)  # published drafters load as they are
-        except ValueError as exc:
-            raise ExportError(f"{path}: dflash_config.{exc}") from None
-    if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
-        raise ExportError(f"{path}: dflash_config.mask_token must be the mask token's text, got {dflash['mask_token']!r}")
-    config = _qwen3_config(raw, path)
+    return raw
+
+
+def _check_built(path: str, raw: dict[str, Any], config: Qwen3Config) -> None:
+    """What transformers builds `config` with and does not check itself, each a failure (or a wrong draft) once
+    the drafter was built: its activation, RoPE, logit cap, mask id and each layer's attention (logged where
+    it is not plain)."""
     if config.hidden_act not in ACT2FN:  # the MLP looks it up when the drafter is built: a KeyError there
         raise ExportError(f"{path}: hidden_act {config.hidden_act!r} is no activation transformers knows (DFlash "
                           "drafters are SwiGLU: 'silu')")
@@ -413,15 +429,16 @@ def _checked_config(path: str, raw: dict[str, Any], dims: tuple[int, int, int] |
     if (softcap := raw.get("final_logit_softcapping")) is not None and not (_number(softcap) and softcap > 0):
         raise ExportError(f"{path}: final_logit_softcapping {softcap!r} must be a positive number (the target head's "
                           "logit cap) or null")
-    if not (type(dflash["mask_token_id"]) is int and 0 <= dflash["mask_token_id"] < config.vocab_size):
-        raise ExportError(f"{path}: dflash_config.mask_token_id {dflash['mask_token_id']} is outside the vocab")
+    mask_token_id = raw["dflash_config"]["mask_token_id"]
+    if not (type(mask_token_id) is int and 0 <= mask_token_id < config.vocab_size):
+        raise ExportError(f"{path}: dflash_config.mask_token_id {mask_token_id!r} must be a token id in the vocab "
+                          f"(0 to {config.vocab_size - 1})")
     try:
         layers = layer_attention(config)
     except AttentionError as exc:
         raise ExportError(f"{path}: {exc}") from None
     if not all(layer.plain for layer in layers):
         log.info("%s: layer attention %s", path, ", ".join(f"{i}: {x}" for i, x in enumerate(layers)))
-    return config
 
 
 # the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out (or,
