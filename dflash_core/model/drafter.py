@@ -47,7 +47,7 @@ from dflash_core.model.target import (
     TargetError,
     TargetModel,
     check_layer_ids,
-    target_dims,
+    config_dims,
     target_text_config,
     unsupported_target,
 )
@@ -592,13 +592,14 @@ class DFlashDrafter(nn.Module):
 def check_target_fit(cfg: ModelConfig) -> None:
     """The drafter settings against the target's config alone (no weights read), before any data work: an
     architecture that cannot be a target (TargetError), the layer ids (given, or the default spread for its depth)
-    and a given mask id; DrafterError. Nothing when the config
-    cannot be read here (loading the target then says why)."""
-    if (config := target_text_config(cfg.target, cfg.trust_remote_code)) is not None and (
-            why := unsupported_target(config)) is not None:
+    and a given mask id; DrafterError. Nothing when the config cannot be read here (loading the target then says
+    why)."""
+    config = target_text_config(cfg.target, cfg.trust_remote_code)  # read once: a hub id's is fetched
+    if config is None:
+        return
+    if (why := unsupported_target(config)) is not None:
         raise TargetError(why)
-    dims = target_dims(cfg.target, cfg.trust_remote_code)
-    if dims is None:
+    if (dims := config_dims(config)) is None:
         return
     _, vocab_size, num_layers = dims
     fitted_layer_ids(cfg, num_layers)

@@ -183,9 +183,13 @@ def target_dims(path: str, trust_remote_code: bool = False) -> tuple[int, int, i
     """(hidden size, vocab size, layers) of a target from its config alone, no weights read: what a drafter must
     match. None when the config cannot be read here."""
     config = target_text_config(path, trust_remote_code)
+    return None if config is None else config_dims(config)
+
+
+def config_dims(config: PretrainedConfig) -> tuple[int, int, int] | None:
+    """(hidden size, vocab size, layers) of a target's text config; None when it does not give them as numbers."""
     try:
-        return None if config is None else (int(config.hidden_size), int(config.vocab_size),
-                                            int(config.num_hidden_layers))
+        return int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
     except (ValueError, AttributeError, TypeError):
         return None
 
