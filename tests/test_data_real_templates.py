@@ -135,7 +135,7 @@ POLICY = {"template_has_no_tools", "template_single_tool_call", "reasoning_dropp
 
 
 @functools.cache
-def _tokenizer(name: str) -> str:
+def _tokenizer(name: str, edit: tuple[str, str] = ("", "")) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -149,20 +149,24 @@ def _tokenizer(name: str) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0])
     fast.add_special_tokens({"additional_special_tokens": specials})
     fast.chat_template = (FIXTURES / f"{file}.jinja").read_text()
+    if edit[0]:  # a variant of the published template: (what, replaced by)
+        assert edit[0] in fast.chat_template, edit
+        fast.chat_template = fast.chat_template.replace(*edit)
     out = tempfile.mkdtemp(prefix=f"dflash-real-template-{name}-")
     fast.save_pretrained(out)
     return out
 
 
-def _preview(name: str, thinking: str, records: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def _preview(name: str, thinking: str, records: dict[str, Any] | None = None,
+             edit: tuple[str, str] = ("", "")) -> dict[str, dict[str, Any]]:
     records = records or RECORDS
     folder = Path(tempfile.mkdtemp(prefix="dflash-real-records-"))
     source = folder / "chats.jsonl"
     source.write_text("".join(json.dumps({"id": rid, "messages": turns, **(
         {"tools": [WEATHER, TIME]} if any(m.get("tool_calls") for m in turns) else {})}) + "\n"
         for rid, turns in records.items()))
-    cfg = data_config(source=str(source), tokenizer=_tokenizer(name), thinking=thinking)
-    out = preview_samples(str(source), _tokenizer(name), cfg, block_size=1, limit=len(records))
+    cfg = data_config(source=str(source), tokenizer=_tokenizer(name, edit), thinking=thinking)
+    out = preview_samples(str(source), _tokenizer(name, edit), cfg, block_size=1, limit=len(records))
     return {r["id"]: r for r in out["records"]}
 
 
@@ -569,6 +573,36 @@ def test_apertus_calls_whose_results_follow_in_the_same_turn_are_learnt_through_
                 "]<|tools_suffix|>"), (thinking, rid, spans)
             assert not any("temp" in span or "9:00\"" in span for span in spans), (thinking, rid, spans)
         assert _supervised(records["tools"])[1] == "It is 18 degrees.<|assistant_end|>"
+
+
+_APERTUS_CALL = """{{- '{"' + function.name + '": ' + function.arguments|tojson + '}' }}"""
+
+
+def test_calls_each_closed_by_the_same_token_are_learnt_through_the_last_one() -> None:
+    """An Apertus variant that also wraps each call in <|tools_prefix|>...<|tools_suffix|>: the calls end at the
+    last special token before the result, not the first of the tokens repeated there (which cut the calls after
+    the first one's closing token, leaving the rest unlearnt)."""
+    each = (_APERTUS_CALL, _APERTUS_CALL.replace("'{\"'", "'<|tools_prefix|>{\"'").replace("+ '}' }}",
+                                                                                      "+ '}<|tools_suffix|>' }}"))
+    records = _preview("apertus", "strip", edit=each)
+    for rid in ("tools", "parallel"):
+        assert records[rid]["kept"], records[rid]
+        calls = _supervised(records[rid])[0]
+        assert calls.startswith("<|tools_prefix|>[<|tools_prefix|>") and calls.endswith(
+            "}<|tools_suffix|>]<|tools_suffix|>"), (rid, calls)
+        assert "temp" not in calls
+    assert "get_time" in _supervised(records["parallel"])[0]
+
+
+def test_calls_closed_by_no_special_token_learn_nothing_of_the_result_after_them() -> None:
+    """An Apertus variant whose calls are written as plain '[...]' (no <|tools_prefix|>/<|tools_suffix|>) with the
+    results right after them: where the calls end cannot be told from the result's own '[', so the turn of calls
+    supervises nothing past its own text (not through to the result), and the reply after the results is learnt."""
+    plain = ("{%- set tool_calls_token = '<|tools_prefix|>' -%}\n{%- set end_tool_calls_token = '<|tools_suffix|>' -%}",
+             "{%- set tool_calls_token = '' -%}\n{%- set end_tool_calls_token = '' -%}")
+    first = _preview("apertus", "strip", {"tools": RECORDS["tools"]}, edit=plain)["tools"]
+    assert first["kept"], first
+    assert _supervised(first) == ["It is 18 degrees.<|assistant_end|>"]
 
 
 def test_reasoning_read_as_a_thinking_chunk_is_written_as_the_template_writes_it() -> None:

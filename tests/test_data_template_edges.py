@@ -111,6 +111,10 @@ def _chunked(open_: str, close: str, before: str = "", reverse: bool = False) ->
     (_chunked("[THINK]", ""), ("<think>\n", "\n</think>\n\n")),  # one mark only
     (_chunked("[THINK]", "[/THINK]", reverse=True), ("<think>\n", "\n</think>\n\n")),  # after the text
     (_chunked("[THINK]", "[/THINK]", before="X"), ("<think>\n", "\n</think>\n\n")),  # another turn around it
+    # a reply given as text rendered only when told the thinking setting: no plain reply to learn the marks from
+    (_chunked("[THINK]", "[/THINK]").replace("{% if m['content'] is string %}{{ m['content'] }}",
+                                              "{% if m['content'] is string %}{% if enable_thinking is defined %}"
+                                              "{{ m['content'] }}{% endif %}"), ("<think>\n", "\n</think>\n\n")),
 ])
 def test_inline_reasoning_is_written_between_the_marks_a_thinking_chunk_is_rendered_with(template, inline) -> None:
     """A template that reads reasoning only from a content chunk of type thinking (`c.type == 'thinking'`,

@@ -291,6 +291,19 @@ def test_the_model_type_a_tokenizer_is_loaded_as_is_part_of_its_fingerprint(tmp_
         "org/model", AutoTokenizer.from_pretrained(tokenizer_dir("chatml")))  # by hub id: the class loaded counts
 
 
+def test_a_config_json_beside_a_tokenizer_that_names_no_model_type_fingerprints_as_none(tmp_path: Path) -> None:
+    """A config.json that is no JSON object (a damaged file, a list) names no model type: the digest is the one
+    without it, not a JSONDecodeError or AttributeError from hashing the tokenizer."""
+    from dflash_core.data.fingerprint import tokenizer_digest
+
+    folder = tmp_path / "tok"
+    AutoTokenizer.from_pretrained(tokenizer_dir("chatml")).save_pretrained(folder)
+    alone = tokenizer_digest(str(folder))
+    for text in ("{not json", "[1, 2]"):
+        (folder / "config.json").write_text(text)
+        assert tokenizer_digest(str(folder)) == alone, text
+
+
 def test_a_tokenizer_named_by_hub_id_is_fingerprinted_by_what_it_loads(tmp_path: Path) -> None:
     """A hub id has no local files to hash: the digest is over the loaded tokenizer (its vocabulary and merges, its
     chat template, its special tokens), the same for the same tokenizer loaded again, another when the template or

@@ -519,3 +519,12 @@ def test_a_longrope_target_rotating_part_of_each_head_gives_factors_for_the_draf
     torch.testing.assert_close(drafter.rotary_emb.inv_freq[::2], phi.model.rotary_emb.inv_freq)
     logits = drafter.draft_block(torch.zeros(1, 5, 64), anchor_token=7, position=5)
     assert logits.shape == (drafter.block_size, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_longrope_factors_are_resampled_down_as_well_as_up():
+    """A drafter head with fewer frequencies than the target's factors takes every other one (the same
+    wavelengths), not the target's list as it is (one factor too many per frequency); equal counts are kept."""
+    from dflash_core.model.drafter import resample_factors
+
+    assert resample_factors([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 3.0]
+    assert resample_factors([1, 2], 2) == [1.0, 2.0]

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -158,6 +159,13 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
      r"rope_theta None \(rope_parameters, rope_scaling or the top level\) must be a positive number"),
     ({"rope_parameters": None, "rope_theta": "x"}, r"rope_theta 'x' \(.*\) must be a positive number"),
     ({"partial_rotary_factor": []}, r"partial_rotary_factor \[\] must be a number in \(0, 1\]"),
+    # and a value of the right type out of range, or a type transformers has no RoPE for
+    ({"rope_parameters": {"rope_type": "nope", "rope_theta": 1e4}}, r"rope_type 'nope' \(rope_parameters or "
+                                                                    r"rope_scaling\) must be one of \['default'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, r"rope_theta 0 \(.*\) must be a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.inf}}, r"rope_theta inf \(.*\) must be a positive"),
+    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5 must be a number in \(0, 1\]"),
+    ({"partial_rotary_factor": 0}, r"partial_rotary_factor 0 must be a number in \(0, 1\]"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
      r"rope_parameters \{.*'factor': 'x'\} make no linear RoPE \(TypeError: .*\); give the fields transformers' "
      r"linear RoPE takes"),
@@ -421,6 +429,7 @@ def test_architectures_that_are_no_list_are_refused_naming_the_file(tmp_path, ta
     {"head_dim": -5},  # torch's RuntimeError: a tensor of negative dimension
     {"intermediate_size": 10**30},  # torch's TypeError: overflow unpacking the size
     {"block_size": "16"}, {"num_hidden_layers": 0}, {"head_dim": 0}, {"vocab_size": True}, {"hidden_size": None},
+    {"max_position_embeddings": 0}, {"intermediate_size": 2**31},  # one past the largest 32-bit index
 ])
 def test_a_size_that_is_no_positive_whole_number_is_refused_naming_it(tmp_path, target, drafter, change):
     folder = _with_config(tmp_path, drafter, **change)
@@ -430,6 +439,14 @@ def test_a_size_that_is_no_positive_whole_number_is_refused_naming_it(tmp_path, 
     for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
         with pytest.raises(ExportError, match=says):
             read()
+
+
+def test_the_largest_size_passes_the_size_check(tmp_path, target, drafter):
+    """intermediate_size 2**31 - 1 is a size (the largest a 32-bit index reaches), refused only because the weights'
+    shapes disagree with it."""
+    folder = _with_config(tmp_path, drafter, intermediate_size=2**31 - 1)
+    with pytest.raises(ExportError, match=r"d/model.safetensors: tensor shapes do not match the config"):
+        load_dflash(folder, target)
 
 
 def test_sizes_far_larger_than_the_weights_are_refused_before_the_drafter_is_built(tmp_path, target, drafter):
@@ -617,6 +634,15 @@ def test_a_mask_embedding_that_does_not_fit_is_refused_before_training_and_at_lo
         check_drafter_folder(folder)
     with pytest.raises(ExportError, match=says):
         load_dflash(folder, target)
+
+
+def test_a_mask_embedding_whose_id_is_true_is_refused_though_true_equals_1(tmp_path, target):
+    """A bool is no token id: True for a drafter of mask id 1 compared equal and passed."""
+    one = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=1, block_size=4), 1)
+    folder = _with_mask_embedding(tmp_path, one, {"mask_token_id": True, "embedding": torch.zeros(H)})
+    with pytest.raises(ExportError, match=r"mask_embedding\.pt: mask_token_id True, but config.json's "
+                                          r"dflash_config.mask_token_id is 1"):
+        check_drafter_folder(folder)
 
 
 class Pickled:

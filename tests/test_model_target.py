@@ -259,3 +259,12 @@ def test_the_last_layer_of_a_target_whose_final_norm_is_not_called_norm_is_captu
     reference = model.model(ids, output_hidden_states=True).hidden_states
     got = TargetModel(model).capture(ids, None, [1, 3])
     torch.testing.assert_close(got, torch.cat([reference[2], reference[4]], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoder_with_no_final_norm_found_says_which_names_it_looked_for():
+    """A decoder whose final norm has none of the known names is a TargetError naming them (it was 'NoneType' is
+    not callable when the last layer was captured)."""
+    target = TargetModel(tiny_qwen3())
+    del target.model.model.norm
+    with pytest.raises(TargetError, match=r"no final norm found \(looked for norm, final_layernorm, embedding_norm\)"):
+        target._final_norm(torch.zeros(1, 2, target.hidden_size))
