@@ -441,8 +441,9 @@ def _check_built(path: str, raw: dict[str, Any], config: Qwen3Config) -> None:
         log.info("%s: layer attention %s", path, ", ".join(f"{i}: {x}" for i, x in enumerate(layers)))
 
 
-# the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out (or,
-# the head layout, null: transformers' defaults then); a string, a list or a negative number reached torch or int()
+# the sizes the drafter's tensors and blocks are built from: the required ones, and those that may be left out; the
+# head layout's may be null, left to transformers (num_key_value_heads null: its default; head_dim null: its own
+# refusal, naming the field); a string, a list or a negative number reached torch or int()
 _REQUIRED = ("block_size", "num_hidden_layers", "hidden_size", "vocab_size")
 _SIZES = (*_REQUIRED, "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
           "max_position_embeddings", "num_target_layers")
