@@ -362,3 +362,21 @@ def test_only_input_errors_that_may_pass_next_time_are_retried(tmp_path):
     records._records = lambda raw: (_ for _ in [Reset().read()])  # type: ignore[method-assign]
     with pytest.raises(TransientError, match="reading it failed after 0 records .ConnectionResetError"):
         list(records)
+
+
+def test_the_flow_fails_at_regenerate_when_it_kept_no_record(tmp_path, monkeypatch):
+    """A target whose every reply is cut at max_tokens keeps nothing: the flow's regenerate step fails there,
+    naming the drops and the settings, not tokenize on an empty folder."""
+    from flows import retrain
+
+    summary = {"read": 3, "kept": 0, "dropped": {"truncated": 3}, "out": str(tmp_path / "regen")}
+    monkeypatch.setattr(retrain.tasks, "fingerprint_regenerate", lambda config: "f" * 64)
+    monkeypatch.setattr(retrain.tasks, "cached", lambda task, out, name: lambda *args: summary)
+    config = _config(tmp_path)
+    regen = config.data.regenerate.model_copy(update={"task_per_shard": False})
+    config = config.model_copy(update={"data": config.data.model_copy(update={"regenerate": regen})})
+    with pytest.raises(Exception, match=r"regenerate kept none of the 3 records it read, dropped \{'truncated': 3\} "
+                                        r"\(replies cut at max_tokens: raise data.regenerate.max_tokens"):
+        retrain._regenerated(config, str(tmp_path))
+    summary["kept"] = 1
+    assert retrain._regenerated(config, str(tmp_path))[1]["kept"] == 1

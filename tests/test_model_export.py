@@ -166,6 +166,7 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     ({"rope_parameters": {"rope_type": "default", "rope_theta": math.inf}}, r"rope_theta inf \(.*\) must be a positive"),
     ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5 must be a number in \(0, 1\]"),
     ({"partial_rotary_factor": 0}, r"partial_rotary_factor 0 must be a number in \(0, 1\]"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": True}}, r"rope_theta True \(.*\) must be a positive"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
      r"rope_parameters \{.*'factor': 'x'\} make no linear RoPE \(TypeError: .*\); give the fields transformers' "
      r"linear RoPE takes"),
@@ -897,6 +898,12 @@ def test_tensor_names_vllm_renames_are_read_under_its_names(tmp_path, target):
     ({"dflash_config": {"use_swa": "yes", "swa_window_size": 4}}, r"dflash_config.use_swa must be true, false or null"),
     ({"dflash_config": {"use_swa": True, "swa_window_size": True}}, r"its size is True"),
     ({"eagle_aux_hidden_state_layer_ids": "1,2,3"}, r"eagle_aux_hidden_state_layer_ids must be a list"),
+    # JSON's true is no number here either (Python's bool is an int), nor 1 a switch
+    ({"is_causal": 1}, r"is_causal must be true, false or null, got 1"),
+    ({"dflash_config": {"use_swa": True, "swa_window_size": 0}}, r"its size is 0"),
+    ({"dflash_config": {"target_layer_ids": [True, 2, 3]}}, r"must be a list of target layer numbers, got \[True"),
+    ({"final_logit_softcapping": 0}, r"final_logit_softcapping 0 must be a positive number"),
+    ({"final_logit_softcapping": True}, r"final_logit_softcapping True must be a positive number"),
 ])
 def test_switches_and_layer_lists_of_another_type_are_refused_not_read_as_truthy(tmp_path, target, drafter, change,
                                                                                  says):
