@@ -756,6 +756,11 @@ def _chat_export(record: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+# Gemini's system prompt: as the API spells it, in snake case, and in lower case (_lower_keys lowers a record's
+# camel-case fields unless two would collide)
+GEMINI_SYSTEM_KEYS = ("systeminstruction", "systemInstruction", "system_instruction")
+
+
 def _gemini(record: dict[str, Any]) -> dict[str, Any] | None:
     """Gemini's and Vertex AI's `contents` (tuning files, API logs): turns of `parts` (`text`, a `thought` part's
     text as reasoning, `functionCall` as a tool call, `functionResponse` as a tool turn) by `user` or `model`,
@@ -781,12 +786,12 @@ def _gemini(record: dict[str, Any]) -> dict[str, Any] | None:
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
-    system = _as_object(_first_set(record, "systeminstruction", "systemInstruction", "system_instruction"))
+    system = _as_object(_first_set(record, *GEMINI_SYSTEM_KEYS))
     if isinstance(system, dict):
         system = _block_text(system.get("parts") or [])
     tools = [f for t in _as_list(record.get("tools")) or [] if isinstance(t, dict)
              for f in t.get("functionDeclarations") or t.get("function_declarations") or [] if isinstance(f, dict)]
-    rest = _without(record, "contents", "systeminstruction", "systemInstruction", "system_instruction", "tools")
+    rest = _without(record, "contents", *GEMINI_SYSTEM_KEYS, "tools")
     return {**rest, "messages": messages, **({"system": system} if isinstance(system, str) and system else {}),
             **({"tools": tools} if tools else {})}
 
@@ -1019,19 +1024,20 @@ def _tool_results_apart(turns: list[Any]) -> list[Any]:
     out: list[Any] = []
     for turn in turns:
         blocks = turn.get("content") if isinstance(turn, dict) else None
-        if not (isinstance(blocks, list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
-                                                 for b in blocks)):
+        if not (isinstance(blocks, list) and any(map(_is_tool_result, blocks))):
             out.append(turn)
             continue
-        rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
-        for block in blocks:
-            if isinstance(block, dict) and block.get("type") == "tool_result":
-                said = block.get("content")
-                text = said if isinstance(said, str) else _block_text(said or [])
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
-        if rest:
+        for block in filter(_is_tool_result, blocks):
+            said = block.get("content")
+            text = said if isinstance(said, str) else _block_text(said or [])
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+        if rest := [b for b in blocks if not _is_tool_result(b)]:
             out.append({**turn, "content": rest})
     return out
+
+
+def _is_tool_result(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "tool_result"
 
 
 def _new_turn(fmt: str | None, role: str, text: Any) -> dict[str, Any]:
