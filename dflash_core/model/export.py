@@ -280,9 +280,9 @@ def read_mask_embedding(fs: fsspec.AbstractFileSystem, root: str, mask_token_id:
         raise ExportError(f"{path}: not a readable torch file ({type(exc).__name__}: {said}); copy the drafter "
                           "folder again, or remove the file to embed the mask slots by the target's row") from None
     if isinstance(state, dict):
-        said = state.get("mask_token_id", mask_token_id)
-        if type(said) is not int or said != mask_token_id:  # a tensor's != is no bool
-            raise ExportError(f"{path}: mask_token_id {said!r}, but config.json's dflash_config.mask_token_id is "
+        stated = state.get("mask_token_id", mask_token_id)
+        if type(stated) is not int or stated != mask_token_id:  # a tensor's != is no bool
+            raise ExportError(f"{path}: mask_token_id {stated!r}, but config.json's dflash_config.mask_token_id is "
                               f"{mask_token_id} (vLLM refuses it too)")
         state = state.get("embedding")
     if not (isinstance(state, torch.Tensor) and state.is_floating_point() and state.numel() == hidden_size):
