@@ -112,7 +112,7 @@ def _shown(record: dict[str, Any], color: bool = False) -> str:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from dflash_core.regenerate.stage import regenerate_dataset
+    from dflash_core.regenerate.stage import check_kept, regenerate_dataset
 
     extra = {f"data.regenerate.{key}": value for key, value in (
         ("endpoints", args.endpoint), ("model", args.model), ("max_tokens", args.max_tokens),
@@ -123,8 +123,10 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     cfg = _resolved(_config(args, extra))
     # no lock on the whole --out: a second run into it shares the work shard by shard (.work/shard-NNNNN.lock),
     # as two flow runs do
-    _print_summary(regenerate_dataset(cfg.data.source, args.out, cfg.data, cfg.model.target, cfg.data.tokenizer,
-                                      progress=lambda p: log.info("regenerate: %s", p)))
+    summary = regenerate_dataset(cfg.data.source, args.out, cfg.data, cfg.model.target, cfg.data.tokenizer,
+                                 progress=lambda p: log.info("regenerate: %s", p))
+    _print_summary(summary)
+    check_kept(summary)  # as the flow does: a folder with no record is refused (exit 2, the settings to change named)
     return 0
 
 

@@ -138,6 +138,20 @@ def test_regenerate_passes_its_flags(monkeypatch, capsys, config, tmp_path):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"regenerated": 1}
 
 
+def test_regenerate_that_kept_no_record_exits_2_after_its_summary(monkeypatch, capsys, config, tmp_path):
+    """The CLI alone fails where the flow does (exit 2: a setting to change): every reply cut at max_tokens left
+    an empty folder, and exit 0
+    let a script go on to tokenize it."""
+    import dflash_core.regenerate.stage as stage
+
+    summary = {"read": 4, "kept": 0, "dropped": {"truncated": 4}, "out": str(tmp_path / "r")}
+    monkeypatch.setattr(stage, "regenerate_dataset", _recorder([], summary))
+    assert cli.main(["regenerate", "--config", config, "--out", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == summary
+    assert "regenerate kept none of the 4 records it read" in captured.err and "max_tokens" in captured.err
+
+
 def test_regenerate_blames_a_bad_endpoint_on_the_flag(config, capsys, tmp_path):
     assert cli.main(["regenerate", "--config", config, "--out", str(tmp_path / "r"), "--endpoint", "ftp://x"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
