@@ -216,9 +216,9 @@ def test_chat_template_inputs_strip_or_keep_reasoning() -> None:
     assert conv.messages[1] == {"role": "assistant", "content": "There are three items.",
                                 "reasoning_content": "Count the items one by one."}
     messages, kwargs = chat_template_inputs(conv, "strip")
-    assert kwargs == {"enable_thinking": False} and all("reasoning_content" not in m for m in messages)
+    assert kwargs == {"enable_thinking": False, "thinking": False} and all("reasoning_content" not in m for m in messages)
     messages, kwargs = chat_template_inputs(conv, "keep")
-    assert kwargs == {"enable_thinking": True} and messages[3]["reasoning_content"].startswith("Add them")
+    assert kwargs == {"enable_thinking": True, "thinking": True} and messages[3]["reasoning_content"].startswith("Add them")
     messages, _ = chat_template_inputs(conv, "keep", template="{{ messages }}")  # no reasoning_content: inline
     assert messages[1]["content"] == "<think>\nCount the items one by one.\n</think>\n\nThere are three items."
     tools = to_conversation(LLAMA_FACTORY_TOOLS)

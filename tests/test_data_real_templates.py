@@ -94,6 +94,21 @@ SPECS = {
     "ministral3": ("mistralai-Ministral-3-14B-Reasoning-2512", [
         *MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[CALL_ID]", "[ARGS]", "[THINK]", "[/THINK]", "[IMG]"],
         "<s>", "</s>"),
+    "kimi3": ("moonshotai-Kimi-K3", ["[PAD]", "[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"],
+              "[BOS]", "[EOS]"),
+    "gigachat3": ("ai-sage-GigaChat3-10B-A1.8B", ["<unk>", "<s>", "</s>", "<|role_sep|>", "<|message_sep|>"], "<s>",
+                  "</s>"),
+    "hy3": ("tencent-Hy3", [f"{t[0]}{t[1:-1]}:opensource{t[-1]}" for t in (
+        "<｜hy_pad｜>", "<｜hy_begin_of_sentence｜>", "<｜hy_eos｜>", "<｜hy_User｜>", "<｜hy_Assistant｜>",
+        "<｜reasoning_mode｜>", "<think>", "</think>", "<tool_calls>", "</tool_calls>", "<tool_call>", "</tool_call>",
+        "<tool_sep>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_responses>",
+        "</tool_responses>", "<tool_response>", "</tool_response>")],
+            "<｜hy_begin_of_sentence:opensource｜>", "<｜hy_eos:opensource｜>"),
+    "minimax3": ("MiniMaxAI-MiniMax-M3", ["]!d~[", "]~!b[", "]~b]", "[e~[", "<mm:think>", "</mm:think>", "]<]minimax[>[",
+                                          "]<]image[>[", "]<]video[>["], "]~!b[", "[e~["),
+    "step35": ("stepfun-ai-Step-3.5-Flash", QWEN, None, "<|im_end|>"),
+    "glimmer": ("muse-glimmer", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>"],
+                "<|startoftext|>", "<|eot|>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -165,7 +180,8 @@ def _preview(name: str, thinking: str, records: dict[str, Any] | None = None,
     source.write_text("".join(json.dumps({"id": rid, "messages": turns, **(
         {"tools": [WEATHER, TIME]} if any(m.get("tool_calls") for m in turns) else {})}) + "\n"
         for rid, turns in records.items()))
-    cfg = data_config(source=str(source), tokenizer=_tokenizer(name, edit), thinking=thinking)
+    # room for the long default system prompts (GigaChat 3's, Devstral's) in this 500-token vocabulary
+    cfg = data_config(source=str(source), tokenizer=_tokenizer(name, edit), thinking=thinking, max_length=65536)
     out = preview_samples(str(source), _tokenizer(name, edit), cfg, block_size=1, limit=len(records))
     return {r["id"]: r for r in out["records"]}
 
@@ -186,7 +202,8 @@ def _supervised(record: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_only_replies_are_supervised_under_real_templates(name: str, thinking: str) -> None:
     records = _preview(name, thinking)
-    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>", "glm47": "<|user|>", "gemma4": "<turn|>", "kimi": "<|im_end|>"}.get(
+    eos = {"gemma3": "<end_of_turn>", "glm45": "<|user|>", "glm47": "<|user|>", "gemma4": "<turn|>", "kimi": "<|im_end|>",
+           "kimi3": "<|close|>message<|sep|><|end_of_msg|>", "gigachat3": "<|message_sep|>"}.get(
         name, SPECS[name][3])  # what ends a reply
     for rid, record in records.items():
         if not record["kept"]:
@@ -619,3 +636,36 @@ def test_reasoning_read_as_a_thinking_chunk_is_written_as_the_template_writes_it
     from dflash_core.data.template import reasoning_field
     assert reasoning_field((FIXTURES / "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text()) is None
     assert reasoning_field((FIXTURES / "openai-gpt-oss-120b.jinja").read_text()) == "thinking"
+
+
+def test_kimi_k3s_turns_are_learnt_through_their_whole_closing_and_its_thinking_switch_is_set() -> None:
+    """Kimi K3 closes a turn with '<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>': only its first
+    token was learnt (the model writes the rest before it stops), and a turn of calls, which comes after the empty
+    response's '<|close|>', was learnt as that token alone, calls left out. Its template reads the switch as
+    `thinking` (on by default): with thinking strip every reply was rendered with an empty think block."""
+    closing = "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    strip = _preview("kimi3", "strip")
+    assert _supervised(strip["single"]) == [f"Hello! How can I help?{closing}"]
+    calls, reply = _supervised(strip["tools"])
+    assert calls.startswith("<|close|>response<|sep|><|open|>tools<|sep|>") and 'tool="get_weather"' in calls
+    assert calls.endswith("<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>") and "temp" not in calls
+    assert reply == f"It is 18 degrees.{closing}"
+    assert "think" not in "".join(t for t, _ in strip["multi"]["segments"])
+    kept = _supervised(_preview("kimi3", "keep")["reason"])
+    assert kept[-1].startswith("R2 think two<|close|>think<|sep|><|open|>response<|sep|>A2 six"), kept
+
+
+def test_a_turn_of_calls_written_after_its_closed_empty_reply_is_learnt_with_its_calls() -> None:
+    """GigaChat 3 writes a turn of calls as an empty reply closed by '<|message_sep|>', then a 'function call'
+    message: the span ended at that first '<|message_sep|>', so the calls were never learnt."""
+    calls, reply = _supervised(_preview("gigachat3", "strip")["tools"])
+    assert calls.startswith("<|message_sep|>") and '"name": "get_weather"' in calls, calls
+    assert calls.endswith('"city": "Paris"}}<|message_sep|>') and reply == "It is 18 degrees.<|message_sep|>"
+
+
+def test_calls_written_one_message_each_are_learnt_from_the_first() -> None:
+    """Muse Glimmer writes each parallel call as a message of its own ('<|start|>assistant to=get_weather...<|eom|>
+    <|start|>assistant to=get_time...<|eot|>'): the span started at the last header, the first call left out."""
+    calls, reply = _supervised(_preview("glimmer", "strip")["parallel"])
+    assert calls.startswith(" to=get_weather<|message|>") and "<|eom|><|start|>assistant to=get_time" in calls
+    assert calls.endswith("</atem:function_calls><|eot|>") and reply == " to=user<|message|>It is 18 degrees at 9:00.<|eot|>"

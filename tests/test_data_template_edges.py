@@ -129,3 +129,27 @@ def test_inline_reasoning_is_written_between_the_marks_a_thinking_chunk_is_rende
     messages, _ = encoder.inputs(Conversation([{"role": "user", "content": "Q"},
                                                {"role": "assistant", "content": None, "reasoning_content": "R"}]))
     assert messages[-1]["content"] == f"{inline[0]}R{inline[1]}"
+
+
+@pytest.mark.parametrize(("closing", "after_last", "eos", "learnt"), [
+    # a closing of two tokens, the eos the second (Command A / R7B: '<|END_RESPONSE|><|END_OF_TURN_TOKEN|>'); the
+    # template writes the next header even after the last turn, so the closings differ past the eos
+    ("<|endoftext|><|im_end|>", "<|im_start|>assistant\n", "<|im_end|>", "<|endoftext|><|im_end|>"),
+    # the same closing after every reply, no eos in it (Kimi K3): through its last special token
+    ("<|endoftext|>\n<|im_end|>", "", "</s>", "<|endoftext|>\n<|im_end|>"),
+    # the last reply's closing is not a reply's in history (gpt-oss: '<|return|>' / '<|end|>'): its first token
+    ("<|im_end|>", "<|endoftext|>", "</s>", "<|im_end|>"),
+])
+def test_the_end_of_turn_is_what_the_model_writes_to_close_a_reply(closing: str, after_last: str, eos: str,
+                                                                   learnt: str) -> None:
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.eos_token = eos
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "{% if m['role'] == 'assistant' %}" + closing + "{% else %}<|im_end|>"
+                         "{% endif %}\n{% endfor %}" + after_last.replace("\n", "\\n").join(["{{ '", "' }}"]) +
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert ChatEncoder(tok, "test").eot == learnt
+    conv = Conversation([{"role": "user", "content": "the model"}, {"role": "assistant", "content": "a fast batch"},
+                         {"role": "user", "content": "why"}, {"role": "assistant", "content": "the loss"}])
+    supervised, _ = _supervised(tok, conv)
+    assert supervised == f"a fast batch{learnt}the loss{learnt}"

@@ -41,7 +41,7 @@ def test_the_request_carries_sampling_and_the_reasoning_switch():
     assert thinking_enabled(cfg)
     body = sampling_body(cfg.regenerate, thinking_enabled(cfg), cfg.max_length)
     assert body == {"max_tokens": 256, "temperature": 0.0, "top_p": 0.9,
-                    "chat_template_kwargs": {"enable_thinking": True}}
+                    "chat_template_kwargs": {"enable_thinking": True, "thinking": True}}
     unset = cfg.regenerate.model_copy(update={"max_tokens": None})  # the default: the longest trainable sample
     assert sampling_body(unset, False, 3072)["max_tokens"] == 3072
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), True) == "<think>\nadd them\n</think>\n\n42"

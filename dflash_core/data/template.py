@@ -129,6 +129,13 @@ def for_template(tokenizer: Any, messages: Messages) -> Messages:
     return (system_folded(messages) or messages) if fold else messages
 
 
+def thinking_switch(on: bool) -> dict[str, Any]:
+    """The reasoning switch under each name chat templates read it by: `enable_thinking` (Qwen3, GLM, Gemma 4) and
+    `thinking` (DeepSeek-V3.1/V3.2, Kimi K3, Granite 3). A template reads the one it knows and ignores the other;
+    told only `enable_thinking`, DeepSeek-V3.1's always rendered thinking off, Kimi K3's always on."""
+    return {"enable_thinking": on, "thinking": on}
+
+
 _INLINE = ("<think>\n", "\n</think>\n\n")  # what an inline reasoning block is written between, by default
 
 
@@ -136,11 +143,11 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip", template: 
                          inline: tuple[str, str] = _INLINE) -> tuple[Messages, dict[str, Any]]:
     """(messages, kwargs) for tokenizer.apply_chat_template(messages, **kwargs), per data.thinking.
 
-    strip: reasoning is removed and the template is told enable_thinking=False (Qwen3 then writes the empty
+    strip: reasoning is removed and the template is told thinking off (thinking_switch; Qwen3 then writes the empty
     think block its thinking-off prompts end with). keep: reasoning goes in the field the template reads
     (reasoning_field: `reasoning_content`, gpt-oss's `thinking`) or else inline before the content, between the
     `inline` pair (a `<think>` block; a template that reads reasoning as a content chunk writes it between its own
-    marks: ChatEncoder learns them); enable_thinking=True. The record's tools go in as tools=."""
+    marks: ChatEncoder learns them); thinking on. The record's tools go in as tools=."""
     keep = thinking == "keep"
     field = reasoning_field(template)
     messages = []
@@ -156,7 +163,7 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip", template: 
             # from taking what precedes a '</think>' the answer mentions for reasoning (Qwen3's, GLM's re-read it)
             m[field] = ""
         messages.append(m)
-    kwargs: dict[str, Any] = {"enable_thinking": keep}
+    kwargs: dict[str, Any] = thinking_switch(keep)
     if conv.tools:
         kwargs["tools"] = conv.tools
     return messages, kwargs
@@ -293,13 +300,29 @@ class ChatEncoder:
         return (opener, rest) if opener.strip() and rest.strip() else _INLINE
 
     def _learn_eot(self) -> str:
-        """The end-of-turn text the template writes right after an assistant's content (e.g. <|im_end|>)."""
+        """The end-of-turn the template writes right after an assistant's content, the model's to write: its text
+        after the last reply through the tokenizer's eos where that is in it (Command R7B's
+        '<|END_RESPONSE|><|END_OF_TURN_TOKEN|>'), else through the last special token where a reply in history is
+        followed by the same closing (Kimi K3's '<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>': its
+        first special token alone left the rest unlearnt, and a turn of calls cut before its calls), else the first
+        special token (Qwen's '<|im_end|>'; gpt-oss's '<|return|>', where a reply in history ends with '<|end|>')."""
         probes = ([("user", "u"), ("assistant", "a")], [("system", "s"), ("user", "u"), ("assistant", "a")])
+        eos = getattr(self.tokenizer, "eos_token", None)
         for probe in probes:
             end = _MARK.format(len(probe) - 1)
-            text = self._render([self._plain(*[(r, _MARK.format(k)) for k, (r, _) in enumerate(probe)])])[0]
-            if isinstance(text, str) and end in text:
-                return _special_prefix(text.split(end, 1)[1], self._specials)
+            marked = [(r, _MARK.format(k)) for k, (r, _) in enumerate(probe)]
+            text, history = self._render([self._plain(*marked), self._plain(*marked, ("user", _MARK.format(9)))])
+            if not isinstance(text, str) or end not in text:
+                continue
+            tail = text.split(end, 1)[1]
+            first = _special_prefix(tail, self._specials)
+            if not first or not isinstance(history, str) or end not in history:
+                return first
+            common = os.path.commonprefix([tail, history.split(end, 1)[1]])
+            if isinstance(eos, str) and eos and eos in common[len(first):]:
+                return common[: common.index(eos, len(first)) + len(eos)]
+            through = max((common.rfind(s) + len(s) for s in self._specials if s in common), default=0)
+            return common[:through] if common == tail and through > len(first) else first
         raise TemplateError(
             f"the chat template of tokenizer '{self.name}' cannot render a plain user/assistant conversation "
             "(or drops the assistant's content); check the template")
@@ -313,7 +336,7 @@ class ChatEncoder:
         messages, kwargs = self._plain(("user", "u"))
         prompts = []
         for thinking in (kwargs["enable_thinking"], True, False):
-            bare, prompted = (self._render_one(messages, {**kwargs, "enable_thinking": thinking,
+            bare, prompted = (self._render_one(messages, {**kwargs, **thinking_switch(thinking),
                                                           "add_generation_prompt": gen}) for gen in (False, True))
             if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
                 prompts.append(prompted[len(bare):])
@@ -390,6 +413,11 @@ class ChatEncoder:
         closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0].rstrip()
         calls = probe.split(_MARK.format(0), 1)[1]
         return _special_prefix(calls[len(closing):], self._specials) if calls.startswith(closing) else ""
+
+    @functools.cached_property
+    def _eot_stop(self) -> str:
+        """The special token the end-of-turn ends with (the whole of it where it is one token: '<|im_end|>')."""
+        return next((s for s in self._specials if self.eot.endswith(s)), self.eot)
 
     @functools.cached_property
     def _specials(self) -> tuple[str, ...]:
@@ -527,7 +555,7 @@ class ChatEncoder:
             # after an empty tool result, has no text between them)
             lo = max([e for i, own in by_message.items() if i < j for _, e in own] + [out[-1][1] if out else 0])
             hi = min((s for i, own in by_message.items() if i > j for s, _ in own), default=len(text))
-            turn = self._turn_span(text, by_message.get(j, []), lo, hi, bool(m.get("tool_calls")))
+            turn = self._turn_span(text, by_message.get(j, []), lo, hi, _call_names(m))
             if turn is None:
                 return Drop("template_mismatch", f"cannot place the tool calls of turn {j} in the rendered text")
             answer = conv.messages[j].get("content")
@@ -572,14 +600,20 @@ class ChatEncoder:
                     f"reply the model never wrote (a template that keeps only what follows a '</think>', as "
                     f"DeepSeek-R1's and V3.1's, cuts a reply that mentions the tag)")
 
-    def _turn_span(self, text: str, own: list[Span], lo: int, hi: int, calls: bool) -> Span | None:
-        """From the generation prompt's end (or the first text) to the end-of-turn after the last text/call."""
+    def _turn_span(self, text: str, own: list[Span], lo: int, hi: int, calls: list[str]) -> Span | None:
+        """From the generation prompt's end (or the first text) to the end-of-turn after the last text/call
+        (`calls`: the names of the turn's tool calls, in order)."""
         start = min((s for s, _ in own), default=None)
         end = max((e for _, e in own), default=None)
         for prompt in (*self.prompts, *self.headers):
             # a prompt may pre-fill the start of the turn's own text (QwQ's '<think>\n' before inline reasoning):
             # what it pre-fills is not supervised
             at = text.rfind(prompt, lo, hi if start is None else min(hi, start + len(prompt)))
+            first_call = text.find(calls[0], lo, at) if calls and calls[0] and at >= 0 else -1
+            if first_call >= 0 and text.rfind(prompt, lo, first_call) >= 0:
+                # one message per call (Muse Glimmer: '<|start|>assistant to=get_weather...<|eom|><|start|>assistant
+                # to=get_time...'): the turn starts at the first call's, which the model writes first
+                at = text.rfind(prompt, lo, first_call)
             if at >= 0 and (start is None or at < start):
                 start = at + len(prompt)
                 end = start if end is None else max(end, start)
@@ -590,9 +624,15 @@ class ChatEncoder:
         if start is None or end is None:
             return None
         if calls:  # the calls follow the text: the turn ends at the first end-of-turn after them
-            close = text.find(self.eot, end, hi) if self.eot else -1
-            if close >= 0:
-                return start, close + len(self.eot)
+            # past the calls' names, in order: a template may close the text before the calls (GigaChat 3 writes
+            # an empty reply's '<|message_sep|>', then the calls as a message of their own)
+            past = end
+            for name in calls:
+                at = text.find(name, past, hi) if name else -1
+                past = at + len(name) if at >= 0 else past
+            close = text.find(self._eot_stop, past, hi) if self.eot else -1
+            if close >= 0:  # the end-of-turn's last token: between the text and it the template writes the calls
+                return start, close + len(self._eot_stop)
             # no end-of-turn (GLM-4.5): through the token that opens the next message (a call has no such token)
             stops = [(at, len(stop)) for stop in self.stops.values() if (at := text.find(stop, end, hi)) >= 0]
             if stops:
@@ -614,6 +654,12 @@ class ChatEncoder:
             return start, end + len(self.eot) if text.startswith(self.eot, end) else end
         stop = next((s for s in self.stops.values() if text.startswith(s, end)), "")
         return start, end + len(stop)
+
+
+def _call_names(message: dict[str, Any]) -> list[str]:
+    """The function names of a message's tool calls, in order ('' where a call has none)."""
+    return [str((call.get("function") or {}).get("name") or "") if isinstance(call, dict) else ""
+            for call in message.get("tool_calls") or []]
 
 
 def _calls_probe() -> Conversation:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_core.data.template import for_template
+from dflash_core.data.template import for_template, thinking_switch
 from dflash_core.model.decoding import (
     GREEDY,
     Drafter,
@@ -173,10 +173,11 @@ def _throughput(timings: Sequence[tuple[int, float]]) -> float | None:
 def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], thinking: bool) -> list[int]:
     """Chat template with the generation prompt, then `tokenizer.encode` (special tokens added, as the
     reference does: Qwen3 adds none; a tokenizer that adds a BOS gets a second one, in the reference too).
-    Templates that do not know `enable_thinking` ignore it; one that cannot render a system turn gets it folded
-    into the first user turn, as tokenize does by default (data.system_turn auto)."""
+    The reasoning switch goes under both names templates read (thinking_switch; Qwen3's `enable_thinking`, the
+    reference's, and DeepSeek-V3.1's `thinking`); one that cannot render a system turn gets it folded into the first
+    user turn, as tokenize does by default (data.system_turn auto)."""
     text = tokenizer.apply_chat_template(for_template(tokenizer, chat), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=thinking)
+                                         **thinking_switch(thinking))
     return tokenizer.encode(text)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from dflash_core.data.template import thinking_switch
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 
@@ -86,7 +87,7 @@ def sampling_body(cfg: RegenerateConfig, enable_thinking: bool, max_length: int)
     is the reply budget when max_tokens is not set."""
     max_tokens = cfg.max_tokens if cfg.max_tokens is not None else max_length
     body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": cfg.temperature,
-                            "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+                            "chat_template_kwargs": thinking_switch(enable_thinking)}
     if cfg.top_p is not None:
         body["top_p"] = cfg.top_p
     return body
