@@ -6,8 +6,8 @@ decoding (greedy, or the target's tokens sampled at `temperature` as its `--temp
 eos/end-of-turn token or `max_new_tokens`, and the answer (decoded with
 `skip_special_tokens=True`) is fed back as the assistant turn before the next user turn. tau is the mean over
 responses of each response's mean acceptance length (DFLASH_SPEC.md "Evaluation"); `tau_pooled` is the mean
-over all decoding steps; `tau_server` the mean over responses of new tokens per verify pass (the figure SGLang
-reports per request, which the benchmark's server backend averages).
+over all decoding steps; `tau_server` the mean, over responses with at least one verify pass, of new tokens
+per verify pass (the figure SGLang reports per request, which the benchmark's server backend averages).
 """
 
 from __future__ import annotations
@@ -132,13 +132,14 @@ def summarize(responses: Sequence[Response], block_size: int) -> dict[str, Any]:
     """The figures of a list of responses: tau (mean of means), tau_pooled, histogram, throughput."""
     pooled = [n for r in responses for n in r.lengths]
     passes = [(r.tokens, len(r.lengths) if r.server_passes is None else r.server_passes) for r in responses]
-    # SGLang reports 0 for a request it verified nothing for, and the public benchmark averages that in
-    per_request = [tokens / n if n else 0.0 for tokens, n in passes]
+    # a request SGLang verified nothing for (its first token ended it) carries no spec_accept_length in the
+    # SGLang builds z-lab pins, and the public benchmark averages only the requests that carry one
+    per_request = [tokens / n for tokens, n in passes if n]
     out: dict[str, Any] = {
         "tau": mean_of_means([r.lengths for r in responses]),
         "tau_pooled": tau(pooled) if pooled else None,
         # SGLang's per-request spec_accept_length (completion tokens, the prefill's first token among them, over
-        # verify passes), averaged over responses as the public benchmark's server backend reports it
+        # verify passes), averaged over the responses that have one, as the public benchmark's server backend
         "tau_server": sum(per_request) / len(per_request) if per_request else None,
         "instances": len({(r.suite, r.instance) for r in responses}),
         "responses": len(responses),
