@@ -194,6 +194,7 @@ def test_metrics_tail_tells_a_rewrite_of_the_same_size_on_an_object_store():
         fs.rm(uri.rsplit("/", 1)[0], recursive=True)
 
 
+@pytest.mark.usefixtures("prefect_harness")  # TrainingProgress makes its artifact: else an ephemeral server, 20 s to start
 def test_live_page_reads_a_long_file_a_chunk_at_a_time_and_keeps_only_what_it_shows(tmp_path, monkeypatch):
     """The live page's first poll after a resume reads the whole metrics.jsonl: in bounded reads, each record cut
     down to what the page shows as it is parsed (200,000 steps held 2 GB as whole records), and the page is the one
