@@ -240,3 +240,55 @@ def test_validation_batches_of_run_plan_count_the_attention_term(tmp_path):
     val = read_val(str(tmp_path / "plan"), read_plan(str(tmp_path / "plan"))[1])
     longest = val["max_len"].to_numpy().astype(np.float64)
     assert (val["n_samples"].to_numpy() * longest * (1 + 0.002 * longest) <= 16384).all()
+
+
+def test_a_buckets_batches_differ_by_at_most_one_sample():
+    """A bucket's samples are split evenly over its batches: 10 samples at 4 a batch are 4+3+3, not 4+4+2 (a
+    nearly empty last batch would make its step short of tokens)."""
+    lengths = np.random.default_rng(6).integers(1, 400, 1003)
+    df = make_plan(lengths, np.arange(len(lengths)), PlanConfig(max_tokens=1200, buckets=[100, 400])).batches
+    spread = df.group_by("bucket").agg((pl.col("n_samples").max() - pl.col("n_samples").min()).alias("d"))
+    assert spread["d"].max() <= 1
+    assert group_buckets(np.full(10, 5), np.array([5]), np.array([4]), 64).batch.tolist() == [0] * 4 + [1] * 3 + [2] * 3
+
+
+def test_large_sample_ids_plan_without_a_table_as_large_as_the_ids():
+    """Ids need not be 0..N-1: a few samples with ids near 2**62 plan (a duplicate among them is still found)."""
+    ids = np.array([2**62, 3, 2**40, 7])
+    df = make_plan(np.array([5, 6, 7, 8]), ids, PlanConfig(max_tokens=64)).batches
+    assert sorted(df["sample_ids"].explode().to_list()) == sorted(ids.tolist())
+    with pytest.raises(PlanError, match=f"sample_id {2**40} appears more than once"):
+        make_plan(np.array([5, 6, 7]), np.array([2**40, 5, 2**40]), PlanConfig(max_tokens=64))
+
+
+def test_bucket_ranges_cover_each_length_once():
+    """plan.json's buckets run lo..hi with lo one past the edge below (1 for the first): no length is in two."""
+    s = make_plan(np.array(LENGTHS), np.arange(len(LENGTHS)), CFG).summary
+    his = [b["hi"] for b in s["buckets"]]
+    assert [b["lo"] for b in s["buckets"]] == [1] + [hi + 1 for hi in his[:-1]]
+    assert his == s["edges"]
+
+
+def test_step_mix_deviation_is_the_worst_step_of_each_bucket():
+    """plan.json's step_mix_deviation: per bucket, the largest |its micro-batches in a step - its share of one|."""
+    cfg = CFG.model_copy(update={"epochs": 1, "grad_accum": 3})
+    plan = make_plan(np.array(LENGTHS), np.arange(len(LENGTHS)), cfg)
+    s, df = plan.summary, plan.batches
+    per_step, n = s["micro_batches_per_step"], np.array([b["n_batches"] for b in s["buckets"]])
+    counts = np.zeros((s["num_steps"], len(n)))
+    np.add.at(counts, (df["step"].to_numpy(), df["bucket"].to_numpy()), 1)
+    worst = np.abs(counts - per_step * n / n.sum()).max(axis=0)
+    assert s["order"]["step_mix_deviation"] == {str(b): round(float(worst[b]), 4) for b in np.flatnonzero(n)}
+    assert (worst > np.abs(counts - per_step * n / n.sum()).mean(axis=0) + 0.01).any()  # steps differ
+
+
+def test_bucket_figures_and_tokens_per_epoch_are_what_the_rows_give():
+    """Over two epochs: tokens_per_epoch is one epoch's tokens, and a bucket's padding efficiency is its planned
+    rows' real tokens over their padded tokens (not one epoch's tokens over two epochs' padding)."""
+    plan = make_plan(np.array(LENGTHS), np.arange(len(LENGTHS)), CFG)
+    s, df = plan.summary, plan.batches
+    assert s["tokens_per_epoch"] == sum(LENGTHS) and s["epochs"] == 2
+    for b in s["buckets"]:
+        rows = df.filter(pl.col("bucket") == b["bucket"])
+        assert b["padding_efficiency"] == round(rows["n_tokens"].sum() / rows["padded_tokens"].sum(), 6)
+        assert b["n_tokens"] == sum(n for n in LENGTHS if b["lo"] <= n <= b["hi"])

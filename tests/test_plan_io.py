@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from dflash_core.data.shards import ShardError
-from dflash_core.plan import PlanError, format_summary_table, read_plan, run_plan
+from dflash_core.plan import PlanError, format_summary_table, read_plan, row_index, run_plan
 from dflash_core.plan.config import PlanConfig
 from dflash_core.plan.io import read_val
 
@@ -77,6 +77,9 @@ def test_a_row_is_addressable_by_step(tmp_path):
     rows = pl.scan_parquet(tmp_path / "plan" / "plan.parquet").slice(step * per_step, per_step).collect()
     assert rows["step"].unique().to_list() == [step]
     assert rows.equals(table.filter(pl.col("step") == step))
+    w, a = s["world_size"], s["grad_accum"]
+    for r in rows.iter_rows(named=True):  # plan.row_index: the row of (step, rank, micro)
+        assert table.row(row_index(step, r["rank"], r["micro"], w, a), named=True) == r
 
 
 def test_empty_index_is_refused_naming_the_file(tmp_path):

@@ -1,12 +1,18 @@
 """make_plan: samples once per epoch, step and rank structure, budgets, determinism, balance, errors."""
 
+import hashlib
+import json
+
 import numpy as np
+import polars as pl
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash_core.plan import PlanError, format_summary_table, make_plan, row_index
 from dflash_core.plan.config import PlanConfig
+from dflash_core.plan.report import PLANNER_VERSION
+from dflash_core.plan.validation import val_mask
 
 
 @st.composite
@@ -210,3 +216,30 @@ def test_padding_longer_than_an_epoch_is_refused():
     # padding of up to an epoch: each of the last epoch's first micro-batches once
     plan = make_plan(np.full(30, 100), np.arange(30), cfg.model_copy(update={"world_size": 4}))
     assert plan.summary["num_steps"] == 3 and plan.summary["padded_micro_batches"] == 3
+
+
+def test_a_padded_last_step_repeats_the_last_epochs_first_micro_batches():
+    """plan.last_step 'pad': the missing micro-batches are the last epoch's first ones again, epoch column and
+    samples alike (so the run's epoch never goes back to 0 at its last step)."""
+    cfg = PlanConfig(max_tokens=1000, world_size=4, epochs=3, last_step="pad", val_fraction=0)
+    df = make_plan(np.full(30, 100), np.arange(30), cfg).batches.sort("seq")
+    per_epoch, padded = 3, df.filter(pl.col("seq") >= 9)
+    assert padded.height == 3 and padded["epoch"].to_list() == [2, 2, 2]
+    last_epoch_first = df.filter((pl.col("seq") >= 2 * per_epoch) & (pl.col("seq") < 3 * per_epoch))
+    assert padded["sample_ids"].to_list() == last_epoch_first["sample_ids"].to_list()
+    assert padded["sample_ids"].to_list() != df.filter(pl.col("seq") < per_epoch)["sample_ids"].to_list()
+
+
+def test_the_plan_of_given_inputs_changes_only_with_the_planner_version():
+    """The flow reuses a cached plan while the tokenized data, plan settings and PLANNER_VERSION are the same
+    (flows/tasks.py): a planner change that moves any sample, bucket, rank or held-out id must bump the version.
+    On purpose: update both numbers below. Otherwise a change reached the seeded streams, the interleaving's
+    tie-breaks or rotation, or the order of the work."""
+    lengths = np.clip(np.random.default_rng(7).lognormal(5, 1, 800), 1, 2000).astype(np.int64)
+    ids = np.arange(800) * 5 + 3
+    cfg = PlanConfig(max_tokens=4096, num_buckets=3, world_size=2, grad_accum=2, epochs=2, last_step="pad", seed=11)
+    plan = make_plan(lengths, ids, cfg)
+    df = plan.batches
+    blob = json.dumps([df.select("step", "rank", "micro", "bucket", "epoch", "seq").to_dict(as_series=False),
+                       df["sample_ids"].to_list(), plan.summary["edges"], ids[val_mask(ids, cfg)].tolist()])
+    assert (PLANNER_VERSION, hashlib.sha256(blob.encode()).hexdigest()[:16]) == (2, "db33ea97340d5f4a")
