@@ -148,6 +148,26 @@ def test_rng_state_round_trip():
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
+def test_a_resume_restores_the_cuda_generators_the_checkpoint_holds(monkeypatch):
+    """On a GPU the CUDA generators are part of what a rank resumes with (here faked: this machine may have none)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    state = {**rng_state(), "cuda": [torch.arange(4, dtype=torch.uint8)]}
+    set_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0][0], state["cuda"][0])
+    set_rng_state({**state, "cuda": []})  # written on a machine without CUDA: nothing to restore
+    assert len(restored) == 1
+
+
+@pytest.mark.gpu
+def test_the_cuda_generator_round_trips_on_a_gpu():
+    state = rng_state()
+    first = torch.rand(4, device="cuda")
+    set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
 def test_schedule_warmup_then_cosine_to_min():
     total = 100
     w = warmup_steps(total, 0.04)

@@ -616,6 +616,9 @@ def test_a_run_identity_ignores_key_order_and_the_attention_kernel_but_not_the_d
     assert same == run_identity(plan, model) == run_identity(plan, {**model, "attention": "flex"})
     assert run_identity(plan, {**model, "sliding_window": 128}) != same
     assert run_identity(plan, {**model, "layer_types": ["sliding_attention"]}) != same
+    for key, other in (("target", "/m/other"), ("num_draft_layers", 2), ("target_layer_ids", [1, 3]),
+                       ("mask_token_id", 7)):  # what the drafter's weights belong to: another run
+        assert run_identity(plan, {**model, key: other}) != same, key
 
 
 def test_what_a_checkpoint_was_made_for_keeps_the_data_fingerprint_and_the_bucket_edges():
@@ -632,7 +635,8 @@ def test_a_refused_resume_names_a_setting_that_is_gone_and_counts_what_it_does_n
     gone = identity_change(before, run_made_for({"world_size": 2}, {"block_size": 16}))
     assert gone == "plan.max_tokens 4096 -> None"
     many = run_made_for({f"k{i}": i for i in range(8)}, {})
-    assert identity_change(many, run_made_for({f"k{i}": i + 1 for i in range(8)}, {})).endswith(" and 2 more")
+    said = identity_change(many, run_made_for({f"k{i}": i + 1 for i in range(8)}, {}))
+    assert said.endswith(" and 2 more") and said.count(" -> ") == 6  # each of the 8 shown or counted, once
 
 
 def test_tied_weights_save_and_load(tmp_path):

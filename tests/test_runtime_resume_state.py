@@ -182,6 +182,18 @@ def test_a_checkpoint_from_before_run_identities_with_other_tensors_is_refused_n
         _trainer(inputs, out)
 
 
+def test_the_checkpoints_of_another_run_are_refused_naming_what_differs(inputs, whole, tmp_path):
+    """Another block size is another run (its identity): its weights are not continued as this run's, even where
+    every tensor would fit (the slow lane checks the same through torchrun)."""
+    from dflash_core.runtime.checkpoint import CheckpointError
+
+    out = _resumable(whole, tmp_path)
+    with pytest.raises(CheckpointError, match=rf"holds the checkpoints of another run \(model.block_size {BLOCK} -> "
+                       rf"{BLOCK - 1}\): resuming would continue its weights on this run's data"):
+        _trainer(inputs, out, model={"block_size": BLOCK - 1})
+    assert (out / "checkpoints" / f"step-{EVERY}" / "meta.json").exists()  # refused, not moved aside
+
+
 # --- what a mutation audit of Trainer._resume found unpinned ----------------------------------------------
 
 def _edit_state(out, **changes) -> dict:
