@@ -107,6 +107,9 @@ SPECS = {
     "minimax3": ("MiniMaxAI-MiniMax-M3", ["]!d~[", "]~!b[", "]~b]", "[e~[", "<mm:think>", "</mm:think>", "]<]minimax[>[",
                                           "]<]image[>[", "]<]video[>["], "]~!b[", "[e~["),
     "step35": ("stepfun-ai-Step-3.5-Flash", QWEN, None, "<|im_end|>"),
+    "llama4": ("meta-llama-Llama-4-Scout-17B-16E-Instruct", [
+        "<|finetune_right_pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
+        "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>", "<|image|>"], "<|begin_of_text|>", "<|eot|>"),
     "glimmer": ("muse-glimmer", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>"],
                 "<|startoftext|>", "<|eot|>"),
 }
