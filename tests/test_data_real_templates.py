@@ -112,6 +112,17 @@ SPECS = {
         "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>", "<|image|>"], "<|begin_of_text|>", "<|eot|>"),
     "glimmer": ("muse-glimmer", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>"],
                 "<|startoftext|>", "<|eot|>"),
+    "cohere2moe": ("Cohere2MoE", ["<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>",
+                                  "<EOP_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+                                  "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>",
+                                  "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_ACTION|>", "<|END_ACTION|>",
+                                  "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|START_TEXT|>", "<|END_TEXT|>",
+                                  "<|IMG_PATCH|>"], "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "dsv32": ("deepseek-ai-DeepSeek-V3.2", [
+        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -672,3 +683,24 @@ def test_calls_written_one_message_each_are_learnt_from_the_first() -> None:
     calls, reply = _supervised(_preview("glimmer", "strip")["parallel"])
     assert calls.startswith(" to=get_weather<|message|>") and "<|eom|><|start|>assistant to=get_time" in calls
     assert calls.endswith("</atem:function_calls><|eot|>") and reply == " to=user<|message|>It is 18 degrees at 9:00.<|eot|>"
+
+
+def test_a_turn_of_calls_whose_header_is_neither_the_prompt_nor_a_replys_is_placed_on_what_they_share() -> None:
+    """Command A Reasoning's generation prompt is '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>', a
+    reply in history '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_TEXT|>...', a turn of calls
+    '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_ACTION|>[...]': neither header is before the calls, and every
+    tool record was dropped as template_mismatch (failing the stage). The calls are learnt from the
+    '<|START_ACTION|>' the model writes after the header they share; a reply in history still from its text.
+    DeepSeek-V3.2's turn of calls opens with the '<｜Assistant｜></think>' of a reply in history (the prompt with
+    thinking off: '<｜Assistant｜><think></think>'): learnt from after it."""
+    for thinking in ("strip", "keep"):
+        records = _preview("cohere2moe", thinking)
+        calls, reply = _supervised(records["parallel"])
+        assert calls.startswith("<|START_ACTION|>[") and '"tool_name": "get_time"' in calls, calls
+        assert calls.endswith("]<|END_ACTION|><|END_OF_TURN_TOKEN|>") and "temp" not in calls, calls
+        assert reply == "It is 18 degrees at 9:00.<|END_TEXT|><|END_OF_TURN_TOKEN|>", reply
+        assert _supervised(records["multi"]) == ["A1 three<|END_TEXT|><|END_OF_TURN_TOKEN|>",
+                                                 "A2 six<|END_TEXT|><|END_OF_TURN_TOKEN|>"]
+    calls, reply = _supervised(_preview("dsv32", "strip")["tools"])
+    assert calls.startswith("\n\n<｜DSML｜function_calls>") and 'invoke name="get_weather"' in calls, calls
+    assert calls.endswith("</｜DSML｜function_calls><｜end▁of▁sentence｜>") and reply == "It is 18 degrees.<｜end▁of▁sentence｜>"

@@ -343,10 +343,15 @@ class ChatEncoder:
         return [p for p in dict.fromkeys(prompts) if p]
 
     def _learn_headers(self) -> list[str]:
-        """The assistant header of an earlier turn where it is shorter than the generation prompt, which pre-fills
-        more (QwQ's and Nemotron's '<think>\n'): what a turn without text (tool calls only) is anchored on. It
-        starts with a special token, and the generation prompt starts with it."""
-        specials, headers = self._specials, []
+        """What a turn without text (tool calls only) is anchored on where no generation prompt is written before
+        it: the assistant header of an earlier turn where it is shorter than the generation prompt, which pre-fills
+        more (QwQ's and Nemotron's '<think>\n'); it starts with a special token, and the generation prompt starts
+        with it. Where neither pre-fills the other (Command A Reasoning: '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'
+        then '<|START_THINKING|>' in the prompt, '<|START_TEXT|>' before a reply in history, '<|START_ACTION|>'
+        before calls; DeepSeek-V3.2's '<｜Assistant｜><think></think>' and '<｜Assistant｜></think>'), the header of a
+        reply in history, then what it shares with the prompt through its last special token (the whitespace after
+        it too), where that names the assistant (the render holds it once): the model writes what follows it."""
+        specials, headers, shared = self._specials, [], []
         for turns in (("user", "assistant", "user"), ("user", "assistant")):  # a reply in history, the last one
             messages, kwargs = self._plain(*[(role, _MARK.format(k)) for k, role in enumerate(turns)])
             text = self._render_one(messages, kwargs)
@@ -358,6 +363,17 @@ class ChatEncoder:
                             and prompt.startswith(seg[i:]) and len(seg) - i < len(prompt)), None)
                 if cut:
                     headers.append(cut)
+            if any(seg.endswith(h) for h in (*self.prompts, *headers)):
+                continue  # a prompt or a header already ends right before the reply's text
+            for prompt in self.prompts:
+                opener = _special_prefix(prompt, specials)
+                header = seg[seg.rfind(opener):] if opener and opener in seg else ""
+                common = os.path.commonprefix([header, prompt])
+                through = max((e for e in range(len(common) + 1) if common[:e].endswith(specials)), default=0)
+                through += len(common[through:]) - len(common[through:].lstrip())
+                if through and text.count(common[:through]) == 1:
+                    shared += [header, common[:through]]
+        headers += shared
         return [h for h in dict.fromkeys(headers) if h not in self.prompts]
 
     def _renders_tools(self) -> bool:
@@ -614,6 +630,8 @@ class ChatEncoder:
                 # one message per call (Muse Glimmer: '<|start|>assistant to=get_weather...<|eom|><|start|>assistant
                 # to=get_time...'): the turn starts at the first call's, which the model writes first
                 at = text.rfind(prompt, lo, first_call)
+            elif first_call >= 0 and start is None:
+                continue  # found only after the calls of a turn without text: another turn's header
             if at >= 0 and (start is None or at < start):
                 start = at + len(prompt)
                 end = start if end is None else max(end, start)
