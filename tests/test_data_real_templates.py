@@ -686,7 +686,7 @@ def test_calls_written_one_message_each_are_learnt_from_the_first() -> None:
 
 
 def test_a_turn_of_calls_whose_header_is_neither_the_prompt_nor_a_replys_is_placed_on_what_they_share() -> None:
-    """Command A Reasoning's generation prompt is '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>', a
+    """Cohere2 MoE's generation prompt is '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>', a
     reply in history '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_TEXT|>...', a turn of calls
     '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_ACTION|>[...]': neither header is before the calls, and every
     tool record was dropped as template_mismatch (failing the stage). The calls are learnt from the

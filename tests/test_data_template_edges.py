@@ -132,7 +132,7 @@ def test_inline_reasoning_is_written_between_the_marks_a_thinking_chunk_is_rende
 
 
 @pytest.mark.parametrize(("closing", "after_last", "eos", "learnt"), [
-    # a closing of two tokens, the eos the second (Command A / R7B: '<|END_RESPONSE|><|END_OF_TURN_TOKEN|>'); the
+    # a closing of two tokens, the eos the second (Cohere's Command R7B: '<|END_RESPONSE|><|END_OF_TURN_TOKEN|>'); the
     # template writes the next header even after the last turn, so the closings differ past the eos
     ("<|endoftext|><|im_end|>", "<|im_start|>assistant\n", "<|im_end|>", "<|endoftext|><|im_end|>"),
     # the same closing after every reply, no eos in it (Kimi K3): through its last special token

@@ -346,7 +346,7 @@ class ChatEncoder:
         """What a turn without text (tool calls only) is anchored on where no generation prompt is written before
         it: the assistant header of an earlier turn where it is shorter than the generation prompt, which pre-fills
         more (QwQ's and Nemotron's '<think>\n'); it starts with a special token, and the generation prompt starts
-        with it. Where neither pre-fills the other (Command A Reasoning: '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'
+        with it. Where neither pre-fills the other (Cohere2 MoE: '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'
         then '<|START_THINKING|>' in the prompt, '<|START_TEXT|>' before a reply in history, '<|START_ACTION|>'
         before calls; DeepSeek-V3.2's '<｜Assistant｜><think></think>' and '<｜Assistant｜></think>'), the header of a
         reply in history, then what it shares with the prompt through its last special token (the whitespace after
