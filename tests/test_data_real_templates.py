@@ -22,6 +22,9 @@ MISTRAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/
            "[/TOOL_RESULTS]", "[TOOL_CALLS]"]
 QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
         "<tool_response>", "</tool_response>"]
+DEEPSEEK = ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+            "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]  # DeepSeek V3.1's and V3.2's
 # template file, its special tokens (the first is the pad), bos, eos
 SPECS = {
     "qwen3": ("Qwen-Qwen3-0.6B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
@@ -33,11 +36,7 @@ SPECS = {
         "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
         "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
         "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
-    "dsv31": ("deepseek-ai-DeepSeek-V3.1", [
-        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
-        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-        "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>",
-        "<｜end▁of▁sentence｜>"),
+    "dsv31": ("deepseek-ai-DeepSeek-V3.1", DEEPSEEK, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     "gptoss": ("openai-gpt-oss-120b", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                                        "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"], "<|startoftext|>",
                "<|return|>"),
@@ -118,11 +117,7 @@ SPECS = {
                                   "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_ACTION|>", "<|END_ACTION|>",
                                   "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|START_TEXT|>", "<|END_TEXT|>",
                                   "<|IMG_PATCH|>"], "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
-    "dsv32": ("deepseek-ai-DeepSeek-V3.2", [
-        "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
-        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-        "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"], "<｜begin▁of▁sentence｜>",
-        "<｜end▁of▁sentence｜>"),
+    "dsv32": ("deepseek-ai-DeepSeek-V3.2", DEEPSEEK, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
