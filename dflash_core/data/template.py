@@ -417,18 +417,18 @@ class ChatEncoder:
         return text + self.stops.get("tool" if messages[-1].get("tool_calls") else "user", "")
 
     def _learn_call_opener(self, probe: str) -> str:
-        """Without a generation prompt (Mistral's templates) a reply starts right after the user turn's closing,
-        which a turn of calls only has no text to show: the special token the template opens calls with
-        (Mistral's '[TOOL_CALLS]') is where it starts. The render of a plain reply gives the closing."""
-        if self.prompts or self.headers:
-            return ""
+        """Where no generation prompt or header comes before a turn of calls only (Mistral's templates have none;
+        DeepSeek's write none after a tool result: '<｜tool▁output▁end｜><｜tool▁calls▁begin｜>...'), the turn has
+        no text to show where it starts: the special token the template opens calls with ('[TOOL_CALLS]',
+        '<｜tool▁calls▁begin｜>') is where it starts. It is what follows the user turn's closing and the generation
+        prompt in the probe; the render of a plain reply gives those."""
         plain = self._render_one(*self._plain(("user", _MARK.format(0)), ("assistant", _MARK.format(1))))
         if not isinstance(plain, str) or _MARK.format(1) not in plain:
             return ""
         # the user turn's closing; what follows it is the reply's own (Mistral 7B v0.3 writes ' ' + reply)
         closing = plain.split(_MARK.format(0), 1)[1].split(_MARK.format(1), 1)[0].rstrip()
         calls = probe.split(_MARK.format(0), 1)[1]
-        return _special_prefix(calls[len(closing):], self._specials) if calls.startswith(closing) else ""
+        return _special_prefix(calls[len(closing):], self._specials).lstrip() if calls.startswith(closing) else ""
 
     @functools.cached_property
     def _eot_stop(self) -> str:
@@ -625,13 +625,11 @@ class ChatEncoder:
             # a prompt may pre-fill the start of the turn's own text (QwQ's '<think>\n' before inline reasoning):
             # what it pre-fills is not supervised
             at = text.rfind(prompt, lo, hi if start is None else min(hi, start + len(prompt)))
-            first_call = text.find(calls[0], lo, at) if calls and calls[0] and at >= 0 else -1
+            first_call = text.rfind(calls[0], lo, at) if calls and calls[0] and at >= 0 else -1
             if first_call >= 0 and text.rfind(prompt, lo, first_call) >= 0:
                 # one message per call (Muse Glimmer: '<|start|>assistant to=get_weather...<|eom|><|start|>assistant
                 # to=get_time...'): the turn starts at the first call's, which the model writes first
                 at = text.rfind(prompt, lo, first_call)
-            elif first_call >= 0 and start is None:
-                continue  # found only after the calls of a turn without text: another turn's header
             if at >= 0 and (start is None or at < start):
                 start = at + len(prompt)
                 end = start if end is None else max(end, start)
