@@ -234,3 +234,72 @@ def test_the_steps_an_interrupted_launch_trained_after_its_checkpoint_count_as_r
     summary = _trainer(inputs, out).train()
     assert summary["start_step"] == EVERY and summary["steps_redone"] == 4 + 1 - EVERY
     shutil.rmtree(out)
+
+
+def _as_rank_1(trainer, monkeypatch, rank_0_chose: int) -> list[int]:
+    """`trainer` turned into rank 1 of 2 for a second `_resume`: the broadcast of the step to resume gives rank 0's
+    choice; returns the values rank 1 sent to it."""
+    import dflash_core.runtime.trainer as trainer_module
+    from dflash_core.runtime.distributed import DistEnv
+
+    sent: list[int] = []
+    monkeypatch.setattr(trainer_module, "broadcast_int", lambda value, env, device: sent.append(value) or rank_0_chose)
+    trainer.env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    trainer.start_step, trainer.resumed_from = 0, None
+    return sent
+
+
+def test_every_rank_resumes_its_own_rng_streams(inputs, whole, tmp_path, monkeypatch):
+    """Each rank's RNG states are saved apart (gather_objects in _save): rank 1 resumes rank 1's, not rank 0's, so
+    the ranks do not draw one stream twice after a resume (anything drawing from the global RNGs, dropout among
+    them, would repeat rank 0's draws on every rank where the uninterrupted run drew other ones)."""
+    import random
+
+    import numpy as np
+
+    from dflash_core.runtime.checkpoint import rng_state
+
+    out = _resumable(whole, tmp_path)
+    streams = []
+    for seed in (11, 22):  # rank 0's and rank 1's, all three libraries' states differing
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        streams.append(rng_state())
+    _edit_state(out, rng=streams)
+    trainer = _trainer(inputs, out)  # rank 0
+    assert torch.equal(torch.get_rng_state(), streams[0]["torch"])
+    _as_rank_1(trainer, monkeypatch, rank_0_chose=EVERY)
+    trainer._resume()
+    assert torch.equal(torch.get_rng_state(), streams[1]["torch"])
+    assert np.array_equal(np.random.get_state()[1], streams[1]["numpy"][1].numpy().astype(np.uint32))
+    assert list(random.getstate()[1]) == streams[1]["python"][1]
+
+
+def test_a_rank_other_than_0_resumes_the_step_rank_0_chose_and_moves_nothing(inputs, whole, tmp_path, monkeypatch):
+    """Rank 0 picks the checkpoint (the newest that loads, moving damaged ones aside) and the others load that
+    step by name. Where their view of the run folder differs from rank 0's (a shared filesystem that shows rank
+    0's move aside late, a newer checkpoint still being copied in), a rank that picked for itself would resume
+    another step than rank 0 (other weights, moments and plan rows: the ranks diverge) or race rank 0's rename of
+    a damaged checkpoint."""
+    out = _resumable(whole, tmp_path)
+    newer = out / "checkpoints" / f"step-{STEPS}"
+    shutil.copytree(whole / "checkpoints" / f"step-{STEPS}", newer)  # loads, but rank 0 chose step EVERY
+    for step in (EVERY, STEPS):  # a 2-rank run's checkpoints: an RNG state per rank
+        path = out / "checkpoints" / f"step-{step}" / "train_state.pt"
+        state = torch.load(path, weights_only=True)
+        torch.save({**state, "rng": state["rng"] * 2}, path)
+    trainer = _trainer(inputs, out)  # rank 0, alone, would take the newer one
+    assert trainer.start_step == STEPS
+    sent = _as_rank_1(trainer, monkeypatch, rank_0_chose=EVERY)
+    trainer._resume()
+    assert sent == [-1]  # rank 1 offers no choice of its own
+    assert trainer.start_step == EVERY and trainer.resumed_from.endswith(f"step-{EVERY}")
+    want = load_file(str(out / "checkpoints" / f"step-{EVERY}" / "model.safetensors"))
+    assert all(torch.equal(trainer.drafter.state_dict()[k], v) for k, v in want.items())
+    weights = newer / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # as rank 1 sees it before rank 0's move aside shows
+    _as_rank_1(trainer, monkeypatch, rank_0_chose=EVERY)
+    trainer._resume()
+    assert trainer.start_step == EVERY
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{EVERY}", f"step-{STEPS}"]
