@@ -701,22 +701,32 @@ def test_a_turn_of_calls_whose_header_is_neither_the_prompt_nor_a_replys_is_plac
     assert calls.endswith("</｜DSML｜function_calls><｜end▁of▁sentence｜>") and reply == "It is 18 degrees.<｜end▁of▁sentence｜>"
 
 
-@pytest.mark.parametrize("name", ["dsv31", "kimi3", "glimmer"])
-def test_a_second_turn_of_calls_after_a_result_is_placed_on_its_own_calls(name: str) -> None:
-    """Multi-step tool use: calls, their result, calls again (the same tool), their result, the answer. DeepSeek
-    V3.1 writes no header after a tool result ('<｜tool▁output▁end｜><｜tool▁calls▁begin｜>...'): the second turn of
-    calls had no anchor and every such record was a template_mismatch, which fails the stage. Kimi K3 and Muse
-    Glimmer name the tool in a result's header, which an empty result leaves in front of the next turn."""
-    for result in ("", '{"temp": 17}'):
-        turns = [{"role": "user", "content": "Weather twice?"},
-                 {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 1)]},
-                 {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": result},
-                 {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 2)]},
-                 {"role": "tool", "tool_call_id": "call00002", "name": "get_weather", "content": '{"temp": 18}'},
-                 {"role": "assistant", "content": "It is 18 degrees."}]
-        record = _preview(name, "strip", {"twice": turns})["twice"]
-        assert record["kept"], (name, result, record["reason"], record["detail"])
-        first, second, reply = _supervised(record)
-        for calls in (first, second):
-            assert "get_weather" in calls and calls.count("Paris") == 1 and "temp" not in calls, (name, calls)
-        assert "It is 18 degrees." in reply and "temp" not in reply
+def _multi_step(result: str, second: str) -> list[dict[str, Any]]:
+    """Calls, their result, calls again, their result, the answer: multi-step tool use."""
+    return [{"role": "user", "content": "Weather twice?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", 1)]},
+            {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": result},
+            {"role": "assistant", "content": None, "tool_calls": [_call(second, 2)]},
+            {"role": "tool", "tool_call_id": "call00002", "name": second, "content": '{"temp": 18}'},
+            {"role": "assistant", "content": "It is 18 degrees."}]
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])
+@pytest.mark.parametrize("name", sorted(set(SPECS) - {"dsv32"}))  # llama.cpp's V3.2 calls open with text markers
+def test_each_turn_of_multi_step_tool_use_is_placed_on_its_own_calls(name: str, thinking: str) -> None:
+    """A second turn of calls after a result: DeepSeek V3.1 writes no header after a tool result
+    ('<｜tool▁output▁end｜><｜tool▁calls▁begin｜>...'), gpt-oss and Apertus an empty result with no text to bound
+    the turn before (gpt-oss's first turn ran to the last header before the next text, Apertus' to the last
+    special token: both over the second turn), Kimi K3 and Muse Glimmer name the tool in a result's header. Every
+    such record was a template_mismatch, which fails the stage."""
+    records = _preview(name, thinking, {"same": _multi_step('{"temp": 17}', "get_weather"),
+                                        "empty": _multi_step("", "get_weather"),
+                                        "other": _multi_step('{"temp": 17}', "get_time")})
+    for rid, record in records.items():
+        if not record["kept"]:
+            assert record["reason"] in POLICY, (name, thinking, rid, record["reason"], record["detail"])
+            continue
+        *calls, reply = _supervised(record)
+        assert len(calls) == 2 and "It is 18 degrees." in reply and "temp" not in reply, (name, rid, calls, reply)
+        for turn in calls:
+            assert turn.count("Paris") == 1 and "temp" not in turn, (name, thinking, rid, turn)

@@ -658,13 +658,21 @@ class ChatEncoder:
             # header opens (the special token the generation prompt opens with), or at the end of the text
             if hi == len(text):
                 return start, hi
-            header = text.rfind(self.opener, end, hi) if self.opener else -1
+            # past the calls, the first header is the next message's (an empty tool result has no text to bound
+            # the turn: the last header before the next text may be a later turn's); without their names found,
+            # the last one (gpt-oss writes its reasoning and its calls as two messages of the turn)
+            header = (-1 if not self.opener else text.find(self.opener, past, hi) if past > end
+                      else text.rfind(self.opener, end, hi))
             if header >= 0:
                 return start, header
             # no header either: the results follow inside the same turn (Apertus' '<|tools_prefix|>[...]<|tools_suffix|>'
             # then '[result]'), so the calls end with the last special token before the result (else the turn of
             # calls only was an empty span, kept and never learnt)
-            closing = max((at + len(s) for s in self._specials if (at := text.rfind(s, end, hi)) >= 0), default=end)
+            # (an empty result writes no text: what opens the next turn's calls bounds the search)
+            bound = text.find(self.call_opener, past, hi) if self.call_opener and past > end else -1
+            bound = hi if bound < 0 else bound
+            closing = max((at + len(s) for s in self._specials if (at := text.rfind(s, end, bound)) >= 0),
+                          default=end)
             return start, closing
         if self.eot:
             return start, end + len(self.eot) if text.startswith(self.eot, end) else end
