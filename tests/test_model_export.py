@@ -167,6 +167,14 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5 must be a number in \(0, 1\]"),
     ({"partial_rotary_factor": 0}, r"partial_rotary_factor 0 must be a number in \(0, 1\]"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": True}}, r"rope_theta True \(.*\) must be a positive"),
+    # LongRoPE factors of another count than the frequencies rotated: torch's RuntimeError (a broadcast)
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
+                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}},
+     r"rope_parameters short_factor \[1.0, 1.0, 1.0\] must be a list of 8 numbers: LongRoPE's factor for each "
+     r"frequency"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                          "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}, "partial_rotary_factor": 0.5},
+     r"rope_parameters short_factor \[1.0, .*\] must be a list of 4 numbers"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
      r"rope_parameters \{.*'factor': 'x'\} make no linear RoPE \(TypeError: .*\); give the fields transformers' "
      r"linear RoPE takes"),

@@ -512,6 +512,14 @@ def _check_rope(path: str, config: Qwen3Config) -> None:
     if not (_number(partial) and 0 < partial <= 1):
         raise ExportError(f"{path}: partial_rotary_factor {partial!r} must be a number in (0, 1]: the share of each "
                           "head that rotates")
+    if rope_type == "longrope":  # one factor per rotated frequency: another count was torch's RuntimeError
+        rotated = (int((config.head_dim or config.hidden_size // config.num_attention_heads) * partial) + 1) // 2
+        for key in ("short_factor", "long_factor"):
+            factors = rope.get(key)
+            if not (isinstance(factors, list) and len(factors) == rotated and all(map(_number, factors))):
+                raise ExportError(f"{path}: rope_parameters {key} {factors!r} must be a list of {rotated} numbers: "
+                                  "LongRoPE's factor for each frequency the drafter's heads rotate (head_dim * "
+                                  "partial_rotary_factor / 2)")
     try:
         with torch.device("meta"):  # the scaling's own fields (factor, beta_fast, ...): no memory
             rotary_embedding(config)
