@@ -5,11 +5,12 @@ import logging
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
 import torch
-from common.models import MASK_ID, random_batch, save_tiny_qwen3, tiny_drafter, tiny_qwen3, tiny_target
+from common.models import MASK_ID, VOCAB, random_batch, save_tiny_qwen3, tiny_drafter, tiny_qwen3, tiny_target
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
@@ -31,7 +32,7 @@ from dflash_core.model.export import (
     save_dflash,
 )
 from dflash_core.model.target import TargetModel
-from dflash_core.runtime.warm_start import load_warm_start
+from dflash_core.runtime.warm_start import WarmStartError, check_init_from, load_warm_start
 
 H, HEADS, KV, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 
@@ -175,6 +176,13 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                           "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}, "partial_rotary_factor": 0.5},
      r"rope_parameters short_factor \[1.0, .*\] must be a list of 4 numbers"),
+    # what a scaling's own fields out of range raise when the layers' RoPE is built
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     r"rope_parameters \{.*\} make no llama3 RoPE \(ZeroDivisionError: division by zero\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 10**400}},
+     r"rope_parameters \{.*\} make no llama3 RoPE \(OverflowError: "),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
      r"rope_parameters \{.*'factor': 'x'\} make no linear RoPE \(TypeError: .*\); give the fields transformers' "
      r"linear RoPE takes"),
@@ -477,6 +485,10 @@ def test_the_mask_token_text_is_exported_and_read_back(tmp_path, target):
     cfg["dflash_config"]["mask_token"] = 7
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match="mask_token must be the mask token's text"):
+        load_dflash(str(tmp_path / "d"), target)
+    cfg["dflash_config"]["mask_token"] = ""  # no text SGLang could resolve the mask by
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="mask_token must be the mask token's text, got ''"):
         load_dflash(str(tmp_path / "d"), target)
 
 
@@ -910,6 +922,7 @@ def test_tensor_names_vllm_renames_are_read_under_its_names(tmp_path, target):
     ({"is_causal": 1}, r"is_causal must be true, false or null, got 1"),
     ({"dflash_config": {"use_swa": True, "swa_window_size": 0}}, r"its size is 0"),
     ({"dflash_config": {"target_layer_ids": [True, 2, 3]}}, r"must be a list of target layer numbers, got \[True"),
+    ({"dflash_config": {"target_layer_ids": {}}}, r"must be a list of target layer numbers, got \{\}"),
     ({"final_logit_softcapping": 0}, r"final_logit_softcapping 0 must be a positive number"),
     ({"final_logit_softcapping": True}, r"final_logit_softcapping True must be a positive number"),
 ])
@@ -923,3 +936,175 @@ def test_switches_and_layer_lists_of_another_type_are_refused_not_read_as_truthy
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match=says):
         check_drafter_folder(str(tmp_path / "d"))
+
+
+# --- what a mutation audit of export.py and warm_start.py found unpinned ------------------------------------------
+
+
+def test_an_export_dtype_config_json_has_no_name_for_is_refused_before_a_file_is_written(tmp_path, drafter):
+    with pytest.raises(ExportError, match=r"save_dflash: dtype torch.float64 is not one of \[torch.bfloat16, "
+                                          r"torch.float16, torch.float32\]"):
+        save_dflash(drafter, str(tmp_path / "d"), dtype=torch.float64)
+    assert not (tmp_path / "d").exists()
+
+
+def test_another_models_folder_is_refused_by_its_architectures(tmp_path, target, drafter):
+    """The target's folder given where a drafter's is expected (--drafter, train.init_from): its config.json is
+    a JSON object with every size a drafter has, and names no DFlashDraftModel."""
+    folder = save_tiny_qwen3(tmp_path / "target")
+    says = r"target/config.json: architectures must include 'DFlashDraftModel', got \['Qwen3ForCausalLM'\]"
+    for read in (read_drafter_config, check_drafter_folder, lambda f: load_dflash(f, target)):
+        with pytest.raises(ExportError, match=says):
+            read(folder)
+    with pytest.raises(WarmStartError, match="train.init_from .*" + says):
+        check_init_from(folder)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"DFlashDraftModel"'])
+def test_a_config_json_that_is_no_object_is_refused_naming_the_file(tmp_path, target, drafter, text):
+    """A config.json that is JSON but no object was an AttributeError (.get on a list) from every reader."""
+    folder = _save_and_edit(tmp_path, drafter, lambda d: (d / "config.json").write_text(text))
+    for read in (read_drafter_config, check_drafter_folder, lambda f: load_dflash(f, target)):
+        with pytest.raises(ExportError, match=r"d/config.json: not a JSON object"):
+            read(folder)
+    with pytest.raises(WarmStartError, match=r"train.init_from .*d/config.json: not a JSON object"):
+        load_warm_start(tiny_drafter(target, layers=2, target_layer_ids=[0, 1, 2]), folder)
+
+
+def _shard(folder: Path, weight_map: Any = None) -> None:
+    """model.safetensors split in two shards listed by model.safetensors.index.json (its weight_map as given)."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(folder / file))
+    if weight_map is None:
+        weight_map = {k: file for file, part in shards.items() for k in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("weight_map", [{}, {"fc.weight": 1}, ["model-00001-of-00002.safetensors"]])
+def test_an_index_that_names_no_shards_is_refused_naming_it(tmp_path, target, drafter, weight_map):
+    folder = _save_and_edit(tmp_path, drafter, lambda d: _shard(d, weight_map))
+    for read in (check_drafter_folder, lambda f: load_dflash(f, target)):
+        with pytest.raises(ExportError, match=r"d/model.safetensors.index.json: no weight_map naming the shards"):
+            read(folder)
+
+
+def test_a_sharded_drafter_whose_tensors_do_not_fit_its_config_names_the_index(tmp_path, target, drafter):
+    """A mismatch of a sharded folder is reported against its index (there is no model.safetensors to name)."""
+    def edit(folder):
+        _shard(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    folder = _save_and_edit(tmp_path, drafter, edit)
+    for read in (check_drafter_folder, lambda f: load_dflash(f, target)):
+        with pytest.raises(ExportError, match=r"d/model.safetensors.index.json: tensor shapes do not match the "
+                                              r"config: layers.0.mlp.gate_proj.weight \(128, 64\) != \(96, 64\)"):
+            read(folder)
+
+
+def test_a_weights_file_longer_than_its_header_describes_is_refused_by_the_folder_check(tmp_path, target, drafter):
+    """Bytes past the last tensor (a copy written over another file): safetensors refuses the file when it is
+    loaded, after training; the folder check refuses it before."""
+    def append(folder):
+        with open(folder / "model.safetensors", "ab") as fh:
+            fh.write(b"\0" * 8)
+    folder = _save_and_edit(tmp_path, drafter, append)
+    size = (tmp_path / "d" / "model.safetensors").stat().st_size
+    with pytest.raises(ExportError, match=rf"d/model.safetensors: {size} bytes where its header describes "
+                                          rf"{size - 8}: the file was cut short or written over"):
+        check_drafter_folder(folder)
+    with pytest.raises(ExportError, match=r"d/model.safetensors: not a readable safetensors file"):
+        load_dflash(folder, target)
+
+
+def test_a_published_drafter_is_read_with_the_layers_it_names_in_any_order_and_the_last(tmp_path, target, drafter):
+    """Target layers out of order, or the target's last one, are refused for a drafter trained here (the engines
+    would not hand them over as training sees them), but a published drafter that names them is evaluated as it
+    is, not refused."""
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["dflash_config"]["target_layer_ids"] = [3, 1, 2]
+        cfg["eagle_aux_hidden_state_layer_ids"] = [4, 2, 3]
+        (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _save_and_edit(tmp_path, drafter, edit)
+    check_drafter_folder(folder, save_tiny_qwen3(tmp_path / "target"))
+    assert load_dflash(folder, target).target_layer_ids == [3, 1, 2]
+
+
+def test_an_empty_target_layer_list_in_dflash_config_is_refused_not_taken_from_the_top_level(tmp_path, target,
+                                                                                           drafter):
+    """SGLang reads dflash_config.target_layer_ids when it is there and refuses an empty one; the top-level ids
+    are read only where dflash_config names none."""
+    def edit(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["target_layer_ids"], cfg["dflash_config"]["target_layer_ids"] = cfg["dflash_config"]["target_layer_ids"], []
+        del cfg["eagle_aux_hidden_state_layer_ids"]  # vLLM's copy of the ids: compared with them
+        (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _save_and_edit(tmp_path, drafter, edit)
+    with pytest.raises(ExportError, match=r"d/config.json: dflash_config.target_layer_ids \[\]: .*bad: empty list"):
+        load_dflash(folder, target)
+
+
+def test_mask_token_id_0_is_a_token_id_and_the_vocab_size_is_none(tmp_path, target):
+    """Token 0 is a mask id like any other (not read as missing, nor as falling back to a top-level id); the
+    vocab size is one past the last token."""
+    zero = build_drafter(target, ModelConfig(target="tiny", num_draft_layers=1, block_size=4), 0)
+    zero.mask_embedding = torch.randn(H)
+    save_dflash(zero, str(tmp_path / "d"), dtype=torch.float32)
+    folder, path = str(tmp_path / "d"), tmp_path / "d" / "config.json"
+    check_drafter_folder(folder)
+    loaded = load_dflash(folder, target)
+    assert loaded.mask_token_id == 0 and torch.equal(loaded.mask_embedding, zero.mask_embedding)
+    seeded = tiny_drafter(target, layers=1)  # mask id 99: the file's id is checked against its own config's 0
+    load_warm_start(seeded, folder)
+    assert torch.equal(seeded.mask_embedding, zero.mask_embedding)
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "mask_token_id": MASK_ID}))  # dflash_config's 0 is read first
+    assert load_dflash(folder, target).mask_token_id == 0
+    (tmp_path / "d" / "mask_embedding.pt").unlink()
+    for mask_token_id, ok in ((VOCAB - 1, True), (VOCAB, False)):
+        path.write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"], "mask_token_id": mask_token_id}}))
+        if ok:
+            assert load_dflash(folder, target).mask_token_id == mask_token_id
+            continue
+        for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+            with pytest.raises(ExportError, match=rf"d/config.json: dflash_config.mask_token_id {VOCAB} must be a "
+                                                  rf"token id in the vocab \(0 to {VOCAB - 1}\)"):
+                read()
+
+
+def test_a_partial_rotation_is_read_exported_and_read_back_in_both_spellings(tmp_path, target, drafter):
+    """A drafter whose heads rotate half their dimensions (partial_rotary_factor 0.5, as a Qwen3.5-style config
+    may say) is built so, and exported with the factor in rope_parameters and at the top level, where transformers
+    4 and the engines built on it read it."""
+    folder = _with_config(tmp_path, drafter, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                              "partial_rotary_factor": 0.5})
+    half = load_dflash(folder, target)
+    assert half.rotary_emb.inv_freq.numel() == HEAD_DIM // 4  # 8 of 16 dimensions rotate: 4 frequencies
+    save_dflash(half, str(tmp_path / "again"))
+    cfg = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert cfg["partial_rotary_factor"] == cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
+    del cfg["rope_parameters"]  # what a transformers 4 reader sees
+    (tmp_path / "again" / "config.json").write_text(json.dumps(cfg))
+    assert load_dflash(str(tmp_path / "again"), target).rotary_emb.inv_freq.numel() == HEAD_DIM // 4
+
+
+def test_heads_wider_than_hidden_size_over_heads_rotate_their_whole_width(tmp_path, target):
+    """head_dim is its own setting (Qwen3-0.6B: 1024 wide, 16 heads of 128): RoPE spans head_dim, not
+    hidden_size // num_attention_heads."""
+    wide = tiny_drafter(target, draft_head_dim=32)
+    save_dflash(wide, str(tmp_path / "d"), dtype=torch.float32)
+    assert load_dflash(str(tmp_path / "d"), target).rotary_emb.inv_freq.numel() == 16
+
+
+def test_a_longrope_drafter_with_a_factor_per_frequency_round_trips(tmp_path, target, drafter):
+    """LongRoPE (Phi-3/4 targets' drafters) is a RoPE the layers build: read, exported and read back."""
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64}
+    loaded = load_dflash(_with_config(tmp_path, drafter, rope_parameters=longrope), target)
+    assert loaded.config.rope_parameters == longrope
+    save_dflash(loaded, str(tmp_path / "again"))
+    assert load_dflash(str(tmp_path / "again"), target).config.rope_parameters == longrope

@@ -245,3 +245,55 @@ def test_a_dflash_config_that_is_no_object_is_a_warm_start_error(tmp_path, targe
     (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WarmStartError, match=r"config.json: dflash_config must be a JSON object"):
         load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))
+
+
+def test_promoted_unresolved_is_refused_by_the_worker_saying_where_it_is_resolved(target):
+    with pytest.raises(WarmStartError, match=r"'promoted' must be resolved to a path before the workers start"):
+        load_warm_start(tiny_drafter(target), "promoted")
+
+
+def test_a_mask_embedding_exported_in_bf16_seeds_a_float32_drafter_in_float32(tmp_path, target):
+    """save_dflash writes bf16 by default, mask_embedding.pt too: the drafter it seeds trains in its own dtype."""
+    source = tiny_drafter(target, seed=5)
+    source.mask_embedding = torch.randn(source.config.hidden_size)
+    save_dflash(source, str(tmp_path / "drafter"))
+    fresh = tiny_drafter(target, seed=9)
+    load_warm_start(fresh, str(tmp_path / "drafter"))
+    assert fresh.mask_embedding.dtype == fresh.fc.weight.dtype == torch.float32
+    assert torch.equal(fresh.mask_embedding, source.mask_embedding.bfloat16().float())
+
+
+def test_a_config_json_without_layers_or_target_layers_is_a_warm_start_error(tmp_path, target):
+    """load_warm_start reads config.json itself: one that gives neither num_hidden_layers nor target_layer_ids has
+    no target layers to compare, and is refused naming them (it was a KeyError)."""
+    save_dflash(tiny_drafter(target), str(tmp_path / "drafter"))
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    del cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WarmStartError, match=r"train.init_from .*: config.json has target_layer_ids None, the "
+                                             r"configured drafter \[0, 2\]"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "drafter"))
+
+
+def test_the_layer_attention_hint_gives_only_what_model_layer_types_can_set(tmp_path, target):
+    """A full drafter seeding a windowed one is told the layer types alone (no window); a windowed but not causal
+    one (dflash_config.use_swa) has an attention model.layer_types cannot express; layers a config.json cannot
+    run are a warm start error naming the folder."""
+    save_dflash(tiny_drafter(target), str(tmp_path / "full"), dtype=torch.float32)
+    windowed = tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    with pytest.raises(WarmStartError, match=r"attend as \[full; full\], the configured drafter's as \[causal, "
+                                             r"window 16; full\]; set model.layer_types: \['full_attention', "
+                                             r"'full_attention'\]$"):
+        load_warm_start(windowed, str(tmp_path / "full"))
+    path = tmp_path / "full" / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["layer_types"]
+    path.write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"], "use_swa": True,
+                                                         "swa_window_size": 3}}))
+    with pytest.raises(WarmStartError, match=r"; a layer attention model.layer_types cannot express; train from "
+                                             r"scratch$"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "full"))
+    path.write_text(json.dumps({**cfg, "layer_types": ["sliding_attention", "full_attention"],
+                                "sliding_window": None}))
+    with pytest.raises(WarmStartError, match=r"train.init_from .*full: config.json: .*its size is None"):
+        load_warm_start(tiny_drafter(target), str(tmp_path / "full"))
