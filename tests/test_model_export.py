@@ -1108,3 +1108,15 @@ def test_a_longrope_drafter_with_a_factor_per_frequency_round_trips(tmp_path, ta
     assert loaded.config.rope_parameters == longrope
     save_dflash(loaded, str(tmp_path / "again"))
     assert load_dflash(str(tmp_path / "again"), target).config.rope_parameters == longrope
+
+
+@pytest.mark.parametrize("initializer_range", [-1.0, math.nan])
+def test_an_initializer_range_torch_cannot_draw_from_is_refused_naming_it(tmp_path, target, drafter,
+                                                                         initializer_range):
+    """The drafter is built (and initialised) before the file's weights replace its own: a negative spread was
+    torch's RuntimeError (normal expects std >= 0.0) from every reader (found by the fuzz of the folder)."""
+    folder = _with_config(tmp_path, drafter, initializer_range=initializer_range)
+    for read in (lambda: check_drafter_folder(folder), lambda: load_dflash(folder, target)):
+        with pytest.raises(ExportError, match=rf"d/config.json: initializer_range {initializer_range} must be a "
+                                              "number from 0"):
+            read()

@@ -429,6 +429,9 @@ def _check_built(path: str, raw: dict[str, Any], config: Qwen3Config) -> None:
     if (softcap := raw.get("final_logit_softcapping")) is not None and not (_number(softcap) and softcap > 0):
         raise ExportError(f"{path}: final_logit_softcapping {softcap!r} must be a positive number (the target head's "
                           "logit cap) or null")
+    if not (_number(config.initializer_range) and 0 <= config.initializer_range < math.inf):  # torch's normal_
+        raise ExportError(f"{path}: initializer_range {config.initializer_range!r} must be a number from 0 (the spread "
+                          "of the weights' initialisation, before the file's weights replace them)")
     mask_token_id = raw["dflash_config"]["mask_token_id"]
     if not (type(mask_token_id) is int and 0 <= mask_token_id < config.vocab_size):
         raise ExportError(f"{path}: dflash_config.mask_token_id {mask_token_id!r} must be a token id in the vocab "
