@@ -140,6 +140,14 @@ def test_a_published_drafter_config_keeps_its_rope_theta(tmp_path, target, draft
     cfg["dflash_config"]["block_size"] = cfg.pop("block_size")  # as newer z-lab drafters write it
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     assert load_dflash(str(tmp_path / "d"), target).block_size == drafter.block_size
+    # both, the same: read; both, differing: SGLang serves dflash_config's, vLLM the top level's, so refused
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "block_size": drafter.block_size}))
+    assert load_dflash(str(tmp_path / "d"), target).block_size == drafter.block_size
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "block_size": drafter.block_size + 1}))
+    with pytest.raises(ExportError, match=rf"block_size {drafter.block_size + 1} at the top level and "
+                                          rf"{drafter.block_size} in dflash_config: the engines read one or the other"):
+        load_dflash(str(tmp_path / "d"), target)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     # Qwen3.6's drafters: causal sliding-window layers, whose window transformers keeps only under
     # use_sliding_window (which such a config may leave out)
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=2048, use_sliding_window=False)

@@ -400,6 +400,11 @@ def _resolved_fields(path: str, raw: dict[str, Any], dims: tuple[int, int, int] 
     _layer_ids) in dflash_config; ExportError for a required field missing or a size that is none."""
     raw = dict(raw)
     dflash = _dflash_section(raw)
+    top, inner = raw.get("block_size"), dflash.get("block_size")
+    if top is not None and inner is not None and top != inner:  # SGLang reads dflash_config's, vLLM the top level's
+        raise ExportError(f"{path}: block_size {top!r} at the top level and {inner!r} in dflash_config: the engines "
+                          "read one or the other, so the drafter would be served with another block than measured "
+                          "here; keep one value")
     if (block_size := config_block_size(raw)) is not None:
         raw["block_size"] = block_size
     missing = [k for k in _REQUIRED if k not in raw]
