@@ -805,6 +805,10 @@ def test_layer_types_that_are_no_list_are_refused_naming_the_field(tmp_path, tar
     ({"quantization_config": []}, r"AttributeError: 'list' object has no attribute 'to_dict'\); check the fields it "
                                   r"reads itself \(dtype .float32., quantization_config \[\]\)"),
     ({"id2label": [1]}, r"AttributeError: .*, id2label \[1\]\): a value of the wrong type"),
+    # a field its RoPE type needs, left out: transformers names it; the hint was about the generic fields above
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+     r"KeyError: .*Missing required keys in `rope_parameters` for 'rope_type'='yarn': \{'factor'\}.*\); add the "
+     r"field it names$"),
 ])
 def test_a_generic_field_transformers_cannot_read_is_refused_naming_it(tmp_path, target, drafter, change, says):
     """transformers' PretrainedConfig reads dtype, quantization_config, id2label itself, without the strict

@@ -495,8 +495,9 @@ def _qwen3_config(raw: dict[str, Any], path: str = CONFIG_FILE) -> Qwen3Config:
         raise ExportError(f"{path}: {exc.__cause__ or exc}") from None
     except (AttributeError, IndexError, KeyError) as exc:  # PretrainedConfig's own reading of its generic fields
         given = ", ".join(f"{key} {raw[key]!r}" for key in _GENERIC_FIELDS if key in raw)
-        raise ExportError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc}); check the fields it "
-                          f"reads itself ({given or ', '.join(_GENERIC_FIELDS)}): a value of the wrong type") from None
+        hint = ("add the field it names" if isinstance(exc, KeyError) else  # a RoPE type's own field left out
+                f"check the fields it reads itself ({given or ', '.join(_GENERIC_FIELDS)}): a value of the wrong type")
+        raise ExportError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc}); {hint}") from None
 
 
 # fields PretrainedConfig reads itself, not type-checked as the Qwen3 ones are: dtype [None] is an IndexError,
