@@ -321,7 +321,7 @@ class ChatEncoder:
             common = os.path.commonprefix([tail, history.split(end, 1)[1]])
             if isinstance(eos, str) and eos and eos in common[len(first):]:
                 return common[: common.index(eos, len(first)) + len(eos)]
-            through = max((common.rfind(s) + len(s) for s in self._specials if s in common), default=0)
+            through = _last_special_end(common, self._specials)
             return common[:through] if common == tail and through > len(first) else first
         raise TemplateError(
             f"the chat template of tokenizer '{self.name}' cannot render a plain user/assistant conversation "
@@ -369,7 +369,7 @@ class ChatEncoder:
                 opener = _special_prefix(prompt, specials)
                 header = seg[seg.rfind(opener):] if opener and opener in seg else ""
                 common = os.path.commonprefix([header, prompt])
-                through = max((e for e in range(len(common) + 1) if common[:e].endswith(specials)), default=0)
+                through = _last_special_end(common, specials)
                 through += len(common[through:]) - len(common[through:].lstrip())
                 if through and text.count(common[:through]) == 1:
                     shared += [header, common[:through]]
@@ -603,7 +603,7 @@ class ChatEncoder:
         before = " ".join(pieces)
         for special in self._specials:
             before = before.replace(special, " ")
-        names = {str((c.get("function") or {}).get("name") or "") for c in m["tool_calls"]}
+        names = set(_call_names(m))
         return any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", before) for name in names if name)
 
     def _rewritten_reply(self, conv: Conversation, j: int, rendered: str) -> Drop:
@@ -626,10 +626,10 @@ class ChatEncoder:
             # what it pre-fills is not supervised
             at = text.rfind(prompt, lo, hi if start is None else min(hi, start + len(prompt)))
             first_call = text.rfind(calls[0], lo, at) if calls and calls[0] and at >= 0 else -1
-            if first_call >= 0 and text.rfind(prompt, lo, first_call) >= 0:
+            if first_call >= 0 and (earlier := text.rfind(prompt, lo, first_call)) >= 0:
                 # one message per call (Muse Glimmer: '<|start|>assistant to=get_weather...<|eom|><|start|>assistant
                 # to=get_time...'): the turn starts at the first call's, which the model writes first
-                at = text.rfind(prompt, lo, first_call)
+                at = earlier
             if at >= 0 and (start is None or at < start):
                 start = at + len(prompt)
                 end = start if end is None else max(end, start)
@@ -671,13 +671,17 @@ class ChatEncoder:
             # (an empty result writes no text: what opens the next turn's calls bounds the search)
             bound = text.find(self.call_opener, past, hi) if self.call_opener and past > end else -1
             bound = hi if bound < 0 else bound
-            closing = max((at + len(s) for s in self._specials if (at := text.rfind(s, end, bound)) >= 0),
-                          default=end)
-            return start, closing
+            return start, _last_special_end(text, self._specials, end, bound)
         if self.eot:
             return start, end + len(self.eot) if text.startswith(self.eot, end) else end
         stop = next((s for s in self.stops.values() if text.startswith(s, end)), "")
         return start, end + len(stop)
+
+
+def _last_special_end(text: str, specials: Sequence[str], lo: int = 0, hi: int | None = None) -> int:
+    """Where the last special token in text[lo:hi] ends; lo when it holds none."""
+    hi = len(text) if hi is None else hi
+    return max((at + len(s) for s in specials if (at := text.rfind(s, lo, hi)) >= 0), default=lo)
 
 
 def _call_names(message: dict[str, Any]) -> list[str]:
