@@ -232,13 +232,18 @@ def resample_factors(factors: Sequence[float], count: int) -> list[float]:
 def rotary_embedding(config: Qwen3Config) -> Qwen3RotaryEmbedding:
     """RoPE as serving engines build it from a drafter's config.json: over the first head_dim *
     `partial_rotary_factor` dimensions of every head (all of them unless a config says otherwise)."""
-    rope: dict[str, Any] = {k: v for k, v in (config.rope_parameters or {}).items() if k not in _MROPE}
-    factor = float(rope.pop(_PARTIAL, 1.0))
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    rope: dict[str, Any] = {k: v for k, v in (config.rope_parameters or {}).items() if k not in (*_MROPE, _PARTIAL)}
     return Qwen3RotaryEmbedding(Qwen3Config(
         hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        head_dim=int(head_dim * factor), max_position_embeddings=config.max_position_embeddings,
+        head_dim=rotated_head_dim(config), max_position_embeddings=config.max_position_embeddings,
         rope_parameters=rope))
+
+
+def rotated_head_dim(config: Qwen3Config) -> int:
+    """The dimensions of each head that RoPE rotates: head_dim * `partial_rotary_factor` (all of them by default)."""
+    rope: dict[str, Any] = dict(config.rope_parameters or {})
+    factor = float(rope.get(_PARTIAL, 1.0))
+    return int((config.head_dim or config.hidden_size // config.num_attention_heads) * factor)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,13 @@ from dflash_core.model.attention import (
     layer_spelling,
 )
 from dflash_core.model.config import DRAFT_SETTINGS
-from dflash_core.model.drafter import ARCHITECTURE, DFlashDrafter, default_target_layer_ids, rotary_embedding
+from dflash_core.model.drafter import (
+    ARCHITECTURE,
+    DFlashDrafter,
+    default_target_layer_ids,
+    rotary_embedding,
+    rotated_head_dim,
+)
 from dflash_core.model.target import TargetModel, check_layer_ids, target_dims
 
 log = logging.getLogger(__name__)
@@ -522,7 +528,7 @@ def _check_rope(path: str, config: Qwen3Config) -> None:
         raise ExportError(f"{path}: partial_rotary_factor {partial!r} must be a number in (0, 1]: the share of each "
                           "head that rotates")
     if rope_type == "longrope":  # one factor per rotated frequency: another count was torch's RuntimeError
-        rotated = (int((config.head_dim or config.hidden_size // config.num_attention_heads) * partial) + 1) // 2
+        rotated = (rotated_head_dim(config) + 1) // 2
         for key in ("short_factor", "long_factor"):
             factors = rope.get(key)
             if not (isinstance(factors, list) and len(factors) == rotated and all(map(_number, factors))):
