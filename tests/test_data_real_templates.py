@@ -664,6 +664,57 @@ def test_kimi_k3s_turns_are_learnt_through_their_whole_closing_and_its_thinking_
     assert kept[-1].startswith("R2 think two<|close|>think<|sep|><|open|>response<|sep|>A2 six"), kept
 
 
+# what a generation prompt rendered with thinking off / on holds, for templates with a switch of their own (None:
+# nothing but the absence of the off marker)
+OWN_SWITCH = {
+    "seedoss": ("thinking budget is 0", None),
+    "cohere2moe": ("<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>", "<|CHATBOT_TOKEN|><|START_THINKING|>"),
+    "minimax3": ("ai\n</mm:think>", "ai\n<mm:think>"),
+    "hy3": ("reasoning_effort:no_think", "reasoning_effort:high"),
+    "qwen3": ("<think>\n\n</think>\n\n", "<|im_start|>assistant\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_SWITCH))
+def test_a_templates_own_reasoning_switch_follows_data_thinking(name: str) -> None:
+    """Seed-OSS reads thinking_budget (0 is off), Cohere2 MoE `reasoning`, MiniMax-M3 thinking_mode and Hy3
+    reasoning_effort (no_think | low | high), not enable_thinking: told only the common names, the first three
+    rendered thinking on under data.thinking strip, and Hy3 thinking off under keep, in training records, in
+    regenerate's requests and in eval's prompts alike."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.model.evaluate import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(_tokenizer(name))
+    chat = [{"role": "user", "content": "Q1 count"}]
+    off, on = (tok.decode(render_prompt(tok, chat, thinking)) for thinking in (False, True))
+    off_marker, on_marker = OWN_SWITCH[name]
+    assert off_marker in off and off_marker not in on, (off[-200:], on[-200:])
+    assert on_marker is None or on_marker in on, on[-200:]
+    rendered = {thinking: "".join(t for t, _ in _preview(name, thinking)["multi"]["segments"])
+                for thinking in ("strip", "keep")}
+    if name in ("seedoss", "hy3"):  # the switch shows in the records' system prompt
+        marker = "thinking budget is 0" if name == "seedoss" else "reasoning_effort:no_think"
+        assert marker in rendered["strip"] and marker not in rendered["keep"]
+    if name == "minimax3":
+        assert "thinking mode: disabled" in rendered["strip"] and "thinking mode: enabled" in rendered["keep"]
+
+
+def test_a_shared_switch_name_with_other_values_is_not_sent() -> None:
+    """gpt-oss reads reasoning_effort too, as low | medium | high with no off: it is left to its default, as is
+    Muse Glimmer's reasoning_strength; a template jinja cannot parse gets the common names only."""
+    from dflash_core.data.template import template_variables, thinking_switch
+
+    for file in ("openai-gpt-oss-120b", "muse-glimmer"):
+        template = (FIXTURES / f"{file}.jinja").read_text()
+        assert thinking_switch(False, template) == {"enable_thinking": False, "thinking": False}
+    assert template_variables("{% if x %}") == frozenset()
+    assert thinking_switch(True, "{% if x %}") == {"enable_thinking": True, "thinking": True}
+    seed = (FIXTURES / "ByteDance-Seed-Seed-OSS-36B-Instruct.jinja").read_text()
+    assert thinking_switch(True, seed) == {"enable_thinking": True, "thinking": True}  # its default: unlimited
+    assert thinking_switch(False, seed)["thinking_budget"] == 0
+
+
 def test_a_turn_of_calls_written_after_its_closed_empty_reply_is_learnt_with_its_calls() -> None:
     """GigaChat 3 writes a turn of calls as an empty reply closed by '<|message_sep|>', then a 'function call'
     message: the span ended at that first '<|message_sep|>', so the calls were never learnt."""

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable
 from dflash_core.regenerate.config import RegenerateConfig
 from dflash_core.regenerate.errors import EndpointError, RegenerateError
 from dflash_core.regenerate.records import Chat, record_messages, regenerate, rejection, reply_text
-from dflash_core.regenerate.stage import settings, thinking_enabled
+from dflash_core.regenerate.stage import request_sampling, settings, thinking_enabled
 
 
 def test_the_section_has_defaults_and_names_bad_keys():
@@ -46,6 +47,33 @@ def test_the_request_carries_sampling_and_the_reasoning_switch():
     assert sampling_body(unset, False, 3072)["max_tokens"] == 3072
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), True) == "<think>\nadd them\n</think>\n\n42"
     assert reply_text(Reply("42", "stop", 3, reasoning="add them"), False) == "42"
+
+
+def test_the_reasoning_switch_is_also_sent_under_the_name_the_targets_template_reads(tmp_path):
+    """The server renders with the target's template: Hy3's reads reasoning_effort (no_think by default), so
+    `thinking: keep` must send `high`, and the switch it did not read left it thinking off. A template that reads
+    no switch of its own (the example's ChatML) gets the two common names only (a cache made before stays valid)."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.example.assets import resolve_uri
+    from dflash_core.regenerate import stage
+
+    hy3 = tmp_path / "hy3"
+    example_tokenizer = resolve_uri("example://tokenizer")
+    tok = AutoTokenizer.from_pretrained(example_tokenizer)
+    tok.chat_template = (Path(__file__).parent / "fixtures/templates/tencent-Hy3.jinja").read_text()
+    tok.save_pretrained(hy3)
+    stage._target_tokenizer.cache_clear()
+    sent = {thinking: request_sampling(load_config("tiny-cpu", {"data.thinking": thinking,
+                                                                "data.tokenizer": str(hy3)}).data)
+            for thinking in ("keep", "strip")}
+    assert sent["keep"]["chat_template_kwargs"] == {"enable_thinking": True, "thinking": True,
+                                                    "reasoning_effort": "high"}
+    assert sent["strip"]["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False,
+                                                     "reasoning_effort": "no_think"}
+    example = load_config("tiny-cpu", {"data.tokenizer": example_tokenizer}).data
+    assert request_sampling(example)["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False}
+    assert settings(example, "t")["sampling"] == request_sampling(example)
 
 
 @pytest.mark.parametrize("name", ["system_turn", "same_role_turns"])

@@ -12,7 +12,7 @@ import fsspec
 from dflash_core.data.config import DataConfig
 from dflash_core.data.sources import SourceFile, list_files
 
-VERSION = "dflash-tokenized-v17"  # bump when the output format, the masking rules or the records read change
+VERSION = "dflash-tokenized-v18"  # bump when the output format, the masking rules or the records read change
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",

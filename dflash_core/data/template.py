@@ -129,11 +129,47 @@ def for_template(tokenizer: Any, messages: Messages) -> Messages:
     return (system_folded(messages) or messages) if fold else messages
 
 
-def thinking_switch(on: bool) -> dict[str, Any]:
+# The reasoning switch of templates that read it under a name of their own, with values of their own:
+# name -> (value for on, value for off), None leaving the template's default. Sent only to a template that reads
+# the name (the same name means other things elsewhere: gpt-oss's reasoning_effort has no "off").
+_OWN_SWITCHES: dict[str, tuple[Any, Any]] = {
+    "reasoning": (True, False),  # Cohere2 MoE / Command A Reasoning: on by default
+    "thinking_mode": ("enabled", "disabled"),  # MiniMax-M3: adaptive by default
+    "thinking_budget": (None, 0),  # Seed-OSS: -1 (unlimited) by default, 0 is no thinking
+}
+_NO_THINK_EFFORT = "no_think"  # Hy3's reasoning_effort: no_think (its default) | low | high
+
+
+def thinking_switch(on: bool, template: str | None = None) -> dict[str, Any]:
     """The reasoning switch under each name chat templates read it by: `enable_thinking` (Qwen3, GLM, Gemma 4) and
-    `thinking` (DeepSeek-V3.1/V3.2, Kimi K3, Granite 3). A template reads the one it knows and ignores the other;
-    told only `enable_thinking`, DeepSeek-V3.1's always rendered thinking off, Kimi K3's always on."""
-    return {"enable_thinking": on, "thinking": on}
+    `thinking` (DeepSeek-V3.1/V3.2, Kimi K3, Granite 3), always; a template reads the one it knows and ignores the
+    other (told only `enable_thinking`, DeepSeek-V3.1's always rendered thinking off, Kimi K3's always on). Given
+    the template, also its own switch where it reads one (_OWN_SWITCHES; Hy3's reasoning_effort, which has a
+    no_think value): without it Seed-OSS, Cohere2 MoE and MiniMax-M3 rendered thinking on with data.thinking strip,
+    and Hy3 thinking off with keep."""
+    switch: dict[str, Any] = {"enable_thinking": on, "thinking": on}
+    reads = template_variables(template) if template else frozenset()
+    for name, (when_on, when_off) in _OWN_SWITCHES.items():
+        if name in reads and (when_on if on else when_off) is not None:
+            switch[name] = when_on if on else when_off
+    if "reasoning_effort" in reads and template is not None and re.search(rf"""["']{_NO_THINK_EFFORT}["']""",
+                                                                           template):
+        switch["reasoning_effort"] = "high" if on else _NO_THINK_EFFORT
+    return switch
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (those it never sets before reading), parsed as
+    transformers compiles templates; empty for one that does not parse (its render reports that)."""
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        environment = _compile_jinja_template(template).environment
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
+    except Exception:  # a template jinja refuses is reported by the render that uses it
+        return frozenset()
 
 
 _INLINE = ("<think>\n", "\n</think>\n\n")  # what an inline reasoning block is written between, by default
@@ -163,7 +199,7 @@ def chat_template_inputs(conv: Conversation, thinking: str = "strip", template: 
             # from taking what precedes a '</think>' the answer mentions for reasoning (Qwen3's, GLM's re-read it)
             m[field] = ""
         messages.append(m)
-    kwargs: dict[str, Any] = thinking_switch(keep)
+    kwargs: dict[str, Any] = thinking_switch(keep, template)
     if conv.tools:
         kwargs["tools"] = conv.tools
     return messages, kwargs
@@ -336,7 +372,7 @@ class ChatEncoder:
         messages, kwargs = self._plain(("user", "u"))
         prompts = []
         for thinking in (kwargs["enable_thinking"], True, False):
-            bare, prompted = (self._render_one(messages, {**kwargs, **thinking_switch(thinking),
+            bare, prompted = (self._render_one(messages, {**kwargs, **thinking_switch(thinking, self.template),
                                                           "add_generation_prompt": gen}) for gen in (False, True))
             if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
                 prompts.append(prompted[len(bare):])

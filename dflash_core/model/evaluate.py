@@ -174,12 +174,18 @@ def _throughput(timings: Sequence[tuple[int, float]]) -> float | None:
 def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], thinking: bool) -> list[int]:
     """Chat template with the generation prompt, then `tokenizer.encode` (special tokens added, as the
     reference does: Qwen3 adds none; a tokenizer that adds a BOS gets a second one, in the reference too).
-    The reasoning switch goes under both names templates read (thinking_switch; Qwen3's `enable_thinking`, the
-    reference's, and DeepSeek-V3.1's `thinking`); one that cannot render a system turn gets it folded into the first
+    The reasoning switch goes under every name templates read (thinking_switch; Qwen3's `enable_thinking`, the
+    reference's, DeepSeek-V3.1's `thinking`, and the template's own where it reads one); one that cannot render a system turn gets it folded into the first
     user turn, as tokenize does by default (data.system_turn auto)."""
     text = tokenizer.apply_chat_template(for_template(tokenizer, chat), tokenize=False, add_generation_prompt=True,
-                                         **thinking_switch(thinking))
+                                         **thinking_switch(thinking, _template_text(tokenizer)))
     return tokenizer.encode(text)
+
+
+def _template_text(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's chat template as text, or None (none, or several named ones)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
 def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:

@@ -82,12 +82,14 @@ class Unavailable(Exception):
     """Every retry of a request failed with 5xx, a timeout or a connection error."""
 
 
-def sampling_body(cfg: RegenerateConfig, enable_thinking: bool, max_length: int) -> dict[str, Any]:
+def sampling_body(cfg: RegenerateConfig, enable_thinking: bool, max_length: int,
+                  template: str | None = None) -> dict[str, Any]:
     """The request fields that set sampling (the same in every request of a run); `max_length` (data.max_length)
-    is the reply budget when max_tokens is not set."""
+    is the reply budget when max_tokens is not set; `template`, the target's chat template where it is known, adds
+    the reasoning switch under the template's own name (thinking_switch)."""
     max_tokens = cfg.max_tokens if cfg.max_tokens is not None else max_length
     body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": cfg.temperature,
-                            "chat_template_kwargs": thinking_switch(enable_thinking)}
+                            "chat_template_kwargs": thinking_switch(enable_thinking, template)}
     if cfg.top_p is not None:
         body["top_p"] = cfg.top_p
     return body

@@ -94,6 +94,15 @@ def thinking_enabled(data: DataConfig) -> bool:
     return data.thinking == "keep"
 
 
+def request_sampling(data: DataConfig) -> dict[str, Any]:
+    """The sampling fields of every request: data.regenerate's, with the reasoning switch also under the name the
+    chat template of data.tokenizer (the target's, which its server renders with) reads, where it can be loaded."""
+    tok, _ = _target_tokenizer(data.tokenizer)
+    template = getattr(tok, "chat_template", None)
+    return sampling_body(data.regenerate, thinking_enabled(data), data.max_length,
+                         template if isinstance(template, str) else None)
+
+
 def sent_turns(data: DataConfig) -> tuple[bool, bool]:
     """(fold, merge) for the conversations sent, as tokenize shapes them (template.turn_shaping), `auto` probing
     the chat template of data.tokenizer: the target's, whose server renders the requests (Gemma's and
@@ -155,7 +164,7 @@ def settings(data: DataConfig, target: str | None) -> dict[str, Any]:
     # symlink) writes other replies (with endpoints the server's model is what answers: cfg.model names it)
     weights = None if cfg.endpoints else model_digest(target)
     return {"format": FORMAT, "target": target, "model": cfg.model, **({"target_weights": weights} if weights else {}),
-            "sampling": sampling_body(cfg, thinking_enabled(data), data.max_length), "keep_truncated": cfg.keep_truncated,
+            "sampling": request_sampling(data), "keep_truncated": cfg.keep_truncated,
             "records_per_shard": cfg.records_per_shard, "limit": cfg.limit, "reader": reader,
             # only when on: caches made before the setting existed stay valid
             **({"send_tools": True} if cfg.send_tools else {})}
@@ -354,7 +363,7 @@ class _Run:
         self.waited_s = 0.0
         self.counted_by: set[str] = set()  # where the token counts of this run's replies come from
         self.keep_thinking = thinking_enabled(data)
-        self.body = sampling_body(self.cfg, self.keep_thinking, data.max_length)
+        self.body = request_sampling(data)
         self.failing_limit = max(_FAILING_IN_A_ROW, 2 * self.cfg.concurrency)  # failures in a row: endpoint out
         self.journals: dict[int, ShardJournal] = {}
         # by shard: the server_error drops of an earlier run, and those of them sent again and not yet answered
