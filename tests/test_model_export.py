@@ -1004,6 +1004,30 @@ def test_an_index_that_names_no_shards_is_refused_naming_it(tmp_path, target, dr
             read(folder)
 
 
+def test_a_folder_with_both_a_single_file_and_an_index_of_other_files_is_refused(tmp_path, target, drafter):
+    """transformers loads model.safetensors where both are there; vLLM and SGLang load only the files the index
+    names: a stale single file (or stale shards) would be evaluated and served as two different drafters. An index
+    that names model.safetensors alone is the single file, read."""
+    def both(folder):
+        whole = (folder / "model.safetensors").read_bytes()
+        _shard(folder)
+        (folder / "model.safetensors").write_bytes(whole)
+    folder = _save_and_edit(tmp_path, drafter, both)
+    for read in (check_drafter_folder, lambda f: load_dflash(f, target), lambda f: drafter_files(fsspec.filesystem("file"), f)):
+        with pytest.raises(ExportError, match=r"d: holds both model.safetensors and model.safetensors.index.json "
+                                              r"naming model-00001-of-00002.safetensors, model-00002-of-00002"
+                                              r".safetensors: transformers loads the first, vLLM and SGLang the "
+                                              r"files the index names; remove whichever is stale"):
+            read(folder)
+    index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
+    one = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in index["weight_map"]}}
+    (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(one))
+    check_drafter_folder(folder)
+    assert drafter_files(fsspec.filesystem("file"), folder) == ["config.json", "model.safetensors"]
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(load_dflash(folder, target).state_dict()[name], value), name
+
+
 def test_a_sharded_drafter_whose_tensors_do_not_fit_its_config_names_the_index(tmp_path, target, drafter):
     """A mismatch of a sharded folder is reported against its index (there is no model.safetensors to name)."""
     def edit(folder):

@@ -252,14 +252,21 @@ def _tensor_name(name: str) -> str:
 
 
 def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-    """The weight files of a drafter folder: model.safetensors, else the shards its index names."""
-    if not _sharded(fs, root):
-        return [WEIGHTS_FILE]
+    """The weight files of a drafter folder: model.safetensors, else the shards its index names. A folder holding
+    both, whose index names other files, is refused: transformers loads model.safetensors, vLLM and SGLang only the
+    files the index names (they leave a consolidated file out so), so what is evaluated would not be served."""
     index_path = posixpath.join(root, INDEX_FILE)
+    if not fs.exists(index_path):
+        return [WEIGHTS_FILE]
     weight_map = read_config_json(fs, index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
         raise ExportError(f"{index_path}: no weight_map naming the shards")
-    return sorted(set(weight_map.values()))
+    files = sorted(set(weight_map.values()))
+    if fs.exists(posixpath.join(root, WEIGHTS_FILE)) and files != [WEIGHTS_FILE]:
+        raise ExportError(f"{root}: holds both {WEIGHTS_FILE} and {INDEX_FILE} naming {', '.join(files[:3])}"
+                          f"{', ...' if len(files) > 3 else ''}: transformers loads the first, vLLM and SGLang the "
+                          "files the index names; remove whichever is stale")
+    return files
 
 
 def drafter_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
@@ -299,7 +306,8 @@ def read_mask_embedding(fs: fsspec.AbstractFileSystem, root: str, mask_token_id:
 
 
 def _sharded(fs: fsspec.AbstractFileSystem, root: str) -> bool:
-    """A folder saved in shards: an index and no single model.safetensors (which wins when both are there)."""
+    """A folder saved in shards: an index and no single model.safetensors (_weight_files refuses both, unless the
+    index names model.safetensors alone)."""
     return not fs.exists(posixpath.join(root, WEIGHTS_FILE)) and fs.exists(posixpath.join(root, INDEX_FILE))
 
 
