@@ -118,6 +118,10 @@ SPECS = {
                                   "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|START_TEXT|>", "<|END_TEXT|>",
                                   "<|IMG_PATCH|>"], "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
     "dsv32": ("deepseek-ai-DeepSeek-V3.2", DEEPSEEK, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "hermes3": ({"default": "NousResearch-Hermes-3-Llama-3.1-8B-default",
+                 "tool_use": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"}, [
+        "<|end_of_text|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+        "<tool_response>", "</tool_response>"], "<|begin_of_text|>", "<|im_end|>"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": {"type": "object", "properties": {
@@ -172,7 +176,8 @@ def _tokenizer(name: str, edit: tuple[str, str] = ("", "")) -> str:
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=specials[0])
     fast.add_special_tokens({"additional_special_tokens": specials})
-    fast.chat_template = (FIXTURES / f"{file}.jinja").read_text()
+    fast.chat_template = ((FIXTURES / f"{file}.jinja").read_text() if isinstance(file, str) else  # named templates
+                          {k: (FIXTURES / f"{f}.jinja").read_text() for k, f in file.items()})
     if edit[0]:  # a variant of the published template: (what, replaced by)
         assert edit[0] in fast.chat_template, edit
         fast.chat_template = fast.chat_template.replace(*edit)
@@ -698,6 +703,62 @@ def test_a_templates_own_reasoning_switch_follows_data_thinking(name: str) -> No
         assert marker in rendered["strip"] and marker not in rendered["keep"]
     if name == "minimax3":
         assert "thinking mode: disabled" in rendered["strip"] and "thinking mode: enabled" in rendered["keep"]
+
+
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _named(templates: dict[str, str]) -> str:
+    """The qwen3 test tokenizer with named chat templates instead of its one, saved to a folder."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tokenizer("qwen3"))
+    tok.chat_template = templates
+    out = tempfile.mkdtemp(prefix="dflash-named-templates-")
+    tok.save_pretrained(out)
+    return out
+
+
+def test_named_templates_render_and_mask_each_record_under_the_one_transformers_picks() -> None:
+    """A tokenizer with named templates (Hermes 3, Mixtral 8x22B, Command R: 'default' and 'tool_use'): a record
+    with tools is rendered with tool_use, and the turns it writes are placed by what tool_use's own generation
+    prompt pre-fills (here Qwen3's '<think>\\n\\n</think>\\n\\n' with thinking off: learnt from the default's
+    prompts, it was supervised); a chat without tools is rendered with default. Eval's and regenerate's switch
+    read the default template."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.data.template import template_text
+
+    qwen3 = (FIXTURES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    folder = _named({"default": CHATML, "tool_use": qwen3})
+    source = Path(tempfile.mkdtemp(prefix="dflash-named-records-")) / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": rid, "messages": RECORDS[rid], **(
+        {"tools": [WEATHER, TIME]} if rid == "tools" else {})}) + "\n" for rid in ("tools", "multi")))
+    cfg = data_config(source=str(source), tokenizer=folder, thinking="strip", max_length=65536)
+    out = preview_samples(str(source), folder, cfg, block_size=1, limit=2)
+    records = {r["id"]: r for r in out["records"]}
+    calls, reply = _supervised(records["tools"])
+    assert calls.startswith("<tool_call>\n") and reply == "It is 18 degrees.<|im_end|>", (calls, reply)
+    assert "<think>" not in "".join(t for t, _ in records["multi"]["segments"])  # ChatML, not Qwen3's
+    assert _supervised(records["multi"]) == ["A1 three<|im_end|>", "A2 six<|im_end|>"]
+    identity = out["summary"]["tokenizer"]
+    assert identity["chat_templates"] == ["default", "tool_use"]
+    assert identity["generation_prompts"] == ["<|im_start|>assistant\n"]
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in identity["tool_use"]["generation_prompts"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert template_text(tok) == CHATML and template_text(tok, tools=True) == qwen3
+    assert template_text(AutoTokenizer.from_pretrained(_named({"default": CHATML})), tools=True) == CHATML
+
+
+def test_named_templates_without_a_default_are_refused_saying_what_to_name() -> None:
+    from dflash_core.data.errors import TemplateError
+    from dflash_core.data.template import chat_encoder, load_tokenizer
+
+    folder = _named({"chat": CHATML, "tool_use": CHATML})
+    with pytest.raises(TemplateError, match=r"has chat templates named \['chat', 'tool_use'\], none 'default': "
+                                            r"transformers and the serving engines render a chat without tools"):
+        chat_encoder(load_tokenizer(folder), folder)
 
 
 def test_a_shared_switch_name_with_other_values_is_not_sent() -> None:

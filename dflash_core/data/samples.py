@@ -10,7 +10,7 @@ import numpy as np
 
 from dflash_core.data.formats import Drop, Schema, parse_payload, record_id, role_table, to_conversation
 from dflash_core.data.sources import RawRecord
-from dflash_core.data.template import ChatEncoder, Encoded
+from dflash_core.data.template import Encoded, Encoder, chat_encoder
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ChunkResult:
 class SampleBuilder:
     """Parses, validates, renders, tokenizes and length-limits a chunk of records."""
 
-    def __init__(self, spec: BuildSpec, encoder: ChatEncoder) -> None:
+    def __init__(self, spec: BuildSpec, encoder: Encoder) -> None:
         self.spec, self.encoder, self.roles = spec, encoder, role_table(spec.role_map)
 
     def build(self, chunk: Chunk) -> ChunkResult:
@@ -122,8 +122,8 @@ def init_worker(spec: BuildSpec, tokenizer: Any) -> None:
     """Pool initializer: the parent's tokenizer, unpickled (no AutoTokenizer import: that pulls in torch)."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _WORKER = SampleBuilder(spec, ChatEncoder(tokenizer, spec.tokenizer, spec.thinking, spec.system_turn,
-                                                  spec.same_role_turns))
+    _WORKER = SampleBuilder(spec, chat_encoder(tokenizer, spec.tokenizer, spec.thinking, spec.system_turn,
+                                                    spec.same_role_turns))
 
 
 def build_chunk(chunk: Chunk) -> ChunkResult:

@@ -18,6 +18,7 @@ One batched fast-tokenizer call over the real texts then maps the spans onto tok
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -170,6 +171,18 @@ def template_variables(template: str) -> frozenset[str]:
         return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
     except Exception:  # a template jinja refuses is reported by the render that uses it
         return frozenset()
+
+
+DEFAULT_TEMPLATE, TOOL_USE_TEMPLATE = "default", "tool_use"  # the names transformers picks named templates by
+
+
+def template_text(tokenizer: Any, tools: bool = False) -> str | None:
+    """The chat template apply_chat_template renders with: the tokenizer's, or of its named ones (Hermes 3's,
+    Command R's) 'tool_use' for a chat with tools where there is one, else 'default'; None where there is none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get(TOOL_USE_TEMPLATE if tools and TOOL_USE_TEMPLATE in template else DEFAULT_TEMPLATE)
+    return template if isinstance(template, str) and template else None
 
 
 _INLINE = ("<think>\n", "\n</think>\n\n")  # what an inline reasoning block is written between, by default
@@ -712,6 +725,83 @@ class ChatEncoder:
             return start, end + len(self.eot) if text.startswith(self.eot, end) else end
         stop = next((s for s in self.stops.values() if text.startswith(s, end)), "")
         return start, end + len(stop)
+
+
+class NamedTemplates:
+    """A ChatEncoder per named chat template of a tokenizer that has several (Hermes 3's and Command R's 'default'
+    and 'tool_use'): each record is rendered, and the scaffolding it is masked by learnt, under the template
+    transformers and the serving engines pick for it (template_text): 'tool_use' for a record with tools where
+    there is one, else 'default'. With one encoder, the turns of tool records were placed by the default
+    template's prompts."""
+
+    def __init__(self, tokenizer: Any, name: str, thinking: str = "strip", system_turn: str = "auto",
+                 same_role_turns: str = "auto") -> None:
+        templates: dict[str, Any] = tokenizer.chat_template
+        if DEFAULT_TEMPLATE not in templates:
+            raise TemplateError(
+                f"tokenizer '{name}' has chat templates named {sorted(templates)}, none '{DEFAULT_TEMPLATE}': "
+                f"transformers and the serving engines render a chat without tools with that one; name one of them "
+                f"'{DEFAULT_TEMPLATE}' in its tokenizer_config.json (or chat_template.jinja)")
+        self.tokenizer, self.templates = tokenizer, templates
+        # the tool_use template renders chats with tools only (Hermes 3's iterates over them): its scaffolding is
+        # learnt on chats given a made-up tool, as its records come with theirs
+        self.encoders = {n: ChatEncoder(_with_template(tokenizer, templates[n], n == TOOL_USE_TEMPLATE), name,
+                                        thinking, system_turn, same_role_turns)
+                         for n in (DEFAULT_TEMPLATE, TOOL_USE_TEMPLATE) if isinstance(templates.get(n), str)}
+
+    def _for(self, conv: Conversation) -> ChatEncoder:
+        return self.encoders.get(TOOL_USE_TEMPLATE if conv.tools else DEFAULT_TEMPLATE, self.encoders[DEFAULT_TEMPLATE])
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """The default template's identity (ChatEncoder.identity), the tool_use one's beside it, and the digest
+        of every named template."""
+        ident = {**self.encoders[DEFAULT_TEMPLATE].identity, "chat_template_sha256": hashlib.sha256(
+            json.dumps(self.templates, sort_keys=True).encode()).hexdigest(), "chat_templates": sorted(self.templates)}
+        if TOOL_USE_TEMPLATE in self.encoders:
+            tool_use = self.encoders[TOOL_USE_TEMPLATE].identity
+            ident[TOOL_USE_TEMPLATE] = {k: tool_use[k] for k in (
+                "end_of_turn", "turn_ends_with", "generation_prompts", "renders_tools", "tool_call_ids")}
+        return ident
+
+    def shape(self, conv: Conversation) -> Conversation:
+        return self._for(conv).shape(conv)
+
+    def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
+        """ChatEncoder.encode, each conversation by its template's encoder, in the order given."""
+        out: list[Encoded | Drop | None] = [None] * len(convs)
+        for encoder in {id(e): e for e in self.encoders.values()}.values():
+            mine = [i for i, c in enumerate(convs) if self._for(c) is encoder]
+            for i, result in zip(mine, encoder.encode([convs[i] for i in mine]) if mine else [], strict=True):
+                out[i] = result
+        done = [r for r in out if r is not None]
+        assert len(done) == len(convs), "every conversation goes to one encoder"
+        return done
+
+
+Encoder = ChatEncoder | NamedTemplates
+
+
+def chat_encoder(tokenizer: Any, name: str, thinking: str = "strip", system_turn: str = "auto",
+                 same_role_turns: str = "auto") -> Encoder:
+    """The encoder of a tokenizer: a ChatEncoder over its chat template, or NamedTemplates where it has several."""
+    kind = NamedTemplates if isinstance(getattr(tokenizer, "chat_template", None), dict) else ChatEncoder
+    return kind(tokenizer, name, thinking, system_turn, same_role_turns)
+
+
+def _with_template(tokenizer: Any, template: str, with_tools: bool = False) -> Any:
+    """A shallow copy of `tokenizer` (the same backend) whose chat template is `template` alone; `with_tools`:
+    one that renders a chat given no tools with the made-up tool of _calls_probe."""
+    one = copy.copy(tokenizer)
+    one.chat_template = template
+    if with_tools:
+        render, probe = one.apply_chat_template, _calls_probe().tools
+
+        def apply_chat_template(conversation: Any, *args: Any, tools: Any = None, **kwargs: Any) -> Any:
+            return render(conversation, *args, tools=tools or probe, **kwargs)
+
+        one.apply_chat_template = apply_chat_template
+    return one
 
 
 def _last_special_end(text: str, specials: Sequence[str], lo: int = 0, hi: int | None = None) -> int:

@@ -38,7 +38,7 @@ from dflash_core.data.samples import (
 )
 from dflash_core.data.shards import ShardError, check_shards, part_name, read_manifest
 from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
-from dflash_core.data.template import ChatEncoder, load_tokenizer
+from dflash_core.data.template import Encoder, chat_encoder, load_tokenizer
 from dflash_core.data.writer import OWN_FILES, ShardWriter
 from dflash_core.io import join_uri
 from dflash_core.publish import check_output, staged_output
@@ -177,7 +177,7 @@ def _segments(tokenizer: Any, ids: Any, mask: Any) -> list[tuple[str, bool]]:
 def _builder(tokenizer: str, cfg: DataConfig, block_size: int) -> SampleBuilder:
     """The sample builder of this config; loading the tokenizer and checking its chat template."""
     tok = load_tokenizer(tokenizer)
-    encoder = ChatEncoder(tok, tokenizer, cfg.thinking, cfg.system_turn, cfg.same_role_turns)
+    encoder = chat_encoder(tok, tokenizer, cfg.thinking, cfg.system_turn, cfg.same_role_turns)
     spec = BuildSpec(tokenizer, dict(cfg.role_map), cfg.max_length, cfg.overlong, 2 * block_size, cfg.thinking,
                      cfg.system_turn, cfg.same_role_turns)
     return SampleBuilder(spec, encoder)
@@ -290,7 +290,7 @@ class _Run:
             log.info("tokenize: %(records)d records, %(kept)d kept, %(tokens_per_s).0f tokens/s, "
                      "%(fraction).1f%% read, ETA %(eta_s)s s", {**info, "fraction": 100 * fraction})
 
-    def manifest(self, fingerprint: str, encoder: ChatEncoder, cfg: DataConfig, block_size: int) -> dict[str, Any]:
+    def manifest(self, fingerprint: str, encoder: Encoder, cfg: DataConfig, block_size: int) -> dict[str, Any]:
         """manifest.json: counts, drops with examples, tokenizer identity, sources and the fingerprint."""
         return {
             "format": VERSION, "fingerprint": fingerprint,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash_core.data.template import for_template, thinking_switch
+from dflash_core.data.template import for_template, template_text, thinking_switch
 from dflash_core.model.decoding import (
     GREEDY,
     Drafter,
@@ -178,14 +178,8 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]
     reference's, DeepSeek-V3.1's `thinking`, and the template's own where it reads one); one that cannot render a system turn gets it folded into the first
     user turn, as tokenize does by default (data.system_turn auto)."""
     text = tokenizer.apply_chat_template(for_template(tokenizer, chat), tokenize=False, add_generation_prompt=True,
-                                         **thinking_switch(thinking, _template_text(tokenizer)))
+                                         **thinking_switch(thinking, template_text(tokenizer)))
     return tokenizer.encode(text)
-
-
-def _template_text(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The tokenizer's chat template as text, or None (none, or several named ones)."""
-    template = getattr(tokenizer, "chat_template", None)
-    return template if isinstance(template, str) else None
 
 
 def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:

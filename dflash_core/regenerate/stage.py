@@ -28,7 +28,7 @@ from dflash_core.data.errors import TemplateError
 from dflash_core.data.fingerprint import files_digest, model_digest
 from dflash_core.data.formats import Drop, detect_schema, parse_payload, record_id, role_table
 from dflash_core.data.sources import FileRecords, SourceFile, list_files, without_output
-from dflash_core.data.template import load_tokenizer, turn_shaping
+from dflash_core.data.template import load_tokenizer, template_text, turn_shaping
 from dflash_core.io import is_local
 from dflash_core.publish import OutputLockedError, being_written, lock_holder, output_lock, wait_while_written
 from dflash_core.regenerate.client import Endpoint, Rejected, Reply, Unavailable, api_key, sampling_body
@@ -98,9 +98,7 @@ def request_sampling(data: DataConfig) -> dict[str, Any]:
     """The sampling fields of every request: data.regenerate's, with the reasoning switch also under the name the
     chat template of data.tokenizer (the target's, which its server renders with) reads, where it can be loaded."""
     tok, _ = _target_tokenizer(data.tokenizer)
-    template = getattr(tok, "chat_template", None)
-    return sampling_body(data.regenerate, thinking_enabled(data), data.max_length,
-                         template if isinstance(template, str) else None)
+    return sampling_body(data.regenerate, thinking_enabled(data), data.max_length, template_text(tok))
 
 
 def sent_turns(data: DataConfig) -> tuple[bool, bool]:
