@@ -25,6 +25,11 @@ QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<
 DEEPSEEK = ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
             "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]  # DeepSeek V3.1's and V3.2's
+COHERE = ["<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>", "<EOP_TOKEN>",
+          "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>",
+          "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_ACTION|>",
+          "<|END_ACTION|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|START_TEXT|>", "<|END_TEXT|>",
+          "<|IMG_PATCH|>"]  # Cohere's Command R7B and Cohere2 MoE's
 # template file, its special tokens (the first is the pad), bos, eos
 SPECS = {
     "qwen3": ("Qwen-Qwen3-0.6B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
@@ -111,13 +116,9 @@ SPECS = {
         "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>", "<|image|>"], "<|begin_of_text|>", "<|eot|>"),
     "glimmer": ("muse-glimmer", ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>"],
                 "<|startoftext|>", "<|eot|>"),
-    "cohere2moe": ("Cohere2MoE", ["<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>",
-                                  "<EOP_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
-                                  "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>",
-                                  "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_ACTION|>", "<|END_ACTION|>",
-                                  "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|START_TEXT|>", "<|END_TEXT|>",
-                                  "<|IMG_PATCH|>"], "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "cohere2moe": ("Cohere2MoE", COHERE, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
     "dsv32": ("deepseek-ai-DeepSeek-V3.2", DEEPSEEK, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "commandr7b": ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", COHERE, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
     "hermes3": ({"default": "NousResearch-Hermes-3-Llama-3.1-8B-default",
                  "tool_use": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"}, [
         "<|end_of_text|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
@@ -703,6 +704,22 @@ def test_a_templates_own_reasoning_switch_follows_data_thinking(name: str) -> No
         assert marker in rendered["strip"] and marker not in rendered["keep"]
     if name == "minimax3":
         assert "thinking mode: disabled" in rendered["strip"] and "thinking mode: enabled" in rendered["keep"]
+
+
+def test_a_generation_prompt_the_template_writes_unasked_is_learnt_and_anchors_a_turn_of_calls() -> None:
+    """Command R7B's tool_use template ends every render with its generation prompt, asked or not: nothing was
+    learnt as the prompt, and every turn of calls (which opens with it) was a template_mismatch. The prompt is what
+    follows a last reply's end-of-turn; a turn of calls is learnt from '<|START_ACTION|>' through its end-of-turn,
+    and the prompt written after the last turn is not supervised."""
+    prompt = "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>"
+    out = _preview("commandr7b", "strip")
+    calls, reply = _supervised(out["tools"])
+    assert calls.startswith("<|START_ACTION|>[") and '"tool_name": "get_weather"' in calls, calls
+    assert calls.endswith("]<|END_ACTION|><|END_OF_TURN_TOKEN|>") and "temp" not in calls, calls
+    assert reply == "It is 18 degrees.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    text, supervised = out["tools"]["segments"][-1]
+    assert text.endswith(prompt) and not supervised
+    assert _supervised(out["single"]) == ["Hello! How can I help?<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"]
 
 
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -389,7 +389,22 @@ class ChatEncoder:
                                                           "add_generation_prompt": gen}) for gen in (False, True))
             if isinstance(bare, str) and isinstance(prompted, str) and prompted.startswith(bare):
                 prompts.append(prompted[len(bare):])
+        if not any(prompts):
+            prompts.append(self._always_prompt())
         return [p for p in dict.fromkeys(prompts) if p]
+
+    def _always_prompt(self) -> str:
+        """The generation prompt of a template that writes it whether asked or not (Command R7B's tool_use template
+        ends every render with '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>'):
+        what follows a last reply's end-of-turn, where a render that ends with a user turn ends with it too; ''
+        for none. (Without it, a turn of calls, which opens with it, could not be placed: template_mismatch.)"""
+        reply, user = (self._render_one(*self._plain(*turns)) for turns in (
+            (("user", _MARK.format(0)), ("assistant", _MARK.format(1))), (("user", _MARK.format(0)),)))
+        if not (self.eot and isinstance(reply, str) and isinstance(user, str) and _MARK.format(1) in reply):
+            return ""
+        tail = reply.split(_MARK.format(1), 1)[1]
+        tail = tail[len(self.eot):] if tail.startswith(self.eot) else ""
+        return tail if tail.startswith(self._specials) and user.endswith(tail) else ""
 
     def _learn_headers(self) -> list[str]:
         """What a turn without text (tool calls only) is anchored on where no generation prompt is written before
