@@ -163,13 +163,14 @@ def thinking_switch(on: bool, template: str | None = None) -> dict[str, Any]:
 def template_variables(template: str) -> frozenset[str]:
     """The variables a chat template reads from its caller (those it never sets before reading), parsed as
     transformers compiles templates; empty for one that does not parse (its render reports that)."""
-    import jinja2.meta
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    try:  # transformers' own (private) compiler: its extensions ({% generation %}) parse as they render
+        import jinja2.meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    try:
         environment = _compile_jinja_template(template).environment
         return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
-    except Exception:  # a template jinja refuses is reported by the render that uses it
+    except Exception:  # a template jinja refuses is reported by the render that uses it (the own switches are
+        # pinned by tests, so a transformers without this compiler fails them rather than this silently)
         return frozenset()
 
 
