@@ -153,3 +153,16 @@ def test_the_end_of_turn_is_what_the_model_writes_to_close_a_reply(closing: str,
                          {"role": "user", "content": "why"}, {"role": "assistant", "content": "the loss"}])
     supervised, _ = _supervised(tok, conv)
     assert supervised == f"a fast batch{learnt}the loss{learnt}"
+
+
+def test_an_eos_ending_every_render_unless_a_prompt_is_asked_is_no_generation_prompt() -> None:
+    """A template that ends a render with a token unless asked for a generation prompt (Phi-3.5 writes its eos
+    so) writes no prompt unasked: only a tail that a prompted render ends with too is one (Command R7B's)."""
+    tok = load_tokenizer(tokenizer_dir("chatml"))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}")
+    encoder = ChatEncoder(tok, "eos-unless-prompted")
+    assert encoder.eot == "<|im_end|>" and encoder.prompts == []
+    conv = Conversation([{"role": "user", "content": "why"}, {"role": "assistant", "content": "the data"}])
+    supervised, whole = _supervised(tok, conv)
+    assert supervised == "the data<|im_end|>" and whole.endswith("<|im_end|><|endoftext|>")

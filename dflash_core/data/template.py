@@ -397,15 +397,19 @@ class ChatEncoder:
     def _always_prompt(self) -> str:
         """The generation prompt of a template that writes it whether asked or not (Command R7B's tool_use template
         ends every render with '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>'):
-        what follows a last reply's end-of-turn, where a render that ends with a user turn ends with it too; ''
-        for none. (Without it, a turn of calls, which opens with it, could not be placed: template_mismatch.)"""
-        reply, user = (self._render_one(*self._plain(*turns)) for turns in (
-            (("user", _MARK.format(0)), ("assistant", _MARK.format(1))), (("user", _MARK.format(0)),)))
-        if not (self.eot and isinstance(reply, str) and isinstance(user, str) and _MARK.format(1) in reply):
+        what follows a last reply's end-of-turn, where a render that ends with a user turn ends with it too, asked
+        for a generation prompt or not (a template that ends a render with its eos unless asked for a prompt writes
+        no prompt unasked); '' for none. (Without it, a turn of calls, which opens with it, could not be placed:
+        template_mismatch.)"""
+        messages, kwargs = self._plain(("user", _MARK.format(0)))
+        reply = self._render_one(*self._plain(("user", _MARK.format(0)), ("assistant", _MARK.format(1))))
+        user = [self._render_one(messages, {**kwargs, "add_generation_prompt": gen}) for gen in (False, True)]
+        if not (self.eot and isinstance(reply, str) and _MARK.format(1) in reply):
             return ""
         tail = reply.split(_MARK.format(1), 1)[1]
         tail = tail[len(self.eot):] if tail.startswith(self.eot) else ""
-        return tail if tail.startswith(self._specials) and user.endswith(tail) else ""
+        ends = all(isinstance(text, str) and text.endswith(tail) for text in user)
+        return tail if tail.startswith(self._specials) and ends else ""
 
     def _learn_headers(self) -> list[str]:
         """What a turn without text (tool calls only) is anchored on where no generation prompt is written before
