@@ -25,7 +25,7 @@ import json
 import os
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,12 +149,13 @@ def thinking_switch(on: bool, template: str | None = None) -> dict[str, Any]:
     no_think value): without it Seed-OSS, Cohere2 MoE and MiniMax-M3 rendered thinking on with data.thinking strip,
     and Hy3 thinking off with keep."""
     switch: dict[str, Any] = {"enable_thinking": on, "thinking": on}
-    reads = template_variables(template) if template else frozenset()
+    if not template:
+        return switch
+    reads = template_variables(template)
     for name, (when_on, when_off) in _OWN_SWITCHES.items():
         if name in reads and (when_on if on else when_off) is not None:
             switch[name] = when_on if on else when_off
-    if "reasoning_effort" in reads and template is not None and re.search(rf"""["']{_NO_THINK_EFFORT}["']""",
-                                                                           template):
+    if "reasoning_effort" in reads and re.search(rf"""["']{_NO_THINK_EFFORT}["']""", template):
         switch["reasoning_effort"] = "high" if on else _NO_THINK_EFFORT
     return switch
 
@@ -182,8 +183,14 @@ def template_text(tokenizer: Any, tools: bool = False) -> str | None:
     Command R's) 'tool_use' for a chat with tools where there is one, else 'default'; None where there is none."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
-        template = template.get(TOOL_USE_TEMPLATE if tools and TOOL_USE_TEMPLATE in template else DEFAULT_TEMPLATE)
+        template = template.get(template_name(template, tools))
     return template if isinstance(template, str) and template else None
+
+
+def template_name(names: Collection[str], tools: bool) -> str:
+    """Which of a tokenizer's named chat templates renders a chat, as transformers picks it: 'tool_use' for a chat
+    with tools where there is one, else 'default'."""
+    return TOOL_USE_TEMPLATE if tools and TOOL_USE_TEMPLATE in names else DEFAULT_TEMPLATE
 
 
 _INLINE = ("<think>\n", "\n</think>\n\n")  # what an inline reasoning block is written between, by default
@@ -770,7 +777,7 @@ class NamedTemplates:
                          for n in (DEFAULT_TEMPLATE, TOOL_USE_TEMPLATE) if isinstance(templates.get(n), str)}
 
     def _for(self, conv: Conversation) -> ChatEncoder:
-        return self.encoders.get(TOOL_USE_TEMPLATE if conv.tools else DEFAULT_TEMPLATE, self.encoders[DEFAULT_TEMPLATE])
+        return self.encoders[template_name(self.encoders, bool(conv.tools))]
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -789,14 +796,12 @@ class NamedTemplates:
 
     def encode(self, convs: list[Conversation]) -> list[Encoded | Drop]:
         """ChatEncoder.encode, each conversation by its template's encoder, in the order given."""
-        out: list[Encoded | Drop | None] = [None] * len(convs)
-        for encoder in {id(e): e for e in self.encoders.values()}.values():
-            mine = [i for i, c in enumerate(convs) if self._for(c) is encoder]
-            for i, result in zip(mine, encoder.encode([convs[i] for i in mine]) if mine else [], strict=True):
-                out[i] = result
-        done = [r for r in out if r is not None]
-        assert len(done) == len(convs), "every conversation goes to one encoder"
-        return done
+        routes = [self._for(c) for c in convs]
+        out: dict[int, Encoded | Drop] = {}
+        for encoder in self.encoders.values():
+            if mine := [i for i, routed in enumerate(routes) if routed is encoder]:
+                out.update(zip(mine, encoder.encode([convs[i] for i in mine]), strict=True))
+        return [out[i] for i in range(len(convs))]
 
 
 Encoder = ChatEncoder | NamedTemplates

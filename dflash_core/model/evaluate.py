@@ -175,8 +175,8 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]]
     """Chat template with the generation prompt, then `tokenizer.encode` (special tokens added, as the
     reference does: Qwen3 adds none; a tokenizer that adds a BOS gets a second one, in the reference too).
     The reasoning switch goes under every name templates read (thinking_switch; Qwen3's `enable_thinking`, the
-    reference's, DeepSeek-V3.1's `thinking`, and the template's own where it reads one); one that cannot render a system turn gets it folded into the first
-    user turn, as tokenize does by default (data.system_turn auto)."""
+    reference's, DeepSeek-V3.1's `thinking`, and the template's own where it reads one); one that cannot render a
+    system turn gets it folded into the first user turn, as tokenize does by default (data.system_turn auto)."""
     text = tokenizer.apply_chat_template(for_template(tokenizer, chat), tokenize=False, add_generation_prompt=True,
                                          **thinking_switch(thinking, template_text(tokenizer)))
     return tokenizer.encode(text)
